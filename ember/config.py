@@ -1,0 +1,157 @@
+"""Frozen, validated configuration.
+
+`ModelConfig` describes a model's architecture and comes from its files. The others are the
+user's choices, composed into `EngineConfig`. Values worked out at run time (such as the number
+of KV blocks) are return values elsewhere, never edits of these objects.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields
+
+from ember.errors import ConfigError, UnsupportedModel
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_SCALING = ("linear", "llama3")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: 'linear' (positions / factor) or 'llama3' (Llama 3.1 bands)."""
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in SUPPORTED_ROPE_SCALING:
+            raise UnsupportedModel(f"RoPE scaling {self.kind!r} is not supported; ember runs "
+                                   f"{', '.join(SUPPORTED_ROPE_SCALING)} or no scaling")
+        if self.factor <= 0:
+            raise UnsupportedModel(f"RoPE scaling factor {self.factor} must be positive")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Llama-family decoder, as read from config.json or GGUF metadata."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModel(f"architecture {self.architecture!r} is not supported; ember "
+                                   f"runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise UnsupportedModel(f"model config has {name}={getattr(self, name)}; "
+                                       "it must be positive (are the model files corrupt?)")
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModel(f"num_heads={self.num_heads} is not a multiple of "
+                                   f"num_kv_heads={self.num_kv_heads}; the model files are invalid")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def context_limit(self) -> int:
+        """Longest sequence the model can attend over exactly (sliding windows included)."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and the memory it may take."""
+
+    block_size: int = 16
+    kv_cache_gib: float = 1.0
+    num_blocks: int | None = None  # overrides the memory budget (tests, tiny caches)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size={self.block_size} must be a positive power of two; "
+                              "16 is a good default")
+        if self.kv_cache_gib <= 0:
+            raise ConfigError(f"kv_cache_gib={self.kv_cache_gib} must be positive; try 1.0")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ConfigError(f"num_blocks={self.num_blocks} must be positive, or None to "
+                              "derive it from kv_cache_gib")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How much work one engine step may take on."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs={self.max_num_seqs} must be positive; try 64")
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be "
+                              "positive; try 512 (the prefill chunk size)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the user chooses about one engine. `model=None` means the default model."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not supported; choose one of "
+                              f"{', '.join(DTYPES)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len={self.max_model_len} must be positive, or None "
+                              "for the model's own context length")
+
+    @classmethod
+    def from_options(cls, **options: object) -> "EngineConfig":
+        """Build from flat keyword options (`block_size=`, `max_num_seqs=` ...).
+
+        Each option goes to the sub-config that owns it; an unknown one is an error that names
+        the close matches.
+        """
+        groups: dict[type, dict[str, object]] = {cls: {}, CacheConfig: {}, SchedulerConfig: {}}
+        owners = {f.name: owner for owner in groups for f in fields(owner)
+                  if f.name not in ("cache", "scheduler")}
+        for name, value in options.items():
+            if name not in owners:
+                close = difflib.get_close_matches(name, owners, n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else \
+                    f"; known options: {', '.join(sorted(owners))}"
+                raise ConfigError(f"unknown engine option {name!r}{hint}")
+            groups[owners[name]][name] = value
+        return cls(**groups[cls], cache=CacheConfig(**groups[CacheConfig]),
+                   scheduler=SchedulerConfig(**groups[SchedulerConfig]))

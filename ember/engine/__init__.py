@@ -1,0 +1,1 @@
+"""The engine: EngineCore steps, output processing, and the LLM API."""

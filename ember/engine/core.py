@@ -1,0 +1,116 @@
+"""EngineCore: requests in, one step at a time. No threads and no I/O.
+
+    step() = schedule -> execute -> update
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ember.config import EngineConfig, ModelConfig
+from ember.errors import ConfigError, InvalidRequest
+from ember.kv.kv_manager import KVCacheManager
+from ember.request import FinishReason, Request, SamplingParams
+from ember.runner.kv_tensors import GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks
+from ember.runner.runner import ModelRunner
+from ember.scheduler.scheduler import Scheduler
+from ember.tokenizer.tokenizer import Tokenizer
+from ember.weights.gguf import GGUFFile
+from ember.weights.loader import ModelFiles, load_model, open_model_files, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(files: ModelFiles) -> Tokenizer:
+    if isinstance(files, GGUFFile):
+        return Tokenizer.from_gguf_metadata(files.metadata)
+    return Tokenizer.from_hf_folder(files.path)
+
+
+def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    limit = model.context_limit()
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's context of "
+                          f"{limit} tokens; lower it or leave it unset")
+    return config.max_model_len
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """What the KV cache came to, reported at start-up."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        gib = self.num_tokens * self.bytes_per_token / GIB
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+                f"{self.num_tokens} tokens ({gib:.2f} GiB, {self.bytes_per_token} bytes/token)")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        files = open_model_files(config.model)
+        self.model_path = files.path
+        self.model_config = files.model_config()
+        self.tokenizer = load_tokenizer(files)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        model = load_model(files, self.model_config, self.dtype, config.device)
+        block_size = config.cache.block_size
+        num_blocks = plan_num_blocks(self.model_config, config.cache, self.dtype)
+        self.cache_info = CacheInfo(num_blocks, block_size,
+                                    kv_bytes_per_token(self.model_config, self.dtype))
+        log.info("loaded %s (%s, %s on %s); %s", self.model_path.name,
+                 self.model_config.architecture, str(self.dtype).removeprefix("torch."),
+                 config.device, self.cache_info.describe())
+        kv_caches = allocate_kv_caches(self.model_config, num_blocks, block_size, self.dtype,
+                                       config.device)
+        self.scheduler = Scheduler(config.scheduler, KVCacheManager(num_blocks, block_size),
+                                   self.max_model_len)
+        self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> Request:
+        """Validate and queue one sequence. Raises InvalidRequest subclasses at once."""
+        self._check_token_ids(prompt_token_ids, params)
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(room, 1)
+        request = Request(request_id, list(prompt_token_ids), params,
+                          eos_token_ids=self.tokenizer.eos_token_ids, max_tokens=max_tokens)
+        self.scheduler.add(request)
+        return request
+
+    def _check_token_ids(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty; send at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {vocab})", param="prompt")
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        bad += [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequest(f"token ids {bad[:5]} in logit_bias or stop_token_ids are "
+                                 f"outside the vocabulary [0, {vocab})", param="logit_bias")
+
+    def finish(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """End a request now (abort, stop string) and free its KV blocks."""
+        self.scheduler.finish(request_id, reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        plan = self.scheduler.schedule()             # which tokens each request computes now
+        result = self.runner.execute(plan)           # forward + sample on the device
+        return self.scheduler.update(plan, result)   # append tokens, finish, free

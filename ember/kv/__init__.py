@@ -1,0 +1,1 @@
+"""The paged KV cache's bookkeeping, in plain Python (no torch)."""

@@ -1,0 +1,1 @@
+"""The Llama family in PyTorch, reading and writing K/V through a paged cache."""

@@ -1,0 +1,85 @@
+"""LlamaForCausalLM over a flat batch of tokens; Mistral and Qwen2 are config flags of it.
+
+Parameter names follow transformers, except that q/k/v and gate/up are fused
+(`qkv_proj`, `gate_up_proj`); the loader concatenates them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ember.config import ModelConfig
+from ember.models.attention import AttentionMetadata, paged_attention
+from ember.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+                meta: AttentionMetadata) -> Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+                meta: AttentionMetadata) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta,
+                                                       config.rope_scaling), persistent=False)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
+                meta: AttentionMetadata) -> Tensor:
+        """input_ids, positions [T] long -> final hidden states [T, hidden]."""
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()

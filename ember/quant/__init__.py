@@ -1,0 +1,1 @@
+"""Quantized weight formats: GGUF blocks and their dequantization."""

@@ -1,0 +1,1 @@
+"""The bridge from a SchedulerOutput to tensors, the model and the sampler."""

@@ -1,0 +1,49 @@
+"""ModelRunner.execute(plan) -> RunnerOutput: inputs, forward, logits, sample."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ember.models.llama import LlamaForCausalLM
+from ember.request import Request
+from ember.runner.inputs import prepare_inputs
+from ember.sampling.sampler import Sampler
+from ember.scheduler.output import RunnerOutput, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[Tensor], block_size: int,
+                 device: str, seed: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.sampler = Sampler(seed, self.device)
+
+    @torch.inference_mode()
+    def forward(self, plan: SchedulerOutput) -> tuple[list[Request], Tensor]:
+        """Run the model over the plan's tokens, writing their K/V into the cache.
+
+        Returns the requests that sample this step and their logits [S, vocab] float32.
+        """
+        inputs = prepare_inputs(plan, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        if not inputs.sampling_requests:
+            return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        return inputs.sampling_requests, self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        self.sampler.forget(plan.finished_request_ids)
+        if not plan.scheduled:
+            return RunnerOutput()
+        requests, logits = self.forward(plan)
+        if not requests:
+            return RunnerOutput()
+        token_ids, logprobs = self.sampler.sample(logits, requests)
+        output = RunnerOutput()
+        for request, token_id, logprob in zip(requests, token_ids, logprobs):
+            output.sampled_token_ids[request.request_id] = [token_id]
+            if logprob is not None:
+                output.logprobs[request.request_id] = [logprob]
+        return output

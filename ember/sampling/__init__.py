@@ -1,0 +1,1 @@
+"""Logits processors and the sampler."""

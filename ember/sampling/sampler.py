@@ -1,0 +1,183 @@
+"""Turn a step's logits into tokens: processors, then greedy or random choice, then logprobs.
+
+Random choice uses the exponential race: argmax(p / q) with q ~ Exp(1) picks token i with
+probability p_i, needs no cumulative sums, and takes its noise from a per-request generator when
+the request has a seed. A seeded request therefore draws the same numbers whatever else shares
+the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ember.request import Request, SampledLogprob
+from ember.sampling import processors as P
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings as tensors; None where no row of the batch uses a feature."""
+
+    temperature: Tensor                  # [B] float32; 0 marks a greedy row
+    top_k: Tensor | None = None          # [B] long, 0 = off
+    top_p: Tensor | None = None          # [B] float32
+    min_p: Tensor | None = None          # [B] float32
+    repetition: Tensor | None = None     # [B]
+    seen: Tensor | None = None           # [B, V] bool: token in prompt or output
+    presence: Tensor | None = None       # [B]
+    frequency: Tensor | None = None      # [B]
+    counts: Tensor | None = None         # [B, V] float32: output token counts
+    bias: Tensor | None = None           # [B, V] float32
+    banned: Tensor | None = None         # [B, V] bool (min_tokens holds EOS back)
+    num_logprobs: int | None = None      # the most any row asks for
+
+
+def _column(values: list[float], device: torch.device, dtype: torch.dtype = torch.float32
+            ) -> Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def build_sampling_batch(requests: list[Request], vocab_size: int,
+                         device: torch.device) -> SamplingBatch:
+    """Gather the settings of the requests that sample this step, one row each."""
+    params = [r.params for r in requests]
+    batch = SamplingBatch(temperature=_column([p.temperature for p in params], device))
+    if any(p.top_k > 0 for p in params):
+        batch.top_k = _column([p.top_k for p in params], device, torch.long)
+    if any(p.top_p < 1 for p in params):
+        batch.top_p = _column([p.top_p for p in params], device)
+    if any(p.min_p > 0 for p in params):
+        batch.min_p = _column([p.min_p for p in params], device)
+    if any(p.repetition_penalty != 1 for p in params):
+        batch.repetition = _column([p.repetition_penalty for p in params], device)
+        batch.seen = _token_mask([r.all_token_ids for r in requests], vocab_size, device)
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        batch.presence = _column([p.presence_penalty for p in params], device)
+        batch.frequency = _column([p.frequency_penalty for p in params], device)
+        batch.counts = _token_counts([r.output_token_ids for r in requests], vocab_size, device)
+    if any(p.logit_bias for p in params):
+        batch.bias = torch.zeros(len(requests), vocab_size, device=device)
+        for row, p in enumerate(params):
+            for token_id, value in (p.logit_bias or {}).items():
+                batch.bias[row, token_id] = value
+    held_back = [_held_back_ids(r) for r in requests]
+    if any(held_back):
+        batch.banned = _token_mask(held_back, vocab_size, device)
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    batch.num_logprobs = max(wanted) if wanted else None
+    return batch
+
+
+def _held_back_ids(request: Request) -> list[int]:
+    """Stop tokens may not end a request before it has min_tokens outputs."""
+    if len(request.output_token_ids) >= request.params.min_tokens:
+        return []
+    return sorted(request.eos_token_ids | set(request.params.stop_token_ids))
+
+
+def _token_mask(rows: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    for i, ids in enumerate(rows):
+        if ids:
+            mask[i, torch.tensor(ids, device=device)] = True
+    return mask
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
+    counts = torch.zeros(len(rows), vocab_size, device=device)
+    for i, ids in enumerate(rows):
+        if ids:
+            counts[i] = torch.bincount(torch.tensor(ids, device=device),
+                                       minlength=vocab_size).float()
+    return counts
+
+
+def process_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Bias, bans and penalties: what both greedy and random choice see. [B, V] float32."""
+    if batch.bias is not None:
+        logits = P.apply_logit_bias(logits, batch.bias)
+    if batch.repetition is not None:
+        logits = P.apply_repetition_penalty(logits, batch.seen, batch.repetition)
+    if batch.counts is not None:
+        logits = P.apply_presence_frequency_penalties(logits, batch.counts, batch.presence,
+                                                      batch.frequency)
+    if batch.banned is not None:
+        logits = P.mask_tokens(logits, batch.banned)
+    return logits
+
+
+def sampling_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Temperature, top-k, top-p and min-p applied to processed logits -> probabilities."""
+    temperature = batch.temperature.clamp(min=1e-5)  # greedy rows are not read from this
+    logits = P.apply_temperature(logits, temperature)
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = P.apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    if batch.min_p is not None:
+        logits = P.apply_min_p(logits, batch.min_p)
+    return logits.softmax(dim=-1)
+
+
+class Sampler:
+    """Holds the random state: one generator for unseeded requests, one per seeded request."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self._seeded: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: frozenset[str]) -> None:
+        for request_id in request_ids:
+            self._seeded.pop(request_id, None)
+
+    def _generator(self, request: Request) -> torch.Generator:
+        if request.params.seed is None:
+            return self.generator
+        if request.request_id not in self._seeded:
+            self._seeded[request.request_id] = \
+                torch.Generator(self.device).manual_seed(request.params.seed)
+        return self._seeded[request.request_id]
+
+    def sample(self, logits: Tensor, requests: list[Request]
+               ) -> tuple[list[int], list[SampledLogprob | None]]:
+        """logits [B, V] float32, one row per request -> a token per row (+ logprobs if asked)."""
+        batch = build_sampling_batch(requests, logits.shape[-1], logits.device)
+        processed = process_logits(logits, batch)
+        tokens = processed.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if random_rows:
+            probs = sampling_probs(processed[random_rows], _rows(batch, random_rows))
+            noise = torch.empty_like(probs)
+            for j, row in enumerate(random_rows):
+                noise[j].exponential_(generator=self._generator(requests[row]))
+            tokens[random_rows] = (probs / noise).argmax(dim=-1)
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(logits, tokens, requests, batch.num_logprobs)
+
+    @staticmethod
+    def _logprobs(logits: Tensor, tokens: Tensor, requests: list[Request],
+                  num_top: int | None) -> list[SampledLogprob | None]:
+        """Log-probabilities under the model's own distribution (before any processing)."""
+        if num_top is None:
+            return [None] * len(requests)
+        logprobs = logits.log_softmax(dim=-1)
+        chosen = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+        top_values, top_ids = logprobs.topk(max(num_top, 1), dim=-1)
+        out: list[SampledLogprob | None] = []
+        for i, request in enumerate(requests):
+            n = request.params.logprobs
+            if n is None:
+                out.append(None)
+                continue
+            top = tuple(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist()))
+            out.append(SampledLogprob(chosen[i], top))
+        return out
+
+
+def _rows(batch: SamplingBatch, rows: list[int]) -> SamplingBatch:
+    """The same settings for a subset of rows."""
+    def pick(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[rows]
+    return SamplingBatch(temperature=batch.temperature[rows], top_k=pick(batch.top_k),
+                         top_p=pick(batch.top_p), min_p=pick(batch.min_p))

@@ -1,0 +1,50 @@
+"""The boundary between the scheduler and the runner: plain data both sides agree on."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ember.request import Request, SampledLogprob
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens [start, start + num_new_tokens) are computed."""
+
+    request: Request
+    start: int               # num_computed_tokens when scheduled
+    num_new_tokens: int
+    block_ids: list[int]     # the request's block table (covers start + num_new_tokens)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's newest token, so a new one is sampled.
+
+        False for the leading chunks of a chunked prefill.
+        """
+        return self.end == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    finished_request_ids: frozenset[str] = frozenset()  # freed since the last step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_new_tokens(self) -> dict[str, int]:
+        return {s.request.request_id: s.num_new_tokens for s in self.scheduled}
+
+
+@dataclass
+class RunnerOutput:
+    """Tokens sampled this step, per request (a list: speculative decoding may add several)."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[SampledLogprob]] = field(default_factory=dict)

@@ -1,0 +1,1 @@
+"""Tokenizers and chat templates from the model files (pure Python, no torch)."""

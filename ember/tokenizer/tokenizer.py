@@ -1,0 +1,185 @@
+"""Tokenizers from the model files, built on the `tokenizers` library.
+
+A GGUF file carries a byte-level BPE vocabulary, its merges and the name of its pre-tokenizer;
+a Hugging Face folder carries tokenizer.json. Both become one `tokenizers.Tokenizer`, so encoding,
+decoding and streaming work the same way whichever the source.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors
+from tokenizers.decoders import DecodeStream
+
+from ember.errors import ModelLoadError, UnsupportedModel
+
+log = logging.getLogger(__name__)
+
+# How text is split before BPE, by GGUF `tokenizer.ggml.pre`. These are the split patterns the
+# models were trained with (published with llama.cpp and the models' tokenizer.json files).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+_GPT2_STYLE = ("default", "gpt2", "smollm", "starcoder", "refact")
+
+# GGUF token types (llama.cpp's llama_token_type)
+CONTROL, USER_DEFINED = 3, 4
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre == "smollm":  # SmolLM's tokenizer.json: single digits, then GPT-2's split
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre not in _GPT2_STYLE:
+        log.warning("GGUF pre-tokenizer %r is unknown to ember; splitting text as GPT-2 does, "
+                    "which may tokenize some text differently from llama.cpp", pre)
+    return byte_level
+
+
+def _special_token(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as strings or as {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, with its special tokens and chat template."""
+
+    def __init__(self, backend: HFTokenizer, *, bos_token: str | None, eos_token: str | None,
+                 eos_token_ids: Sequence[int], chat_template: str | None) -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
+        """Build from a GGUF file's `tokenizer.*` metadata (gpt2-style BPE vocabularies)."""
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedModel(f"GGUF tokenizer model {kind!r} is not supported; ember reads "
+                                   "gpt2-style (byte-level BPE) vocabularies from GGUF files. "
+                                   "Use the model's Hugging Face folder, whose tokenizer.json "
+                                   "ember reads whatever its kind")
+        tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+        types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
+        alphabet = _bytes_to_unicode()
+        spelled = set(alphabet.values())
+        # a token outside the byte alphabet (a raw added token) is re-spelled in it
+        vocab = {tok if set(tok) <= spelled else "".join(alphabet[b] for b in tok.encode()): i
+                 for i, tok in enumerate(tokens)}
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                    for t, k in zip(tokens, types) if k == CONTROL])
+        backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                            for t, k in zip(tokens, types) if k == USER_DEFINED])
+        bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+        eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+        bos = tokens[bos_id] if bos_id is not None else None
+        if metadata.get("tokenizer.ggml.add_bos_token") and bos is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+        eos_ids = [i for i in (eos_id, metadata.get("tokenizer.ggml.eot_token_id"),
+                               metadata.get("tokenizer.ggml.eom_token_id")) if i is not None]
+        return cls(backend, bos_token=bos, eos_token=tokens[eos_id] if eos_id is not None else None,
+                   eos_token_ids=eos_ids, chat_template=metadata.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_hf_folder(cls, path: Path) -> "Tokenizer":
+        """Build from tokenizer.json, tokenizer_config.json and generation_config.json."""
+        path = Path(path)
+        if not (path / "tokenizer.json").exists():
+            raise ModelLoadError(f"{path} has no tokenizer.json; ember needs the fast-tokenizer "
+                                 "file (save it with transformers' save_pretrained)")
+        backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_optional_json(path / "tokenizer_config.json")
+        generation = _read_optional_json(path / "generation_config.json")
+        bos = _special_token(config.get("bos_token"))
+        eos = _special_token(config.get("eos_token"))
+        eos_ids = generation.get("eos_token_id", [])
+        eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
+        if eos is not None and backend.token_to_id(eos) is not None:
+            eos_ids.append(backend.token_to_id(eos))
+        return cls(backend, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids,
+                   chat_template=_hf_chat_template(path, config))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens` adds what the model's files ask for (a BOS, for some models)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (for logprobs): its bytes decoded, special tokens included."""
+        return self.backend.decode([token_id], skip_special_tokens=False)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text out, never splitting a UTF-8 character across two pieces."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
+        self._backend = tokenizer.backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """The text this token completes ('' while a character is still incomplete)."""
+        return self._stream.step(self._backend, token_id) or ""
+
+
+def _read_optional_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON ({e}); re-download it") from e
+
+
+def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    """chat_template.jinja (newer transformers) or tokenizer_config.json's chat_template."""
+    if (path / "chat_template.jinja").exists():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: use the default one
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template

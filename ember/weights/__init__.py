@@ -1,0 +1,1 @@
+"""Model files to named tensors: GGUF and Hugging Face safetensors folders."""

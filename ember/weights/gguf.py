@@ -1,0 +1,146 @@
+"""GGUF files: metadata -> ModelConfig, tensors -> Hugging Face names.
+
+Tensors come out dequantized (see ember.quant.formats). llama.cpp's converter permutes the rows
+of attn_q and attn_k so that its RoPE can rotate adjacent pairs; ember rotates half-split pairs
+as Hugging Face does, so those rows are permuted back here.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import GGUFReader, GGUFValueType
+
+from ember.config import ModelConfig, RopeScaling
+from ember.errors import ModelLoadError, UnsupportedModel
+from ember.quant.formats import dequantize
+
+# GGUF architecture -> (HF architecture, q/k rows permuted by the converter)
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+ROPE_FREQS = "rope_freqs.weight"  # per-dimension RoPE divisors (Llama 3.1 scaling)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if unknown."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return None
+
+
+def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: per head, rows (pair, 2) -> (2, pair).
+
+    Works on weights [out, in] and biases [out].
+    """
+    rest = weight.shape[1:]
+    head_dim = weight.shape[0] // num_heads
+    return (weight.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2)
+            .reshape(weight.shape))
+
+
+def _field_value(field: Any) -> Any:
+    if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.types) > 1 \
+            and field.types[1] == GGUFValueType.ARRAY:
+        return None  # nested arrays are not used by any key ember reads
+    return field.contents()
+
+
+class GGUFFile:
+    """An open GGUF file: its metadata (a plain dict) and its tensors."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            self._reader = GGUFReader(self.path)
+        except (ValueError, OSError, IndexError, KeyError) as e:
+            raise ModelLoadError(f"{self.path} is not a readable GGUF file ({e}); check that "
+                                 "the download finished and the file is a .gguf model") from e
+        self.metadata: dict[str, Any] = {k: _field_value(f) for k, f in self._reader.fields.items()
+                                         if not k.startswith("GGUF.")}
+
+    @property
+    def arch(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported; ember runs "
+                                   f"GGUF architectures {', '.join(ARCHITECTURES)}")
+        return arch
+
+    def _get(self, key: str, default: Any = None) -> Any:
+        value = self.metadata.get(f"{self.arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{self.path} has no metadata key {self.arch}.{key}; the file "
+                                 "is incomplete or was written by an unsupported converter")
+        return value
+
+    def model_config(self) -> ModelConfig:
+        num_heads = int(self._get("attention.head_count"))
+        hidden = int(self._get("embedding_length"))
+        vocab = self.metadata.get(f"{self.arch}.vocab_size") or \
+            len(self.metadata.get("tokenizer.ggml.tokens") or [])
+        tensor_names = {t.name for t in self._reader.tensors}
+        return ModelConfig(
+            architecture=ARCHITECTURES[self.arch][0],
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(self._get("feed_forward_length")),
+            num_layers=int(self._get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(self._get("attention.head_count_kv", num_heads)),
+            head_dim=int(self._get("attention.key_length", hidden // num_heads)),
+            rms_norm_eps=float(self._get("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(self._get("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(self._get("context_length")),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            qkv_bias="blk.0.attn_q.bias" in tensor_names,
+            rope_scaling=self._rope_scaling(),
+        )
+
+    def _rope_scaling(self) -> RopeScaling | None:
+        kind = self.metadata.get(f"{self.arch}.rope.scaling.type")
+        if kind in (None, "none"):
+            return None  # Llama 3.1 style scaling ships as the rope_freqs tensor instead
+        return RopeScaling(kind=kind,
+                           factor=float(self._get("rope.scaling.factor")),
+                           original_max_position_embeddings=int(self.metadata.get(
+                               f"{self.arch}.rope.scaling.original_context_length", 0) or 0))
+
+    def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, tensor) pairs, dequantized; rope_freqs keeps its GGUF name."""
+        permuted = ARCHITECTURES[self.arch][1]
+        for t in self._reader.tensors:
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            try:
+                tensor = dequantize(t.data, t.tensor_type, shape)
+            except NotImplementedError as e:
+                raise UnsupportedModel(f"tensor {t.name} uses ggml type {t.tensor_type.name}, "
+                                       f"which cannot be dequantized ({e})") from e
+            if t.name == ROPE_FREQS:
+                yield ROPE_FREQS, tensor
+                continue
+            name = hf_name(t.name)
+            if name is None:
+                raise UnsupportedModel(f"{self.path} has tensor {t.name!r}, which ember does not "
+                                       f"know for the {self.arch} architecture")
+            if permuted and ".q_proj." in name:
+                tensor = unpermute_rows(tensor, config.num_heads)
+            elif permuted and ".k_proj." in name:
+                tensor = unpermute_rows(tensor, config.num_kv_heads)
+            yield name, tensor

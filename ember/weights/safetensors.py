@@ -1,0 +1,96 @@
+"""Hugging Face model folders: config.json -> ModelConfig, *.safetensors -> named tensors."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ember.config import ModelConfig, RopeScaling
+from ember.errors import ModelLoadError, UnsupportedModel
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ModelLoadError(f"{path} is missing; a Hugging Face model folder needs config.json, "
+                             "*.safetensors, tokenizer.json and tokenizer_config.json") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON ({e}); re-download it") from e
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """transformers 4 writes rope_theta + rope_scaling; transformers 5 writes rope_parameters."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return theta, None
+    return theta, RopeScaling(
+        kind=kind, factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)))
+
+
+def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
+    """A transformers config.json (as a dict) -> ModelConfig."""
+    architectures = config.get("architectures") or ["<missing>"]
+    if config.get("mlp_bias"):
+        raise UnsupportedModel("mlp_bias=true is not supported; ember runs bias-free MLPs")
+    num_heads = int(config["num_attention_heads"])
+    theta, scaling = _rope(config)
+    is_qwen2 = architectures[0] == "Qwen2ForCausalLM"
+    sliding = config.get("sliding_window") if config.get("use_sliding_window", not is_qwen2) \
+        else None
+    try:
+        return ModelConfig(
+            architecture=architectures[0],
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // num_heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or bool(config.get("attention_bias", False)),
+            rope_scaling=scaling,
+            sliding_window=int(sliding) if sliding else None,
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"config.json has no {e.args[0]!r}; it is not a complete "
+                             "transformers config") from e
+
+
+class SafetensorsFolder:
+    """A Hugging Face model folder."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.config = read_json(self.path / "config.json")
+        self.files = sorted(self.path.glob("*.safetensors"))
+        if not self.files:
+            raise ModelLoadError(f"{self.path} has no *.safetensors files; ember reads "
+                                 "safetensors weights (convert .bin checkpoints first)")
+
+    def model_config(self) -> ModelConfig:
+        return model_config_from_hf(self.config)
+
+    def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, tensor) pairs, memory-mapped from the files."""
+        for file in self.files:
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            except SafetensorError as e:
+                raise ModelLoadError(f"{file} is not a readable safetensors file ({e}); "
+                                     "re-download it") from e
