@@ -72,15 +72,16 @@ def _print_stream(deltas: Iterator[str]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    params = sampling_params(args)  # bad values fail before the model loads
     llm = LLM(config=engine_config(args))
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
-    _print_stream(llm.stream(prompt, sampling_params(args)))
+    _print_stream(llm.stream(prompt, params))
 
 
 def cmd_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> None:
-    llm = LLM(config=engine_config(args))
     params = sampling_params(args)
+    llm = LLM(config=engine_config(args))
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     interactive = sys.stdin.isatty()

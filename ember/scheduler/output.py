@@ -14,18 +14,12 @@ class ScheduledRequest:
     start: int               # num_computed_tokens when scheduled
     num_new_tokens: int
     block_ids: list[int]     # the request's block table (covers start + num_new_tokens)
+    samples: bool            # reaches the newest token, so a new one is sampled (False for
+                             # the leading chunks of a chunked prefill)
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's newest token, so a new one is sampled.
-
-        False for the leading chunks of a chunked prefill.
-        """
-        return self.end == self.request.num_tokens
 
 
 @dataclass(frozen=True)

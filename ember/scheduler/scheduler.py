@@ -126,8 +126,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _plan(self, request: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(request, request.num_computed_tokens, num_new,
-                                self.kv.block_table(request.request_id))
+        start = request.num_computed_tokens
+        return ScheduledRequest(request, start, num_new, list(self.kv.block_table(request.request_id)),
+                                samples=start + num_new == request.num_tokens)
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Apply a step's results. Returns the requests that got new tokens (finished or not)."""

@@ -1,0 +1,127 @@
+"""Shared fixtures: the shipped SmolLM2 GGUF, its transformers twin, and tiny random models."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember.weights.loader import DEFAULT_MODEL_FILE, default_model_path
+from ember.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one paragraph.",
+    "List three prime numbers.",
+    "Translate 'good morning' into Spanish.",
+    "Write a Python function that reverses a string.",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    try:
+        return default_model_path()
+    except ConfigError as e:  # the test command installs it; its absence is a broken setup
+        pytest.fail(f"{e} (the README's test command installs it)")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path: Path):
+    """transformers' LlamaForCausalLM from the same GGUF, in float32: the reference."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm_path.parent, gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm_tokenizer(smollm_path: Path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(smollm_path.parent,
+                                                      gguf_file=DEFAULT_MODEL_FILE)
+
+
+@pytest.fixture(scope="session")
+def smollm_llm(smollm_path: Path):
+    from ember import LLM
+    return LLM(str(smollm_path), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files(tmp_path_factory: pytest.TempPathFactory, hf_smollm_tokenizer) -> Path:
+    """SmolLM2's tokenizer as transformers saves it (tokenizer.json + tokenizer_config.json)."""
+    folder = tmp_path_factory.mktemp("tokenizer")
+    hf_smollm_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def save_tiny_model(folder: Path, hf_model, tokenizer_files: Path) -> Path:
+    """Write a transformers model as a Hugging Face folder ember can load."""
+    hf_model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_files / name).exists():
+            (folder / name).write_bytes((tokenizer_files / name).read_bytes())
+    return folder
+
+
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-5, initializer_range=0.15, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_hf_model(kind: str = "llama", **overrides):
+    """A tiny randomly initialised transformers model (seeded), in float32."""
+    import transformers
+    torch.manual_seed(0)
+    options = {**TINY, **overrides}
+    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                  "qwen2": transformers.Qwen2Config}[kind]
+    model_cls = {"llama": transformers.LlamaForCausalLM,
+                 "mistral": transformers.MistralForCausalLM,
+                 "qwen2": transformers.Qwen2ForCausalLM}[kind]
+    model = model_cls(config_cls(**options)).eval()
+    return model.float()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Path):
+    """(folder, transformers model) for a tiny untied Llama."""
+    model = tiny_hf_model("llama", tie_word_embeddings=False)
+    folder = save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), model, tokenizer_files)
+    return folder, model
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation, never stopping early (no EOS)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data))

@@ -1,0 +1,58 @@
+"""Imports point one way (docs/architecture.md), checked by walking every module's AST."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ember
+
+PACKAGE = Path(ember.__file__).parent
+
+# module prefix -> imports it must never make
+FORBIDDEN = {
+    "ember.errors": {"torch", "ember."},
+    "ember.config": {"torch", "ember.request", "ember.kv", "ember.scheduler", "ember.runner",
+                     "ember.engine", "ember.models"},
+    "ember.request": {"torch", "ember.kv", "ember.scheduler", "ember.runner", "ember.engine"},
+    "ember.kv": {"torch", "ember.scheduler", "ember.runner", "ember.engine", "ember.models"},
+    "ember.scheduler": {"torch", "ember.runner", "ember.engine", "ember.models"},
+    "ember.tokenizer": {"torch", "ember.weights", "ember.models", "ember.runner", "ember.engine"},
+    "ember.quant": {"ember.models", "ember.weights", "ember.runner", "ember.engine"},
+    "ember.models": {"ember.weights", "ember.runner", "ember.engine", "ember.scheduler"},
+    "ember.weights": {"ember.runner", "ember.engine", "ember.scheduler", "ember.tokenizer"},
+    "ember.sampling": {"ember.runner", "ember.engine", "ember.models", "ember.scheduler"},
+    "ember.runner": {"ember.engine"},
+    "ember": {"transformers", "accelerate"},  # the runtime never needs the test oracle
+}
+
+
+def module_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_imports_point_down():
+    violations = []
+    for path in PACKAGE.rglob("*.py"):
+        module = "ember." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        module = module.removesuffix(".__init__")
+        for prefix, banned in FORBIDDEN.items():
+            if module != prefix and not module.startswith(prefix + "."):
+                continue
+            for name in module_imports(path):
+                for ban in banned:
+                    if name == ban.rstrip(".") or name.startswith(ban if ban.endswith(".")
+                                                                 else ban + "."):
+                        violations.append(f"{module} imports {name}")
+    assert not violations, "\n".join(violations)
+
+
+def test_walk_sees_real_imports():
+    """Guard against a vacuous pass: the walker does find known imports."""
+    assert "torch" in module_imports(PACKAGE / "models" / "llama.py")
+    assert "ember.kv.kv_manager" in module_imports(PACKAGE / "scheduler" / "scheduler.py")
