@@ -33,7 +33,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    default=SchedulerConfig.max_num_batched_tokens,
                    help="token budget of one step (the prefill chunk size)")
     g.add_argument("--engine-seed", type=int, default=0, help="seed for unseeded sampling")
-    g.add_argument("-v", "--verbose", action="store_true", help="log loading details")
+    g.add_argument("-q", "--quiet", action="store_true",
+                   help="do not report the model and KV cache on stderr at start")
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -145,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="ember: %(message)s")
     try:
         args.func(args)
     except EmberError as e:

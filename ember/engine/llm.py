@@ -87,7 +87,10 @@ class LLM:
              params: SamplingParams | None = None, add_generation_prompt: bool = True
              ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; each through the chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:
+            raise InvalidRequest("messages is empty; send at least one message",
+                                 param="messages")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [self.chat_prompt(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, params)
 
