@@ -1,6 +1,7 @@
-"""`ember generate | chat`: argv and environment -> configs -> the engine.
+"""`ember serve | generate | chat`: argv and environment -> configs -> the engine.
 
-The only module that reads environment variables (EMBER_MODEL: the default for --model).
+The only module that reads environment variables: EMBER_MODEL (the default for --model) and
+EMBER_API_KEY (the default for --api-key).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 
-from ember.config import CacheConfig, EngineConfig, SchedulerConfig
+from ember.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
 from ember.engine.llm import LLM
 from ember.errors import EmberError, InvalidRequest
 from ember.request import SamplingParams
@@ -126,9 +127,40 @@ def _reply(llm: LLM, messages: list[dict[str, str]], params: SamplingParams) -> 
     return "".join(parts)
 
 
+def _server_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=d.host)
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--api-key", default=os.environ.get("EMBER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $EMBER_API_KEY)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: the file or folder name)")
+    g.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="queued requests before new ones are refused with 429")
+    g.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+                   help="seconds before a request is ended with an error")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
+                   help="on SIGTERM, seconds for in-flight requests to finish")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from ember.server.serve import serve  # the server's dependencies load only when serving
+    serve(engine_config(args), ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key,
+        served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+        request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    _engine_args(serve)
+    _server_args(serve)
+    serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="complete one prompt, streaming the text")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true",

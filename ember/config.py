@@ -155,3 +155,32 @@ class EngineConfig:
             groups[owners[name]][name] = value
         return cls(**groups[cls], cache=CacheConfig(**groups[CacheConfig]),
                    scheduler=SchedulerConfig(**groups[SchedulerConfig]))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server: where it listens, whom it lets in, and how much it takes on."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the model file's or folder's name
+    max_waiting: int = 256                # queued requests before new ones get 429
+    request_timeout_s: float | None = 600.0
+    max_body_bytes: int = 4 << 20
+    max_json_depth: int = 32
+    drain_timeout_s: float = 30.0         # SIGTERM: time for in-flight requests to finish
+    stall_timeout_s: float = 60.0         # /health/ready turns 503 if a busy engine stalls
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port={self.port} must be in [0, 65535]")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key is empty; pass a non-empty key or none at all")
+        for name in ("max_waiting", "max_body_bytes", "max_json_depth"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+        for name in ("request_timeout_s", "drain_timeout_s", "stall_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name}={value} must be positive")

@@ -48,18 +48,17 @@ class ContextTooLong(InvalidRequest):
                  what: str = "the context") -> None:
         super().__init__(
             f"prompt has {num_prompt_tokens} tokens and max_tokens={max_tokens}, but {what} "
-            f"holds {limit} tokens; shorten the prompt or lower max_tokens",
-            param="messages" if what == "the context" else "max_tokens")
+            f"holds {limit} tokens; shorten the prompt or lower max_tokens")
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
         self.limit = limit
 
 
 class Overloaded(EmberError):
-    """Too much work is queued; retry later."""
+    """Too much work is queued; retry later (the server adds Retry-After)."""
 
-    http_status = 503
-    error_type = "overloaded_error"
+    http_status = 429
+    error_type = "rate_limit_error"
 
 
 class RequestFailed(EmberError):

@@ -1,6 +1,7 @@
 """Plain data that travels along the data path: what a user asks for and what they get back."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
@@ -82,6 +83,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def fan_out(self) -> list["SamplingParams"]:
+        """n completions are n sequences; with a seed, completion i uses seed + i."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
+
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
@@ -116,6 +124,7 @@ class Request:
     eos_token_ids: frozenset[int]
     max_tokens: int  # resolved: params.max_tokens, or what the context leaves
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # when it first left the waiting queue
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

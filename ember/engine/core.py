@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 
 from ember.config import EngineConfig, ModelConfig
-from ember.errors import ConfigError, InvalidRequest
+from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kv.kv_manager import KVCacheManager
 from ember.request import FinishReason, Request, SamplingParams
 from ember.runner.kv_tensors import GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks
@@ -81,13 +81,27 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> Request:
         """Validate and queue one sequence. Raises InvalidRequest subclasses at once."""
-        self._check_token_ids(prompt_token_ids, params)
-        room = self.max_model_len - len(prompt_token_ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else max(room, 1)
+        max_tokens = self.check_request(prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params,
                           eos_token_ids=self.tokenizer.eos_token_ids, max_tokens=max_tokens)
         self.scheduler.add(request)
         return request
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise if the request can never run; else return its resolved max_tokens.
+
+        Reads only what never changes after start-up, so any thread may call it.
+        """
+        self._check_token_ids(prompt_token_ids, params)
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(room, 1)
+        total = len(prompt_token_ids) + max_tokens
+        if total > self.max_model_len:
+            raise ContextTooLong(len(prompt_token_ids), max_tokens, self.max_model_len)
+        if total > self.cache_info.num_tokens:
+            raise ContextTooLong(len(prompt_token_ids), max_tokens, self.cache_info.num_tokens,
+                                 what="the whole KV cache")
+        return max_tokens
 
     def _check_token_ids(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:

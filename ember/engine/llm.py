@@ -1,7 +1,6 @@
 """LLM: the synchronous Python API. Batches every prompt it is given into one engine run."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -28,14 +27,6 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
             raise InvalidRequest(f"a prompt must be a string or a list of token ids, not {p!r:.60}",
                                  param="prompt")
     return prompts
-
-
-def _child_params(params: SamplingParams) -> list[SamplingParams]:
-    """n completions of one prompt are n sequences; with a seed, each gets seed + its index."""
-    if params.n == 1:
-        return [params]
-    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            for i in range(params.n)]
 
 
 class LLM:
@@ -124,7 +115,7 @@ class LLM:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = str(next(self._ids))
         seqs = []
-        for index, child in enumerate(_child_params(params)):
+        for index, child in enumerate(params.fan_out()):
             request = self.engine.add_request(f"{request_id}-{index}", token_ids, child)
             seqs.append(SequenceText(self.tokenizer, request, index))
         text = prompt if isinstance(prompt, str) else None

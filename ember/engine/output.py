@@ -19,7 +19,8 @@ class SequenceText:
         self.index = index
         self.params = request.params
         self._detokenizer = tokenizer.detokenizer(self.params.skip_special_tokens)
-        self._num_tokens_seen = 0
+        self._num_tokens_seen = 0     # tokens taken into the text
+        self._num_tokens_streamed = 0
         self.text = ""
         self.stop_reason: str | int | None = None
         self.stopped_by_string = False
@@ -29,12 +30,12 @@ class SequenceText:
 
     def update(self) -> bool:
         """Take in the request's new tokens. Returns True when a stop string ended it."""
-        new_ids = self.request.output_token_ids[self._num_tokens_seen:]
-        new_logprobs = self.request.output_logprobs[self._num_tokens_seen:]
-        self._num_tokens_seen += len(new_ids)
         if self.stopped_by_string:
             return False
+        new_ids = self.request.output_token_ids[self._num_tokens_seen:]
+        new_logprobs = self.request.output_logprobs[self._num_tokens_seen:]
         for k, token_id in enumerate(new_ids):
+            self._num_tokens_seen += 1
             if self.logprobs is not None and k < len(new_logprobs):
                 self.logprobs.append(self._token_logprob(token_id, new_logprobs[k]))
             search_from = max(0, len(self.text) - self._holdback)
@@ -77,8 +78,23 @@ class SequenceText:
         self.num_chars_streamed = end
         return delta
 
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated tokens up to and including the one that ended it."""
+        return self.request.output_token_ids[:self._num_tokens_seen]
+
+    def take_delta(self) -> CompletionOutput:
+        """What is new since the last call: safe text, token ids, their logprobs."""
+        start, self._num_tokens_streamed = self._num_tokens_streamed, self._num_tokens_seen
+        logprobs = self.logprobs[start:self._num_tokens_seen] if self.logprobs is not None \
+            else None
+        return CompletionOutput(index=self.index, text=self.stream_delta(),
+                                token_ids=self.request.output_token_ids[start:self._num_tokens_seen],
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+                                logprobs=logprobs)
+
     def output(self) -> CompletionOutput:
         return CompletionOutput(index=self.index, text=self.text,
-                                token_ids=list(self.request.output_token_ids),
+                                token_ids=self.token_ids,
                                 finish_reason=self.finish_reason, stop_reason=self.stop_reason,
                                 logprobs=list(self.logprobs) if self.logprobs is not None else None)

@@ -8,6 +8,7 @@ requests have tokens to compute.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from ember.config import SchedulerConfig
@@ -98,6 +99,8 @@ class Scheduler:
                                           request.num_computed_tokens + num_new):
                 return
             self.waiting.popleft()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._plan(request, num_new))

@@ -48,6 +48,10 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_LEVEL_CHARS = frozenset(_UNICODE_TO_BYTE)
+
+
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _SPLITS:
@@ -148,6 +152,16 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """One token's own text (for logprobs): its bytes decoded, special tokens included."""
         return self.backend.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's raw bytes (a byte-level token may hold part of a UTF-8 character)."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self.backend.decoder, decoders.ByteLevel) and \
+                set(piece) <= _BYTE_LEVEL_CHARS:
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return self.token_text(token_id).encode("utf-8")
 
     def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, skip_special_tokens)

@@ -37,6 +37,12 @@ def default_model_path() -> Path:
                       "or pass --model PATH to a .gguf file or a Hugging Face folder")
 
 
+def served_model_name(model: str | Path | None) -> str:
+    """'models/SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct.Q4_1'."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 def open_model_files(model: str | Path | None) -> ModelFiles:
     """A .gguf file, a folder holding one, or a Hugging Face folder; None: the default model."""
     path = default_model_path() if model is None else Path(model).expanduser()

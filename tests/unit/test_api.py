@@ -23,7 +23,7 @@ def test_errors_carry_http_status_and_openai_type():
     e = ContextTooLong(100, 20, 110)
     assert (e.http_status, e.error_type) == (400, "invalid_request_error")
     assert "100 tokens" in e.message and "max_tokens=20" in e.message and "110" in e.message
-    assert ember.Overloaded("busy").http_status == 503
+    assert ember.Overloaded("busy").http_status == 429
     assert ember.EngineDead("dead").http_status == 503
 
 

@@ -22,6 +22,10 @@ FORBIDDEN = {
     "ember.weights": {"ember.runner", "ember.engine", "ember.scheduler", "ember.tokenizer"},
     "ember.sampling": {"ember.runner", "ember.engine", "ember.models", "ember.scheduler"},
     "ember.runner": {"ember.engine"},
+    "ember.engine": {"ember.server", "ember.cli"},
+    # the server speaks HTTP and the AsyncEngine API; it never touches tensors
+    "ember.server": {"torch", "ember.runner", "ember.models", "ember.sampling", "ember.kv",
+                     "ember.scheduler", "ember.quant", "ember.weights"},
     "ember": {"transformers", "accelerate"},  # the runtime never needs the test oracle
 }
 

@@ -1,0 +1,345 @@
+"""AsyncEngine: one background thread steps the engine; asyncio callers stream their results.
+
+    caller (event loop)                      engine thread
+    generate() --- inbox: add / abort --->   drain inbox -> EngineCore.step() -> SequenceText
+        <------ per-request asyncio.Queue --  one CompletionOutput delta per sequence per step
+
+The engine thread owns EngineCore; nothing else touches it. torch releases the GIL inside its
+kernels, so the event loop keeps serving HTTP while a step runs. A crash in the loop marks the
+engine dead: every open stream gets EngineDead and `ready` turns False. A request that can
+never run is refused before it is queued; a cancelled caller aborts its request at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ember.config import EngineConfig
+from ember.engine.core import EngineCore
+from ember.engine.output import SequenceText
+from ember.errors import EmberError, EngineDead, Overloaded, RequestFailed
+from ember.request import CompletionOutput, FinishReason, SamplingParams
+from ember.weights.loader import served_model_name
+
+log = logging.getLogger(__name__)
+
+
+class EngineState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+class RequestTimeout(EmberError):
+    http_status = 504
+    error_type = "timeout_error"
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after every step (read from any thread)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    last_step_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last item of a stream: per-request facts the caller reports."""
+
+    num_prompt_tokens: int
+    queue_time_s: float
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    sequences: list[str]
+    num_prompt_tokens: int
+    arrival_time: float
+    first_scheduled: float | None = None
+    num_open: int = 0
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, *, max_waiting: int = 256,
+                 request_timeout_s: float | None = None, stall_timeout_s: float = 60.0) -> None:
+        self.config = config
+        self.max_waiting = max_waiting
+        self.request_timeout_s = request_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.state = EngineState.LOADING
+        self.error: BaseException | None = None
+        self.stats = EngineStats()
+        self.core: EngineCore | None = None
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}      # by request id
+        self._texts: dict[str, tuple[str, SequenceText]] = {}  # by sequence id
+        self._loaded = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the model and start stepping, in the background thread."""
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._loaded.wait)
+        if self.state is not EngineState.READY:
+            raise EngineDead(f"the engine failed to start: {self.error}")
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self.state in (EngineState.READY, EngineState.LOADING):
+            self.state = EngineState.STOPPED
+        self._inbox.append(("stop", None))
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def ready(self) -> bool:
+        """Loaded, warmed up, alive, and making progress whenever it has work."""
+        if self.state is not EngineState.READY:
+            return False
+        stats = self.stats
+        busy = stats.num_running + stats.num_waiting > 0
+        return not (busy and time.monotonic() - stats.last_step_time > self.stall_timeout_s)
+
+    @property
+    def model_name(self) -> str:
+        """The name to serve the model under: its file's stem or its folder's name."""
+        return served_model_name(self.config.model)
+
+    @property
+    def tokenizer(self):
+        return self._core().tokenizer
+
+    # -- requests --------------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt_token_ids: list[int],
+               params: SamplingParams) -> "RequestStream":
+        """Queue a request and return its stream. Raises at once, queueing nothing, if the
+        request can never run, the queue is full, or the engine is not ready."""
+        core = self._core()
+        children = params.fan_out()
+        for child in children:
+            core.check_request(prompt_token_ids, child)
+        if request_id in self._streams:
+            raise RequestFailed(f"request id {request_id!r} is already running")
+        if self.stats.num_waiting + len(self._inbox) >= self.max_waiting:
+            raise Overloaded(f"the server already has {self.max_waiting} requests waiting; "
+                             "retry later")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(),
+                         [f"{request_id}-{i}" for i in range(len(children))],
+                         len(prompt_token_ids), time.monotonic())
+        self._streams[request_id] = stream
+        self._inbox.append(("add", (request_id, prompt_token_ids, children)))
+        self._wake.set()
+        deadline = None if self.request_timeout_s is None else \
+            time.monotonic() + self.request_timeout_s
+        return RequestStream(self, request_id, stream, deadline)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[CompletionOutput | Finished]:
+        """submit() and iterate: deltas (one per sequence per step), then one Finished."""
+        stream = self.submit(request_id, prompt_token_ids, params)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            stream.close()
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        if not finished:
+            self.abort(request_id)
+        self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def _core(self) -> EngineCore:
+        if self.state is EngineState.DEAD:
+            raise EngineDead(f"the engine has stopped after an error ({self.error}); "
+                             "restart the server")
+        if self.core is None or self.state is EngineState.LOADING:
+            raise EngineDead("the model is still loading; retry in a few seconds")
+        return self.core
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.core = EngineCore(self.config)
+            self._warm_up()
+            self.state = EngineState.READY
+            self._publish_stats(stepped=False)
+            self._loaded.set()
+            while self._handle_inbox():
+                if not self.core.has_unfinished():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                self._step()
+        except BaseException as e:  # noqa: BLE001 - any crash ends the engine, loudly
+            log.exception("engine loop crashed")
+            self.error = e
+            self.state = EngineState.DEAD
+            for stream in list(self._streams.values()):
+                stream.put(EngineDead(f"the engine stopped after an internal error ({e!r}); "
+                                      "restart the server"))
+        finally:
+            self._loaded.set()
+
+    def _warm_up(self) -> None:
+        """One short generation, so the first user does not pay for lazy initialisation."""
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        self.core.add_request("warmup", [0] * 16, params)
+        while self.core.has_unfinished():
+            self.core.step()
+
+    def _handle_inbox(self) -> bool:
+        """Apply queued adds and aborts. False when asked to stop."""
+        if not self._inbox:
+            return True
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "stop":
+                return False
+            if kind == "abort":
+                self._abort(payload)
+            else:
+                self._add(*payload)
+        self._publish_stats(stepped=False)
+        return True
+
+    def _add(self, request_id: str, prompt_token_ids: list[int],
+             children: list[SamplingParams]) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:  # cancelled before it reached the engine
+            return
+        try:
+            for seq_id, child in zip(stream.sequences, children):
+                request = self.core.add_request(seq_id, prompt_token_ids, child)
+                index = int(seq_id.rsplit("-", 1)[1])
+                self._texts[seq_id] = (request_id, SequenceText(self.core.tokenizer, request,
+                                                                index))
+                stream.num_open += 1
+        except EmberError as e:
+            self._abort(request_id)
+            stream.put(e)
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        seq_ids = stream.sequences if stream else [s for s, (r, _) in self._texts.items()
+                                                   if r == request_id]
+        for seq_id in seq_ids:
+            self.core.finish(seq_id, FinishReason.ABORT)
+            self._texts.pop(seq_id, None)
+
+    def _step(self) -> None:
+        advanced = self.core.step()
+        for request in advanced:
+            entry = self._texts.get(request.request_id)
+            if entry is None:
+                continue
+            request_id, seq = entry
+            stream = self._streams.get(request_id)
+            if seq.update():
+                self.core.finish(request.request_id, FinishReason.STOP)
+            if stream is None:
+                continue
+            if stream.first_scheduled is None:
+                stream.first_scheduled = request.first_scheduled_time
+            stream.put(seq.take_delta())
+            if seq.finish_reason is not None:
+                del self._texts[request.request_id]
+                stream.num_open -= 1
+                if stream.num_open == 0:
+                    queue_time = (stream.first_scheduled or stream.arrival_time) - \
+                        stream.arrival_time
+                    stream.put(Finished(stream.num_prompt_tokens, max(0.0, queue_time)))
+                    stream.put(_STOP)
+        self._publish_stats(stepped=True)
+
+    def _publish_stats(self, stepped: bool) -> None:
+        scheduler = self.core.scheduler
+        self.stats = EngineStats(num_running=scheduler.num_running,
+                                 num_waiting=scheduler.num_waiting,
+                                 kv_cache_usage=scheduler.kv.usage(),
+                                 num_preemptions=scheduler.num_preemptions,
+                                 num_steps=self.stats.num_steps + stepped,
+                                 last_step_time=time.monotonic())
+
+
+
+class RequestStream:
+    """One submitted request's results, as an async iterator. Closing it early aborts the
+    request in the engine (its KV blocks are freed before the next step)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream,
+                 deadline: float | None) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self._deadline = deadline
+        self.finished = False
+        self.closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> CompletionOutput | Finished:
+        if self.closed:
+            raise StopAsyncIteration
+        try:
+            item = await self._get()
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item is _STOP:
+            self.finished = True
+            self.close()
+            raise StopAsyncIteration
+        return item
+
+    async def _get(self) -> object:
+        queue = self._stream.queue
+        if self._deadline is None:
+            return await queue.get()
+        try:
+            return await asyncio.wait_for(queue.get(), self._deadline - time.monotonic())
+        except TimeoutError:
+            raise RequestTimeout(
+                f"the request ran longer than the server's limit of "
+                f"{self.engine.request_timeout_s:g} s; ask for fewer tokens") from None
+
+    def close(self) -> None:
+        """Stop listening; abort the request unless it finished. Safe to call twice."""
+        if not self.closed:
+            self.closed = True
+            self.engine._release(self.request_id, self.finished)

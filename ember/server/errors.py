@@ -1,0 +1,84 @@
+"""Every error leaves the server as OpenAI's envelope: {"error": {message, type, param, code}}.
+
+No stack traces and no file paths reach a client; a real internal fault is logged here and
+answered with a plain 500.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from ember.errors import EmberError, InvalidRequest
+
+log = logging.getLogger(__name__)
+
+
+class Unauthorized(EmberError):
+    http_status = 401
+    error_type = "authentication_error"
+
+
+class NotFound(EmberError):
+    http_status = 404
+    error_type = "not_found_error"
+
+
+class PayloadTooLarge(InvalidRequest):
+    http_status = 413
+
+
+class Unavailable(EmberError):
+    http_status = 503
+    error_type = "unavailable_error"
+
+
+class ClientDisconnected(Exception):
+    """The client went away; nobody is left to answer."""
+
+
+RETRY_AFTER_S = 1
+
+
+def error_body(status: int, message: str, error_type: str, param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param,
+                      "code": code if code is not None else status}}
+
+
+def error_response(error: EmberError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.http_status in (429, 503) else None
+    if error.http_status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    body = error_body(error.http_status, error.message, error.error_type, error.param)
+    return JSONResponse(body, status_code=error.http_status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(EmberError)
+    async def ember_error(_: Request, error: EmberError) -> JSONResponse:
+        if error.http_status >= 500 and error.http_status != 503:
+            log.error("request failed: %s", error.message)
+        return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        if error.status_code == 404:
+            message = f"there is no route {request.method} {request.url.path}; see /v1/models, " \
+                      "/v1/completions, /v1/chat/completions"
+            return JSONResponse(error_body(404, message, "not_found_error"), status_code=404)
+        if error.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+            return JSONResponse(error_body(405, message, "invalid_request_error"),
+                                status_code=405, headers=error.headers)
+        return JSONResponse(error_body(error.status_code, str(error.detail), "server_error"),
+                            status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse(error_body(500, "internal server error; the request was not "
+                                            "completed, and the server logged the cause",
+                                       "server_error"), status_code=500)

@@ -1,0 +1,266 @@
+"""Request bodies of the OpenAI API (and ember's extensions), as strict pydantic models.
+
+An unknown field is refused with a 400 that names it: nothing a request asks for is silently
+ignored. Fields OpenAI defines but ember does not serve yet are accepted only at their
+do-nothing values and refused otherwise, with a message that says so.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
+
+from ember.errors import InvalidRequest
+from ember.request import MAX_LOGPROBS, SamplingParams
+
+
+class Strict(BaseModel):
+    """Unknown fields are refused; a null field means "use the default"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # ember (and vLLM) extensions
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise InvalidRequest("logit_bias keys must be token ids (strings of integers)",
+                                 param="logit_bias") from None
+
+    def sampling_params(self, max_tokens: int | None, num_logprobs: int | None
+                        ) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed with stream=true",
+                                 param="stream_options")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self._bias(),
+            stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, logprobs=num_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Any  # checked by prompt_list(): pydantic's union errors would be unreadable
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """A string, strings, token ids, or lists of token ids -> one entry per prompt."""
+        p = self.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and _is_ids(p)):
+            p = [p]
+        if not isinstance(p, list) or not p or not all(
+                isinstance(x, str) for x in p) and not all(_is_ids(x) for x in p):
+            raise InvalidRequest("prompt must be a string, a list of strings, a list of token "
+                                 "ids, or a list of lists of token ids (not empty)",
+                                 param="prompt")
+        return p
+
+    def check_supported(self) -> None:
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest("best_of other than n is not supported by ember; drop it, "
+                                 "or ask for n completions", param="best_of")
+        if self.suffix:
+            raise InvalidRequest("suffix (fill-in-the-middle) is not supported by ember",
+                                 param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest("echo with logprobs would need prompt logprobs, which ember "
+                                 "does not compute; drop one of them", param="echo")
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def as_template_message(self, index: int) -> dict[str, Any]:
+        """A {role, content} dict for the chat template; content parts joined as text."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self._text(index)}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+    def _text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise InvalidRequest(f"messages[{index}] has a {part.get('type')!r} content "
+                                     "part; ember serves text-only models, so send text parts",
+                                     param=f"messages.{index}.content")
+            try:
+                texts.append(TextPart.model_validate(part).text)
+            except ValidationError:
+                raise InvalidRequest(f"messages[{index}] has a text part without a string "
+                                     "'text'", param=f"messages.{index}.content") from None
+        return "".join(texts)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # extension: False continues the last message
+
+    def check_supported(self) -> None:
+        if self.tools:
+            raise InvalidRequest("tools are not supported by ember yet; send the request "
+                                 "without tools", param="tools")
+        if self.tool_choice not in (None, "none"):
+            raise InvalidRequest("tool_choice needs tools, which ember does not support yet",
+                                 param="tool_choice")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise InvalidRequest(f"response_format {self.response_format.get('type')!r} is "
+                                 "not supported by ember yet; only 'text'",
+                                 param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens wins over the older max_tokens; None: fill the context."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _non_empty(cls, v: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        if v is not None and not v:
+            raise ValueError("messages must not be empty")
+        return v
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of parsed JSON, stopping once past `limit`."""
+    stack = [(value, 1)]
+    deepest = 0
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def parse_body(raw: bytes, model: type[BaseModel], max_depth: int) -> Any:
+    """Bytes -> a validated request model, or an InvalidRequest that says what is wrong."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise InvalidRequest(f"the JSON body nests deeper than {max_depth} levels") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"the body is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    if json_depth(data, max_depth) > max_depth:
+        raise InvalidRequest(f"the JSON body nests deeper than {max_depth} levels")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _validation_error(error: ValidationError) -> InvalidRequest:
+    first = error.errors()[0]
+    param = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return InvalidRequest(f"unknown parameter {param!r}: ember does not support it; "
+                              "remove it from the request", param=param)
+    if first["type"] == "missing":
+        return InvalidRequest(f"missing required parameter {param!r}", param=param)
+    return InvalidRequest(f"invalid value for {param!r}: {first['msg']}", param=param)

@@ -1,0 +1,90 @@
+"""A real ember server on 127.0.0.1 (uvicorn in a thread), over the tiny random model."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from ember.config import EngineConfig, ServerConfig
+from ember.engine.async_engine import AsyncEngine
+from ember.server.app import create_app
+
+
+class LiveServer:
+    def __init__(self, model: Path | str, engine_options: dict | None = None,
+                 wait_ready: bool = True, **server_options) -> None:
+        self.config = ServerConfig(port=0, **server_options)
+        self.engine = AsyncEngine(EngineConfig.from_options(model=str(model), dtype="float32",
+                                                            **(engine_options or {})),
+                                  max_waiting=self.config.max_waiting,
+                                  request_timeout_s=self.config.request_timeout_s,
+                                  stall_timeout_s=self.config.stall_timeout_s)
+        self.app = create_app(self.engine, self.config)
+        self.state = self.app.state.ember
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
+                                                    log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.port = port
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while httpx.get(self.url + "/health/ready").status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test server never became ready")
+            time.sleep(0.05)
+
+    @property
+    def scheduler(self):
+        return self.engine.core.scheduler
+
+    def wait_idle(self, timeout_s: float = 10) -> None:
+        """Until the engine has no request and every KV block is free again."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats, kv = self.engine.stats, self.scheduler.kv
+            if stats.num_running == stats.num_waiting == 0 and \
+                    kv.num_free_blocks == kv.num_blocks and not self.scheduler.requests:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle: {stats}, free blocks "
+                                     f"{kv.num_free_blocks}/{kv.num_blocks}")
+            time.sleep(0.01)
+
+    def metric(self, name: str) -> float:
+        """The value of one exposition line, e.g. 'ember_request_aborts_total{reason="x"}'."""
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    folder, _ = tiny_llama_dir
+    live = LiveServer(folder, engine_options={"max_model_len": 512})
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

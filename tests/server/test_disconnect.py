@@ -1,0 +1,134 @@
+"""A client that goes away is aborted at once in every phase, and its KV blocks are freed.
+
+Each step is slowed to 20 ms so that every phase lasts long enough to be caught: queued (one
+seat, taken), prefill (a long prompt in 8-token chunks), decode (streaming has begun).
+"""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from ember.request import RequestStatus
+from tests.server.conftest import LiveServer
+
+LONG_PROMPT = list(range(1000, 1400))  # 400 tokens = 50 chunks of 8
+
+
+@pytest.fixture(scope="module")
+def slow_server(tiny_llama_dir):
+    folder, _ = tiny_llama_dir
+    live = LiveServer(folder, engine_options={"max_num_seqs": 1, "max_num_batched_tokens": 8})
+    real_step = live.engine.core.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return real_step()
+    live.engine.core.step = slow_step
+    yield live
+    live.close()
+
+
+def send_request(server: LiveServer, body: dict, path: str = "/v1/completions") -> socket.socket:
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def find_request(server: LiveServer, prompt_len: int):
+    for request in list(server.scheduler.requests.values()):
+        if request.num_prompt_tokens == prompt_len:
+            return request
+    return None
+
+
+def wait_for(condition, what: str, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def assert_aborted_fast(server: LiveServer, prompt_len: int, aborts_before: float) -> None:
+    start = time.monotonic()
+    wait_for(lambda: find_request(server, prompt_len) is None, "the abort")
+    assert time.monotonic() - start < 1.0, "the abort must be prompt"
+    wait_for(lambda: server.metric('ember_request_aborts_total{reason="client_disconnect"}')
+             == aborts_before + 1, "the abort metric")
+
+
+def aborts(server: LiveServer) -> float:
+    return server.metric('ember_request_aborts_total{reason="client_disconnect"}')
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_disconnect_while_queued(slow_server, stream):
+    before = aborts(slow_server)
+    blocker = send_request(slow_server, {"prompt": [1, 2, 3], "max_tokens": 300,
+                                         "ignore_eos": True})
+    wait_for(lambda: find_request(slow_server, 3), "the blocker to run")
+    queued = send_request(slow_server, {"prompt": [7] * 5, "max_tokens": 5, "stream": stream})
+    request = wait_for(lambda: find_request(slow_server, 5), "the request to queue")
+    assert request.status is RequestStatus.WAITING
+    queued.close()
+    assert_aborted_fast(slow_server, 5, before)
+    assert slow_server.scheduler.num_waiting == 0
+    blocker.close()
+    slow_server.wait_idle()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_disconnect_during_prefill(slow_server, stream):
+    before = aborts(slow_server)
+    sock = send_request(slow_server, {"prompt": LONG_PROMPT, "max_tokens": 5, "stream": stream})
+    request = wait_for(lambda: find_request(slow_server, len(LONG_PROMPT)), "the request")
+    wait_for(lambda: 0 < request.num_computed_tokens, "the prefill to start")
+    assert request.num_computed_tokens < len(LONG_PROMPT) and not request.output_token_ids
+    sock.close()
+    assert_aborted_fast(slow_server, len(LONG_PROMPT), before)
+    slow_server.wait_idle()
+
+
+def test_disconnect_during_streamed_decode(slow_server):
+    before = aborts(slow_server)
+    sock = send_request(slow_server, {"prompt": [4, 5, 6, 7], "max_tokens": 300, "stream": True,
+                                      "ignore_eos": True})
+    received = b""
+    while received.count(b"data: ") < 3:
+        received += sock.recv(4096)
+    request = find_request(slow_server, 4)
+    assert request is not None and len(request.output_token_ids) >= 3
+    sock.close()
+    assert_aborted_fast(slow_server, 4, before)
+    slow_server.wait_idle()
+
+
+def test_disconnect_during_non_streamed_decode(slow_server):
+    before = aborts(slow_server)
+    sock = send_request(slow_server, {"prompt": [4, 5, 6, 8], "max_tokens": 300,
+                                      "ignore_eos": True})
+    request = wait_for(lambda: find_request(slow_server, 4), "the request")
+    wait_for(lambda: len(request.output_token_ids) >= 3, "decoding")
+    sock.close()
+    assert_aborted_fast(slow_server, 4, before)
+    slow_server.wait_idle()
+
+
+def test_disconnect_from_chat_stream(slow_server):
+    before = aborts(slow_server)
+    sock = send_request(slow_server, {"messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 300, "stream": True, "ignore_eos": True},
+                        path="/v1/chat/completions")
+    received = b""
+    while received.count(b"data: ") < 3:
+        received += sock.recv(4096)
+    sock.close()
+    wait_for(lambda: aborts(slow_server) == before + 1, "the abort")
+    slow_server.wait_idle()

@@ -1,0 +1,65 @@
+"""The chat page in a real headless Chromium (Debian's), driven by Playwright.
+
+Type a message, see the streamed reply appear, and see the metrics panel fill in from /metrics.
+Reference: the same chat through the API (the page must show exactly that text).
+"""
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        pytest.skip("Chromium is not installed (scripts/setup --test installs Debian's "
+                    "chromium where apt-get is available)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run"])
+        yield browser
+        browser.close()
+
+
+def test_chat_streams_and_metrics_appear(browser, server):
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    page.wait_for_function("document.getElementById('status').textContent === 'ready'")
+    page.wait_for_function("document.getElementById('model').textContent !== '…'")
+    assert page.text_content("#model") == server.state.model_name
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "12")
+    page.fill("#prompt", "Hello there")
+    page.click("#send")
+    page.wait_for_function("document.getElementById('r-tokens').textContent === '12'",
+                           timeout=30000)
+    shown = page.text_content(".msg.assistant")
+    want = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hello there"}], "temperature": 0,
+        "max_tokens": 12, "top_p": 0.95}).json()["choices"][0]["message"]["content"]
+    assert shown == want and shown
+    assert page.text_content(".msg.user") == "Hello there"
+    assert page.text_content("#r-ttft").endswith("ms")
+    page.wait_for_function("document.getElementById('m-ttft').textContent.endsWith('ms')")
+    page.wait_for_function("document.getElementById('m-kv').textContent.endsWith('%')")
+    assert int(page.text_content("#m-done")) >= 1
+    assert page.text_content("#m-running") == "0"
+    page.close()
+
+
+def test_errors_show_in_the_page(browser, server):
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    page.wait_for_function("document.getElementById('status').textContent === 'ready'")
+    page.fill("#max_tokens", "100000")
+    page.fill("#prompt", "Hello")
+    page.click("#send")
+    page.wait_for_selector(".msg.assistant.error")
+    assert "context holds 512" in page.text_content(".msg.assistant.error")
+    page.close()
