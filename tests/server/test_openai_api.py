@@ -210,3 +210,14 @@ def test_user_and_text_parts_are_accepted(client, offline):
 def test_the_page_is_served(server):
     page = httpx.get(server.url + "/")
     assert page.status_code == 200 and "<title>ember</title>" in page.text
+
+
+def test_seeded_sampling_matches_offline_for_every_sampling_knob(client, offline):
+    """temperature, top_p, top_k, min_p and seed reach the sampler exactly as offline."""
+    knobs = dict(temperature=0.9, top_p=0.8, seed=5)
+    extra = dict(top_k=20, min_p=0.05)
+    out = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=12, model=None, extra_body=extra, **knobs)
+    want = offline.chat([{"role": "user", "content": "Hi"}],
+                        SamplingParams(max_tokens=12, **knobs, **extra))[0].outputs[0]
+    assert out.choices[0].message.content == want.text
