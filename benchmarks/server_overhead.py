@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/server_overhead.py [--model PATH] [--out results/server_overhead.json]
 
-Workloads (greedy, EOS banned, prompts from tiny Shakespeare):
+Workloads (`ember bench offline`'s token-id prompts; greedy, EOS banned):
   single  one streaming request: 32-token prompt, 256 tokens
   batch   32 streaming requests at once: 64-256-token prompts, 64 tokens each
 Offline runs LLM.generate in this process; online starts the server in a subprocess on
@@ -23,8 +23,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline import SHAKESPEARE, make_workload  # noqa: E402
+from ember.bench.offline import offline_workload
 
 
 def free_port() -> int:
@@ -89,12 +88,10 @@ def main() -> None:
 
     from ember import LLM
     llm = LLM(args.model, dtype=args.dtype)
-    workload = make_workload(lambda t: llm.tokenizer.encode(t, add_special_tokens=False),
-                             SHAKESPEARE.read_text())
-    cases = {"single": ([workload["single"]["prompt"]], workload["single"]["max_tokens"]),
-             "batch": (workload["batch"]["prompts"], workload["batch"]["max_tokens"])}
+    workload = offline_workload(lambda t: llm.tokenizer.encode(t, add_special_tokens=False))
+    cases = {"single": ([workload["decode"]], 256), "batch": (workload["batch"], 64)}
     results: dict = {"command": " ".join(sys.argv), "dtype": args.dtype}
-    offline_tok_s(llm, [workload["single"]["prompt"]], 4)  # warm-up
+    offline_tok_s(llm, [workload["decode"]], 4)  # warm-up
     for name, (prompts, n) in cases.items():
         results[name] = {"offline_tok_s": statistics.median(
             offline_tok_s(llm, prompts, n) for _ in range(args.repeats))}
@@ -103,7 +100,7 @@ def main() -> None:
     proc = start_server(args.model, port, args.dtype)
     try:
         url = f"http://127.0.0.1:{port}"
-        online_tok_s(url, [workload["single"]["prompt"]], 4)  # warm-up
+        online_tok_s(url, [workload["decode"]], 4)  # warm-up
         for name, (prompts, n) in cases.items():
             results[name]["online_tok_s"] = statistics.median(
                 online_tok_s(url, prompts, n) for _ in range(args.repeats))

@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 
+from ember.bench.cli import add_bench_parser
 from ember.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
 from ember.engine.llm import LLM
 from ember.errors import EmberError, InvalidRequest
@@ -161,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(serve)
     _server_args(serve)
     serve.set_defaults(func=cmd_serve)
+    add_bench_parser(sub)
     gen = sub.add_parser("generate", help="complete one prompt, streaming the text")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true",
@@ -178,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="ember: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="ember: %(message)s")
+    logging.getLogger("ember").setLevel(logging.WARNING if getattr(args, "quiet", False)
+                                        else logging.INFO)
     try:
         args.func(args)
     except EmberError as e:

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGUFReader, GGUFValueType
 
 from ember.config import ModelConfig, RopeScaling
 from ember.errors import ModelLoadError, UnsupportedModel
 from ember.quant.formats import dequantize
+from ember.weights.gguf_metadata import metadata_of, open_reader
 
 # GGUF architecture -> (HF architecture, q/k rows permuted by the converter)
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
@@ -55,25 +55,13 @@ def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
             .reshape(weight.shape))
 
 
-def _field_value(field: Any) -> Any:
-    if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.types) > 1 \
-            and field.types[1] == GGUFValueType.ARRAY:
-        return None  # nested arrays are not used by any key ember reads
-    return field.contents()
-
-
 class GGUFFile:
     """An open GGUF file: its metadata (a plain dict) and its tensors."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        try:
-            self._reader = GGUFReader(self.path)
-        except (ValueError, OSError, IndexError, KeyError) as e:
-            raise ModelLoadError(f"{self.path} is not a readable GGUF file ({e}); check that "
-                                 "the download finished and the file is a .gguf model") from e
-        self.metadata: dict[str, Any] = {k: _field_value(f) for k, f in self._reader.fields.items()
-                                         if not k.startswith("GGUF.")}
+        self._reader = open_reader(self.path)
+        self.metadata: dict[str, Any] = metadata_of(self._reader)
 
     @property
     def arch(self) -> str:

@@ -27,7 +27,11 @@ FORBIDDEN = {
     "ember.server": {"torch", "ember.runner", "ember.models", "ember.sampling", "ember.kv",
                      "ember.scheduler", "ember.quant", "ember.weights"},
     "ember": {"transformers", "accelerate"},  # the runtime never needs the test oracle
+    # the benchmark speaks HTTP to any server; only bench/offline.py runs the engine itself
+    "ember.bench": {"torch", "ember.runner", "ember.models", "ember.server", "ember.scheduler",
+                    "ember.kv", "ember.sampling", "ember.quant"},
 }
+ENGINE_ALLOWED_IN_BENCH = {"ember.bench.offline"}
 
 
 def module_imports(path: Path) -> set[str]:
@@ -54,6 +58,14 @@ def test_imports_point_down():
                                                                  else ban + "."):
                         violations.append(f"{module} imports {name}")
     assert not violations, "\n".join(violations)
+
+
+def test_bench_runs_the_engine_only_offline():
+    for path in (PACKAGE / "bench").rglob("*.py"):
+        module = "ember.bench." + path.stem
+        if module in ENGINE_ALLOWED_IN_BENCH:
+            continue
+        assert not any(n.startswith("ember.engine") for n in module_imports(path)), module
 
 
 def test_walk_sees_real_imports():

@@ -1,0 +1,144 @@
+"""The load generator against a fake OpenAI-compatible server whose token timings are
+scripted on a fake clock, so the reported figures can be checked exactly."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from ember.bench.client import LoadConfig, Runner
+from ember.bench.metrics import summarize
+from ember.bench.workloads import BenchRequest
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ScriptedServer:
+    """Streams `script[i]` = (ttft, gaps, usage tokens) for the i-th request it receives,
+    moving the fake clock to each chunk's time before handing the chunk over."""
+
+    def __init__(self, clock: FakeClock, scripts: list[dict], chat: bool = False) -> None:
+        self.clock, self.scripts, self.chat = clock, scripts, chat
+        self.bodies: list[dict] = []
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        script = self.scripts[len(self.bodies) - 1]
+        if "status" in script:
+            return httpx.Response(script["status"], json={"error": {"message": "busy"}})
+        return httpx.Response(200, stream=self._events(script, self.clock.now),
+                              headers={"content-type": "text/event-stream"})
+
+    async def _events_gen(self, script: dict, t0: float):
+        t = t0 + script["ttft"]
+        times = [t]
+        for gap in script["gaps"]:
+            t += gap
+            times.append(t)
+        for k, when in enumerate(times):
+            self.clock.now = when
+            piece = {"delta": {"content": f"w{k} "}} if self.chat else {"text": f"w{k} "}
+            yield b"data: " + json.dumps({"choices": [piece]}).encode() + b"\n\n"
+            if script.get("error_after") == k:
+                yield b'data: {"error": {"message": "boom"}}\n\n'
+                return
+        if script.get("usage", True):
+            usage = {"prompt_tokens": 7, "completion_tokens": script["tokens"]}
+            yield b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n"
+        self.clock.now = times[-1] + script.get("tail", 0.0)
+        yield b"data: [DONE]\n\n"
+
+    def _events(self, script: dict, t0: float) -> httpx.AsyncByteStream:
+        gen = self._events_gen(script, t0)
+
+        class Stream(httpx.AsyncByteStream):
+            async def __aiter__(self):
+                async for chunk in gen:
+                    yield chunk
+        return Stream()
+
+
+def run(scripts: list[dict], requests: list[BenchRequest], chat: bool = False, **cfg):
+    clock = FakeClock()
+    server = ScriptedServer(clock, scripts, chat)
+    config = LoadConfig(base_url="http://fake/v1", model="m", endpoint="chat" if chat
+                        else "completions", **cfg)
+    runner = Runner(config, clock=clock, transport=httpx.MockTransport(server.handler))
+    return asyncio.run(runner.run(requests)), server
+
+
+def completion(i: int, max_tokens: int = 4) -> BenchRequest:
+    return BenchRequest(index=i, max_tokens=max_tokens, prompt=f"prompt {i}")
+
+
+def test_scripted_timings_give_exact_figures():
+    scripts = [{"ttft": 0.25, "gaps": [0.01, 0.03, 0.02], "tokens": 4},
+               {"ttft": 0.05, "gaps": [0.1], "tokens": 3, "tail": 0.5}]
+    records, server = run(scripts, [completion(0), completion(1, 3)], concurrency=1)
+    a, b = records
+    assert a.ttft == pytest.approx(0.25) and a.e2e == pytest.approx(0.31)
+    assert a.gaps == pytest.approx([0.01, 0.03, 0.02])
+    assert a.tpot == pytest.approx((0.31 - 0.25) / 3)
+    assert b.start == pytest.approx(0.31)                 # concurrency 1: after a ends
+    assert b.ttft == pytest.approx(0.05) and b.e2e == pytest.approx(0.65)
+    assert b.tpot == pytest.approx((0.65 - 0.05) / 2)     # E2E includes the tail after text
+    assert a.output_tokens == 4 and a.prompt_tokens == 7 and a.usage_reported
+    s = summarize(records)
+    assert s["duration_s"] == pytest.approx(0.96)
+    assert s["output_tok_per_s"] == pytest.approx(7 / 0.96)
+    assert s["chunk_gap_s"]["max"] == pytest.approx(0.1)
+    body = server.bodies[0]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["min_tokens"] == 4 and body["max_tokens"] == 4
+    assert body["model"] == "m" and body["prompt"] == "prompt 0"
+
+
+def test_errors_are_counted_by_kind_and_tokens_without_usage_are_counted_from_chunks():
+    scripts = [{"status": 429}, {"status": 503},
+               {"ttft": 0.1, "gaps": [0.1], "tokens": 2, "error_after": 1},
+               {"ttft": 0.1, "gaps": [0.1, 0.1], "tokens": 3, "usage": False}]
+    records, _ = run(scripts, [completion(i) for i in range(4)], concurrency=1)
+    s = summarize(records)
+    assert s["errors"] == {"http_429": 1, "http_503": 1, "stream_error": 1}
+    assert s["completed"] == 1
+    assert records[3].output_tokens == 3 and not records[3].usage_reported
+    assert s["usage_reported"] is False
+
+
+def test_cancel_fraction_cancels_after_the_first_chunk():
+    scripts = [{"ttft": 0.1, "gaps": [0.1] * 5, "tokens": 6} for _ in range(10)]
+    records, _ = run(scripts, [completion(i, 6) for i in range(10)], concurrency=1,
+                     cancel_fraction=0.3, seed=3)
+    cancelled = [r for r in records if r.cancelled]
+    assert len(cancelled) == 3
+    assert all(len(r.chunk_times) == 1 for r in cancelled)
+    assert summarize(records)["cancelled"] == 3
+
+
+def test_chat_sessions_send_the_real_replies_back():
+    scripts = [{"ttft": 0.1, "gaps": [0.1], "tokens": 2} for _ in range(3)]
+    session = BenchRequest(index=0, max_tokens=2, messages=[{"role": "user", "content": "a"}],
+                           session=0, turn=0, user_turns=["b", "c"])
+    records, server = run(scripts, [session], chat=True, concurrency=1)
+    assert [r.turn for r in records] == [0, 1, 2]
+    last = server.bodies[2]["messages"]
+    assert [m["role"] for m in last] == ["user", "assistant", "user", "assistant", "user"]
+    assert last[1]["content"] == "w0 w1 " and last[4]["content"] == "c"
+
+
+def test_num_requests_cycles_the_workload_and_duration_stops_sending():
+    scripts = [{"ttft": 1.0, "gaps": [], "tokens": 1} for _ in range(10)]
+    records, _ = run(scripts, [completion(0), completion(1)], concurrency=1, num_requests=5)
+    assert [r.index for r in records] == [0, 1, 0, 1, 0]
+    records, _ = run(scripts, [completion(i) for i in range(10)], concurrency=1,
+                     duration_s=2.5)
+    assert len(records) == 3  # sent at 0, 1, 2 s; at 3 s the duration is over
