@@ -223,6 +223,22 @@ def cmd_peers(args: argparse.Namespace) -> None:
     run_peers(args)
 
 
+def _explained(func):
+    """Turn the mistakes a user can fix into one clear line instead of a traceback."""
+    def run(args: argparse.Namespace) -> None:
+        try:
+            func(args)
+        except httpx.HTTPStatusError as e:
+            raise SystemExit(f"error: {e.request.url} answered {e.response.status_code}: "
+                             f"{e.response.text[:300]}") from None
+        except httpx.HTTPError as e:
+            raise SystemExit(f"error: could not reach the server ({e!r}); is it running, and "
+                             "is --base-url right (it ends in /v1)?") from None
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"error: {e}") from None
+    return run
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -230,22 +246,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_load_args(serve)
     add_workload_args(serve)
     add_output_args(serve, "results/bench.json")
-    serve.set_defaults(func=cmd_serve)
+    serve.set_defaults(func=_explained(cmd_serve))
     sweep = bsub.add_parser("sweep", help="a series of concurrencies or rates")
     add_load_args(sweep)
     add_workload_args(sweep)
     sweep.add_argument("--concurrencies", default=None, help="e.g. 1,2,4,8")
     sweep.add_argument("--rates", default=None, help="e.g. 0.5,1,2 (requests/s)")
     add_output_args(sweep, "results/sweep.json")
-    sweep.set_defaults(func=cmd_sweep)
+    sweep.set_defaults(func=_explained(cmd_sweep))
     comp = bsub.add_parser("compare", help="summaries side by side, with ratios to the first")
     comp.add_argument("files", nargs="+")
-    comp.set_defaults(func=cmd_compare)
+    comp.set_defaults(func=_explained(cmd_compare))
     plot = bsub.add_parser("plot", help="PNG: latency-throughput curve, TTFT and TPOT "
                            "distributions")
     plot.add_argument("files", nargs="+")
     plot.add_argument("--out", default="results/bench.png")
-    plot.set_defaults(func=cmd_plot)
+    plot.set_defaults(func=_explained(cmd_plot))
     off = bsub.add_parser("offline", help="the engine in-process: decode, prefill, batch")
     off.add_argument("--model", default=None)
     off.add_argument("--dtype", default="auto")
@@ -253,7 +269,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--batch-size", type=int, default=32)
     off.add_argument("--seed", type=int, default=0)
     add_output_args(off, "results/offline.json")
-    off.set_defaults(func=cmd_offline)
+    off.set_defaults(func=_explained(cmd_offline))
     peers = bsub.add_parser("peers", help="ember serve beside a peer server, same workloads "
                             "alternately, with ratios")
     peers.add_argument("--peer-cmd", action="append", default=[], required=True,
@@ -266,4 +282,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_load_args(peers, base_url=False)
     add_workload_args(peers)
     add_output_args(peers, "results/peers.json")
-    peers.set_defaults(func=cmd_peers)
+    peers.set_defaults(func=_explained(cmd_peers))

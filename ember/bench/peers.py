@@ -51,15 +51,26 @@ def start(server: Server, model_file: str, log_dir: Path, timeout_s: float) -> N
         if server.process.poll() is not None:
             raise SystemExit(f"{server.name} exited with {server.process.returncode}; see "
                              f"{log_dir / (server.name + '.log')}")
-        try:
-            r = httpx.get(server.base_url + "/models", timeout=5)
-            if r.status_code == 200:
-                server.model = r.json()["data"][0]["id"]
-                return
-        except (httpx.HTTPError, KeyError, IndexError, ValueError):
-            pass
+        if ready(server):
+            return
         time.sleep(0.5)
     raise SystemExit(f"{server.name} did not answer /v1/models within {timeout_s:g} s")
+
+
+def ready(server: Server) -> bool:
+    """/health/ready answers 200 (or the server has no such route) and /v1/models names a
+    model. A server may list its model before it can serve it, hence both."""
+    root = server.base_url.removesuffix("/v1")
+    try:
+        if httpx.get(root + "/health/ready", timeout=5).status_code not in (200, 404):
+            return False
+        r = httpx.get(server.base_url + "/models", timeout=5)
+        if r.status_code == 200:
+            server.model = r.json()["data"][0]["id"]
+            return True
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        pass
+    return False
 
 
 def stop(server: Server) -> None:

@@ -98,7 +98,11 @@ def compare(summaries: list[tuple[str, dict[str, Any]]]) -> str:
 def plot(inputs: list[Path], out: Path) -> Path:
     """PNG: latency-throughput curve (from sweep or run summaries) and the TTFT and TPOT
     distributions (from the runs' JSONL files)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("ember bench plot needs matplotlib: pip install 'ember[bench]' "
+                         "(or pip install matplotlib)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

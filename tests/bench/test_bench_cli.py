@@ -72,3 +72,15 @@ def test_offline_bench_writes_its_figures(tiny_llama_dir, tmp_path):
     assert result["batch_size"] == 3 and result["prefill_tokens"] == 511
     assert result["decode_tok_per_s"] > 0 and result["prefill_ttft_s"] > 0
     assert result["engine"] == "ember float32"
+
+
+def test_mistakes_get_one_clear_line(tmp_path):
+    with pytest.raises(SystemExit, match="could not reach the server"):
+        cli.main(["bench", "serve", "--base-url", "http://127.0.0.1:9/v1",
+                  "--num-requests", "1", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="length distribution 'zipf:2'"):
+        cli.main(["bench", "serve", "--base-url", "http://127.0.0.1:9/v1", "--workload",
+                  "jsonl", "--dataset", str(tmp_path / "none.jsonl"), "--output-len", "zipf:2"])
+    with pytest.raises(SystemExit, match="needs --dataset"):
+        cli.main(["bench", "serve", "--base-url", "http://127.0.0.1:9/v1", "--workload",
+                  "jsonl"])
