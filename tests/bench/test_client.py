@@ -142,3 +142,22 @@ def test_num_requests_cycles_the_workload_and_duration_stops_sending():
     records, _ = run(scripts, [completion(i) for i in range(10)], concurrency=1,
                      duration_s=2.5)
     assert len(records) == 3  # sent at 0, 1, 2 s; at 3 s the duration is over
+
+
+def test_rate_mode_sends_on_the_arrival_schedule():
+    """Real clock, 50 req/s Poisson: every request is sent, in order, no earlier than its
+    scheduled time (the schedule comes from the same seeded generator)."""
+    import random
+    import time
+
+    from ember.bench.client import arrival_times
+    server = ScriptedServer(FakeClock(), [{"ttft": 0.0, "gaps": [], "tokens": 1}] * 8)
+    config = LoadConfig(base_url="http://fake/v1", concurrency=None, rate=50.0, seed=4)
+    runner = Runner(config, clock=time.perf_counter,
+                    transport=httpx.MockTransport(server.handler))
+    records = asyncio.run(runner.run([completion(i) for i in range(8)]))
+    schedule = arrival_times(8, 50.0, 1.0, 0.0, random.Random(config.seed + 1))
+    assert [r.index for r in records] == list(range(8))
+    for r, at in zip(records, schedule):
+        assert r.start >= at - 1e-3
+        assert r.start < at + 0.2  # asyncio wake-up slack on a loaded machine
