@@ -36,7 +36,7 @@ def main(folder: str) -> None:
         peer = next(name for name in medians if name != "ember")
         for label, key, scale in FIGURES:
             mine, theirs = get(medians["ember"], key), get(medians[peer], key)
-            if mine is None or theirs is None or (stem.startswith("b") and "TPOT" in label):
+            if not mine or not theirs or (stem.startswith("b") and "TPOT" in label):
                 continue
             print(f"| {title} | {label} | {mine * scale:.1f} | {theirs * scale:.1f} | "
                   f"{mine / theirs:.2f} |")

@@ -74,9 +74,7 @@ def _get(summary: dict[str, Any], path: tuple[str, ...]) -> float | None:
 
 def compare(summaries: list[tuple[str, dict[str, Any]]]) -> str:
     """Side by side; each column after the first also shows its ratio to the first."""
-    names = [n for n, _ in summaries]
-    width = max(14, *(len(n) + 2 for n in names))
-    lines = [f"{'':18}" + "".join(f"{n:>{width}}" for n in names)]
+    rows = []
     for label, path, _ in COMPARE_ROWS:
         values = [_get(s, path) for _, s in summaries]
         if all(v is None for v in values):
@@ -84,14 +82,15 @@ def compare(summaries: list[tuple[str, dict[str, Any]]]) -> str:
         scale = 1000 if label.endswith("ms") else 1
         cells = []
         for i, v in enumerate(values):
-            if v is None:
-                cells.append(f"{'-':>{width}}")
-                continue
-            cell = f"{v * scale:.1f}"
-            if i and values[0]:
+            cell = "-" if v is None else f"{v * scale:.1f}"
+            if v is not None and i and values[0]:
                 cell += f" ({v / values[0]:.2f}x)"
-            cells.append(f"{cell:>{width}}")
-        lines.append(f"{label:18}" + "".join(cells))
+            cells.append(cell)
+        rows.append((label, cells))
+    names = [n for n, _ in summaries]
+    width = 2 + max(len(c) for c in names + [c for _, cells in rows for c in cells])
+    lines = [f"{'':18}" + "".join(f"{n:>{width}}" for n in names)]
+    lines += [f"{label:18}" + "".join(f"{c:>{width}}" for c in cells) for label, cells in rows]
     return "\n".join(lines)
 
 
