@@ -13,6 +13,7 @@ torch nor ember).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -119,7 +120,7 @@ def main() -> None:
         llm = LLM(args.model, dtype=dtype)
         results["model"] = str(llm.engine.model_path)
         workload = workload or offline_workload(
-            lambda t: llm.tokenizer.encode(t, add_special_tokens=False))
+            functools.partial(llm.tokenizer.encode, add_special_tokens=False))
         results[f"ember_{dtype}"] = run_offline(llm, workload, args.repeats)
         del llm
     if args.llama_python:

@@ -12,6 +12,7 @@ online / offline (1.0 = no overhead). Median of --repeats runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import asyncio
 import json
 import socket
@@ -88,7 +89,7 @@ def main() -> None:
 
     from ember import LLM
     llm = LLM(args.model, dtype=args.dtype)
-    workload = offline_workload(lambda t: llm.tokenizer.encode(t, add_special_tokens=False))
+    workload = offline_workload(functools.partial(llm.tokenizer.encode, add_special_tokens=False))
     cases = {"single": ([workload["decode"]], 256), "batch": (workload["batch"], 64)}
     results: dict = {"command": " ".join(sys.argv), "dtype": args.dtype}
     offline_tok_s(llm, [workload["decode"]], 4)  # warm-up

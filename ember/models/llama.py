@@ -5,7 +5,6 @@ Parameter names follow transformers, except that q/k/v and gate/up are fused
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from ember.config import ModelConfig

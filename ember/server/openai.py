@@ -34,6 +34,7 @@ from ember.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
 T = TypeVar("T")
+M = TypeVar("M", CompletionRequest, ChatCompletionRequest)
 
 
 # -- running requests ------------------------------------------------------------------------
@@ -255,12 +256,18 @@ def completion_prompts(prompts: list[str | list[int]], tokenizer: Tokenizer
     return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, p) for p in prompts]
 
 
-@router.post("/v1/completions")
-async def create_completion(request: Request) -> Response:
+async def parse_request(request: Request, model: type[M]) -> tuple[ServerState, M]:
+    """The body, validated, for the served model, asking only for what ember supports."""
     state = server_state(request)
-    body: CompletionRequest = await read_json_body(request, CompletionRequest)
+    body = await read_json_body(request, model)
     state.check_model(body.model)
     body.check_supported()
+    return state, body
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    state, body = await parse_request(request, CompletionRequest)
     tokenizer = state.engine.tokenizer
     prompts = completion_prompts(body.prompt_list(), tokenizer)
     params = body.sampling_params(body.max_tokens, body.logprobs)
@@ -316,10 +323,7 @@ def chat_prompt(state: ServerState, messages: list, add_generation_prompt: bool)
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
-    state = server_state(request)
-    body: ChatCompletionRequest = await read_json_body(request, ChatCompletionRequest)
-    state.check_model(body.model)
-    body.check_supported()
+    state, body = await parse_request(request, ChatCompletionRequest)
     tokenizer = state.engine.tokenizer
     prompt = chat_prompt(state, body.messages, body.add_generation_prompt)
     params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())

@@ -47,6 +47,18 @@ class LiveServer:
                 raise RuntimeError("the test server never became ready")
             time.sleep(0.05)
 
+    def delay_steps(self, seconds: float = 0.0, gate: threading.Event | None = None) -> None:
+        """Make every engine step wait `seconds` (and for `gate`, if given) before it runs:
+        slow phases become long enough to catch, a held gate looks like a stalled engine."""
+        real_step = self.engine.core.step
+
+        def delayed_step():
+            if gate is not None:
+                gate.wait(30)
+            time.sleep(seconds)
+            return real_step()
+        self.engine.core.step = delayed_step
+
     @property
     def scheduler(self):
         return self.engine.core.scheduler

@@ -21,12 +21,7 @@ LONG_PROMPT = list(range(1000, 1400))  # 400 tokens = 50 chunks of 8
 def slow_server(tiny_llama_dir):
     folder, _ = tiny_llama_dir
     live = LiveServer(folder, engine_options={"max_num_seqs": 1, "max_num_batched_tokens": 8})
-    real_step = live.engine.core.step
-
-    def slow_step():
-        time.sleep(0.02)
-        return real_step()
-    live.engine.core.step = slow_step
+    live.delay_steps(0.02)
     yield live
     live.close()
 

@@ -205,12 +205,7 @@ def test_stalled_engine_is_not_ready(tiny_llama_dir):
     live = LiveServer(folder, stall_timeout_s=0.3)
     release = threading.Event()
     try:
-        real_step = live.engine.core.step
-
-        def stuck():
-            release.wait(20)
-            return real_step()
-        live.engine.core.step = stuck
+        live.delay_steps(gate=release)
         thread = threading.Thread(target=post, args=(live, "/v1/completions"),
                                   kwargs={"json": {"prompt": "x", "max_tokens": 2}})
         thread.start()
@@ -230,12 +225,7 @@ def test_request_timeout_ends_the_request_and_frees_it(tiny_llama_dir):
     folder, _ = tiny_llama_dir
     live = LiveServer(folder, request_timeout_s=0.3)
     try:
-        real_step = live.engine.core.step
-
-        def slow():
-            time.sleep(0.05)
-            return real_step()
-        live.engine.core.step = slow
+        live.delay_steps(0.05)
         r = post(live, "/v1/completions", json={"prompt": "x", "max_tokens": 200,
                                                 "ignore_eos": True})
         assert_error(r, 504, "limit of 0.3 s")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -55,12 +54,7 @@ def test_queue_overflow_is_refused_at_once_and_nothing_is_lost(tiny_llama_dir):
     folder, _ = tiny_llama_dir
     live = LiveServer(folder, max_waiting=2, engine_options={"max_num_seqs": 1})
     try:
-        real_step = live.engine.core.step
-
-        def slow_step():
-            time.sleep(0.01)
-            return real_step()
-        live.engine.core.step = slow_step
+        live.delay_steps(0.01)
         body = {"prompt": [5, 6, 7], "max_tokens": 20, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         results = run_concurrently(live.url, [body] * 12)
