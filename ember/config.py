@@ -14,6 +14,8 @@ from ember.errors import ConfigError, UnsupportedModel
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_SCALING = ("linear", "llama3")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+EVICTION_POLICIES = ("lru", "lfu", "cost")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,17 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_gib: float = 1.0
     num_blocks: int | None = None  # overrides the memory budget (tests, tiny caches)
+    enable_prefix_caching: bool = True
+    eviction_policy: str = "lru"   # which idle cached block to give up first: lru, lfu, cost
+    kv_cache_dtype: str = "auto"   # auto (the model's dtype) or int8
 
     def __post_init__(self) -> None:
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction_policy={self.eviction_policy!r} is unknown; choose "
+                              f"one of {', '.join(EVICTION_POLICIES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; "
+                              f"choose one of {', '.join(KV_CACHE_DTYPES)}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size={self.block_size} must be a positive power of two; "
                               "16 is a good default")
@@ -107,6 +118,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    fair_share: bool = False  # admit the waiting request of the user with fewest running
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:

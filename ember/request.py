@@ -132,6 +132,11 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     output_logprobs: list["SampledLogprob"] = field(default_factory=list)
+    priority: int = 0                 # lower runs first (as in vLLM); ties go by arrival
+    user: str | None = None           # for fair share between users
+    cache_salt: str | None = None     # requests share cached KV only with the same salt
+    prefix_cache: bool = True         # False: neither reuse nor store cached KV
+    num_cached_tokens: int = 0        # prompt tokens served from the prefix cache
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

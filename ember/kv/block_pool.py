@@ -1,52 +1,145 @@
-"""A pool of fixed-size KV blocks with reference counts.
+"""A pool of fixed-size KV blocks with reference counts and a prefix cache.
 
-A block is `block_size` token slots in every layer's KV tensor; the pool hands out block ids
-and takes them back. Reference counts let a block be shared (prefix caching builds on this).
+A block is `block_size` token slots in every layer's KV tensor. A block whose tokens are all
+computed can be *cached* under its chained key (prefix_cache.py); a later request with the same
+prefix reuses it instead of recomputing it. A cached block that no request uses stays cached
+until its slot is needed: empty blocks are handed out first, then the eviction policy picks
+which cached block to give up. Every block stored or removed is logged as a KV event, for
+routers that want to know what this replica holds.
+
+    block states:  empty (free) -> in use (ref > 0) -> cached and idle (ref 0) -> evicted
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
+
+from ember.kv.eviction import Candidate, make_policy
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    seq: int
+    kind: str                         # "stored" | "removed"
+    block_key: int
+    parent_key: int | None = None     # stored only
+    num_tokens: int = 0               # stored only: tokens in the block
+
+
+@dataclass
+class _Meta:
+    key: int | None = None
+    parent_key: int | None = None
+    depth: int = 0
+    hits: int = 0
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, policy: str = "lru", max_events: int = 10_000) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks={num_blocks} must be positive")
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))  # oldest freed first
+        self._meta = [_Meta() for _ in range(num_blocks)]
+        self._empty: deque[int] = deque(range(num_blocks))
+        self._idle = make_policy(policy)           # cached blocks with no user
+        self._by_key: dict[int, int] = {}
+        self._clock = 0
+        self.num_evictions = 0
+        self.events: deque[KVEvent] = deque(maxlen=max_events)
+        self.next_event_seq = 0
+
+    @property
+    def policy(self) -> str:
+        return self._idle.name
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out now: empty ones and idle cached ones."""
+        return len(self._empty) + len(self._idle)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._by_key)
 
     def usage(self) -> float:
-        """Fraction of blocks in use, in [0, 1]."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of blocks in use by requests, in [0, 1] (idle cached blocks are free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    # -- handing out and taking back -------------------------------------------------------
 
     def allocate(self, num: int) -> list[int]:
-        """Take `num` free blocks (ref count 1 each). The caller checks num_free_blocks first."""
-        if num > len(self._free):
-            raise RuntimeError(f"asked for {num} blocks with {len(self._free)} free")
-        block_ids = [self._free.popleft() for _ in range(num)]
-        for block_id in block_ids:
+        """Take `num` blocks (ref count 1 each): empty ones first, then evicted cached ones.
+        The caller checks num_free_blocks first."""
+        if num > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num} blocks with {self.num_free_blocks} free")
+        block_ids = []
+        for _ in range(num):
+            if self._empty:
+                block_id = self._empty.popleft()
+            else:
+                block_id = self._idle.pop()
+                self._uncache(block_id)
+                self.num_evictions += 1
             self._ref_counts[block_id] = 1
+            block_ids.append(block_id)
         return block_ids
 
-    def incref(self, block_ids: list[int]) -> None:
-        for block_id in block_ids:
-            if self._ref_counts[block_id] <= 0:
-                raise RuntimeError(f"block {block_id} is free; it cannot be shared")
-            self._ref_counts[block_id] += 1
-
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block; a block with none left returns to the pool."""
+        """Drop one reference to each block. A block nobody uses goes back to the pool: empty
+        if it was never cached, else idle (still cached) in its eviction policy."""
         for block_id in block_ids:
             if self._ref_counts[block_id] <= 0:
                 raise RuntimeError(f"block {block_id} freed twice")
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
+                meta = self._meta[block_id]
+                if meta.key is None:
+                    self._empty.append(block_id)
+                else:
+                    self._clock += 1
+                    self._idle.insert(block_id, Candidate(meta.hits, meta.depth, self._clock))
 
-    def ref_count(self, block_id: int) -> int:
-        return self._ref_counts[block_id]
+    # -- the prefix cache ------------------------------------------------------------------
+
+    def lookup(self, key: int) -> int | None:
+        return self._by_key.get(key)
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference to cached blocks a request reuses (a cache hit)."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                self._idle.remove(block_id)
+            self._ref_counts[block_id] += 1
+            self._meta[block_id].hits += 1
+
+    def cache(self, block_id: int, key: int, parent_key: int | None, depth: int,
+              num_tokens: int) -> None:
+        """Record that `block_id` holds the prefix `key`. If another block already does (two
+        requests computed the same prefix at once), the first stays the cached one."""
+        meta = self._meta[block_id]
+        if meta.key is not None or key in self._by_key:
+            return
+        meta.key, meta.parent_key, meta.depth, meta.hits = key, parent_key, depth, 0
+        self._by_key[key] = block_id
+        self._log("stored", key, parent_key, num_tokens)
+
+    def _uncache(self, block_id: int) -> None:
+        meta = self._meta[block_id]
+        del self._by_key[meta.key]
+        self._log("removed", meta.key)
+        self._meta[block_id] = _Meta()
+
+    def _log(self, kind: str, key: int, parent_key: int | None = None,
+             num_tokens: int = 0) -> None:
+        self.events.append(KVEvent(self.next_event_seq, kind, key, parent_key, num_tokens))
+        self.next_event_seq += 1
+
+    def events_after(self, seq: int) -> tuple[list[KVEvent], bool]:
+        """Events with seq > `seq`, and whether older ones were dropped from the log."""
+        events = [e for e in self.events if e.seq > seq]
+        dropped = bool(self.events) and self.events[0].seq > seq + 1
+        return events, dropped

@@ -1,21 +1,33 @@
 """One token-budget loop decides what every request computes in the next step.
 
 There are no prefill and decode phases. Each request has `num_computed_tokens` and catches up
-to `num_tokens`: a new prompt catches up in chunks of at most the step's token budget (chunked
-prefill), a running request catches up one token at a time (decode), and a preempted request
-starts again from zero (recompute). Continuous batching falls out: every step mixes whatever
-requests have tokens to compute.
+to `num_tokens`: a new prompt starts past its prefix-cache hit and catches up in chunks of at
+most the step's token budget (chunked prefill), a running request catches up one token at a
+time (decode), and a preempted request starts again from what the cache still holds
+(recompute). Continuous batching falls out: every step mixes whatever requests have tokens to
+compute.
+
+Order: `running` is kept sorted by (priority, arrival): the most important requests get the
+budget first and the least important is the one preempted when blocks run out. A waiting
+request that outranks a running one takes its seat (or its blocks) at the start of a step.
+With fair share, the next waiting request admitted is the one whose user has the fewest
+requests running, so one client's flood cannot starve the others.
 """
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 
 from ember.config import SchedulerConfig
 from ember.errors import ContextTooLong, InvalidRequest
-from ember.kv.kv_manager import KVCacheManager
+from ember.kv.kv_manager import KVCacheManager, cdiv
 from ember.request import FinishReason, Request, RequestStatus
 from ember.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+def rank(request: Request) -> tuple[int, float, str]:
+    """Sort key: lower priority value first, then earlier arrival (then id, to be total)."""
+    return (request.priority, request.arrival_time, request.request_id)
 
 
 class Scheduler:
@@ -23,10 +35,11 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order: the last is preempted first
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # sorted by rank()
         self.requests: dict[str, Request] = {}
         self._freed_ids: set[str] = set()
+        self._short_of_memory = False  # a running request lost its blocks in this step
         self.num_preemptions = 0
 
     # -- admission and removal -------------------------------------------------------------
@@ -72,9 +85,10 @@ class Scheduler:
     # -- the step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self._make_room_for_outranking()
+        self._short_of_memory = False
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        num_preemptions_before = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -84,53 +98,90 @@ class Scheduler:
             scheduled.append(self._plan(request, num_new))
             budget -= num_new
             i += 1
-        # Admit waiting requests only when nothing was preempted: a preemption means memory is
-        # short, and admitting more would only preempt again.
-        if self.num_preemptions == num_preemptions_before:
+        # Admit waiting requests only if no running request lost its blocks this step: that
+        # means memory is short, and admitting more would only preempt again.
+        if not self._short_of_memory:
             self._admit_waiting(scheduled, budget)
         freed, self._freed_ids = frozenset(self._freed_ids), set()
         return SchedulerOutput(scheduled, freed)
 
-    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request.request_id,
-                                          request.num_computed_tokens + num_new):
+    def _next_waiting(self) -> Request | None:
+        if not self.waiting:
+            return None
+        if not self.config.fair_share:
+            return min(self.waiting, key=rank)
+        load: dict[str | None, int] = {}
+        for r in self.running:
+            load[r.user] = load.get(r.user, 0) + 1
+        return min(self.waiting, key=lambda r: (r.priority, load.get(r.user, 0), rank(r)))
+
+    def _blocks_to_admit(self, request: Request, budget: int) -> int:
+        """Free blocks the request needs to start (ignoring cache hits: an upper bound)."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        return cdiv(request.num_computed_tokens + num_new, self.kv.block_size)
+
+    def _make_room_for_outranking(self) -> None:
+        """A waiting request that outranks the lowest running one takes its seat, or its
+        blocks, if it could not otherwise start."""
+        while self.running:
+            candidate = self._next_waiting()
+            if candidate is None or candidate.priority >= self.running[-1].priority:
                 return
-            self.waiting.popleft()
+            seats_full = len(self.running) >= self.config.max_num_seqs
+            blocks_short = self._blocks_to_admit(
+                candidate, self.config.max_num_batched_tokens) > self.kv.num_free_blocks
+            if not (seats_full or blocks_short):
+                return
+            self._preempt(self.running.pop())
+
+    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._next_waiting()
+            if request is None:
+                return
+            computed = self.kv.computed_blocks(request) if request.num_computed_tokens == 0 \
+                else []
+            num_hit = len(computed) * self.kv.block_size
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(request, num_hit + num_new, computed):
+                return
+            self.waiting.remove(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            bisect.insort(self.running, request, key=rank)
             scheduled.append(self._plan(request, num_new))
             budget -= num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
-        """Find blocks for `request`, preempting the newest running requests if needed.
+        """Find blocks for `request`, preempting the lowest-ranked running requests if needed.
 
         Returns False when `request` itself had to be preempted.
         """
-        while not self.kv.allocate_slots(request.request_id,
-                                         request.num_computed_tokens + num_new):
+        while not self.kv.allocate_slots(request, request.num_computed_tokens + num_new):
             victim = self.running.pop()
             self._preempt(victim)
+            self._short_of_memory = True
             if victim is request:
                 return False
         return True
 
     def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop the KV, keep the tokens, go back to the queue's front."""
+        """Recompute preemption: drop the KV (cached blocks stay cached), keep the tokens,
+        wait again with the same priority and arrival, so it resumes first among its peers."""
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.append(request)
 
     def _plan(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        return ScheduledRequest(request, start, num_new, list(self.kv.block_table(request.request_id)),
+        return ScheduledRequest(request, start, num_new,
+                                list(self.kv.block_table(request.request_id)),
                                 samples=start + num_new == request.num_tokens)
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[Request]:
@@ -141,6 +192,7 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens = item.end
+            self.kv.cache_full_blocks(request)
             new_token_ids = result.sampled_token_ids.get(request.request_id, [])
             new_logprobs = result.logprobs.get(request.request_id, [])
             for k, token_id in enumerate(new_token_ids):

@@ -65,3 +65,22 @@ def test_smollm_batch_chunk_preempt_keep_greedy_tokens(smollm_path, smollm_llm):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert llm.engine.scheduler.num_preemptions > 0
     assert_same(want, got)
+
+
+def test_prefix_cache_never_changes_greedy_tokens(tiny_llama_dir):
+    """Prompts sharing prefixes (and one repeated whole) run one by one, so later ones hit the
+    cache, and batched; both equal the same prompts with the cache off."""
+    folder, _ = tiny_llama_dir
+    shared = list(range(300, 360))
+    prompts = [shared + [7 * i, 7 * i + 1] for i in range(4)] + [shared, shared[:33], shared]
+    off = LLM(str(folder), dtype="float32", enable_prefix_caching=False)
+    want = run_alone(off, prompts, GREEDY)
+    on = LLM(str(folder), dtype="float32", block_size=16)
+    assert_same(want, run_alone(on, prompts, GREEDY))
+    kv = on.engine.scheduler.kv
+    # 16-token blocks, never the last token: 62-token prompts hit 3 blocks (48 tokens), the
+    # 60-token prompt 3, the 33-token one 2: 3 * 48 + 48 + 32 + 48
+    assert kv.num_hit_tokens == 272
+    batched = LLM(str(folder), dtype="float32", block_size=4, max_num_batched_tokens=24)
+    assert_same(want, [o.outputs[0].token_ids for o in batched.generate(prompts, GREEDY)])
+    assert batched.engine.scheduler.kv.num_hit_tokens > 0

@@ -1,10 +1,13 @@
-"""Block pool and per-request block tables: exact block ids, counts and reuse order."""
+"""Block pool, eviction policies and per-request block tables with the prefix cache: exact
+block ids, hits, misses and eviction order (reference: the rules written in each module)."""
 from __future__ import annotations
 
 import pytest
 
 from ember.kv.block_pool import BlockPool
 from ember.kv.kv_manager import KVCacheManager
+from ember.kv.prefix_cache import block_key, extend_keys
+from ember.request import Request, SamplingParams
 
 
 def test_pool_hands_out_blocks_in_order_and_reuses_the_oldest_freed_first():
@@ -20,11 +23,12 @@ def test_pool_hands_out_blocks_in_order_and_reuses_the_oldest_freed_first():
 def test_shared_blocks_return_only_when_the_last_reference_goes():
     pool = BlockPool(2)
     [a] = pool.allocate(1)
-    pool.incref([a])
+    pool.cache(a, key=7, parent_key=None, depth=0, num_tokens=16)
+    pool.touch([a])
     pool.free([a])
-    assert pool.num_free_blocks == 1 and pool.ref_count(a) == 1
+    assert pool.ref_count(a) == 1 and pool.num_free_blocks == 1
     pool.free([a])
-    assert pool.num_free_blocks == 2
+    assert pool.num_free_blocks == 2 and pool.lookup(7) == a  # idle, still cached
 
 
 def test_double_free_and_overdraw_are_bugs_not_silence():
@@ -37,18 +41,158 @@ def test_double_free_and_overdraw_are_bugs_not_silence():
         pool.free([a])
 
 
-def test_tables_grow_a_block_at_a_time():
+def cached_pool(policy: str, depths: list[int]) -> tuple[BlockPool, list[int]]:
+    """A pool of len(depths) + 1 blocks: each but the last cached (key 100 + i), then freed in
+    order (block 0 released first)."""
+    pool = BlockPool(len(depths) + 1, policy)
+    blocks = pool.allocate(len(depths))
+    for i, (b, depth) in enumerate(zip(blocks, depths)):
+        pool.cache(b, 100 + i, None, depth, 16)
+    for b in blocks:
+        pool.free([b])
+    return pool, blocks
+
+
+def evict_order(pool: BlockPool, n: int) -> list[int]:
+    assert pool.allocate(1) == [n]  # the one empty block goes first
+    return [pool.allocate(1)[0] for _ in range(n)]
+
+
+def reuse(pool: BlockPool, block_id: int, times: int) -> None:
+    for _ in range(times):
+        pool.touch([block_id])
+        pool.free([block_id])
+
+
+def test_lru_evicts_the_least_recently_released():
+    pool, blocks = cached_pool("lru", [0, 1, 2])
+    reuse(pool, blocks[0], 1)  # block 0 is now the most recently released
+    assert evict_order(pool, 3) == [blocks[1], blocks[2], blocks[0]]
+    assert pool.num_evictions == 3 and pool.num_cached_blocks == 0
+
+
+def test_lfu_evicts_the_least_reused_then_the_oldest():
+    pool, blocks = cached_pool("lfu", [0, 1, 2])
+    reuse(pool, blocks[0], 2)
+    reuse(pool, blocks[2], 1)
+    assert evict_order(pool, 3) == [blocks[1], blocks[2], blocks[0]]
+
+
+def test_cost_policy_keeps_expensive_prefixes_and_ages_out_old_ones():
+    # worth = L + (hits + 1) * (depth + 1): blocks at depth 0, 3, 1 are worth 1, 4, 2
+    pool, blocks = cached_pool("cost", [0, 3, 1])
+    assert pool.allocate(1) == [3]  # the empty block
+    assert pool.allocate(1) == [blocks[0]]       # worth 1; L becomes 1
+    pool.free([blocks[0]])                        # uncached now: it goes back as empty
+    [a] = pool.allocate(1)
+    pool.cache(a, 200, None, 0, 16)
+    pool.free([a])                                # worth 1 + 1 * 1 = 2, released last
+    # blocks[2] (worth 2, released earlier) ties with a (worth 2): the older release goes
+    assert [pool.allocate(1)[0] for _ in range(3)] == [blocks[2], a, blocks[1]]
+
+
+def test_events_log_stored_and_removed_keys_in_order():
+    pool = BlockPool(1, max_events=3)
+    [a] = pool.allocate(1)
+    pool.cache(a, 11, None, 0, 16)
+    pool.free([a])
+    [b] = pool.allocate(1)                        # evicts key 11
+    pool.cache(b, 12, 11, 1, 16)
+    events, dropped = pool.events_after(-1)
+    assert [(e.seq, e.kind, e.block_key) for e in events] == [
+        (0, "stored", 11), (1, "removed", 11), (2, "stored", 12)]
+    assert events[2].parent_key == 11 and not dropped
+    pool.free([b])
+    pool.allocate(1)                              # a 4th event pushes the first out
+    events, dropped = pool.events_after(-1)
+    assert [e.seq for e in events] == [1, 2, 3] and dropped
+    assert pool.events_after(2) == ([events[-1]], False)
+
+
+def make_request(rid: str, tokens: list[int], salt: str | None = None,
+                 prefix_cache: bool = True) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=8), frozenset({2}), 8,
+                   cache_salt=salt, prefix_cache=prefix_cache)
+
+
+def run_prefill(kv: KVCacheManager, request: Request) -> list[int]:
+    """Admit like the scheduler does: reuse hits, allocate the rest, compute, cache."""
+    computed = kv.computed_blocks(request)
+    assert kv.allocate_slots(request, request.num_tokens, computed)
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_full_blocks(request)
+    return computed
+
+
+def test_a_shared_prefix_is_reused_in_whole_blocks():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = make_request("a", list(range(10)))             # blocks [0-3] [4-7] [8, 9]
+    assert run_prefill(kv, a) == []
+    assert kv.pool.num_cached_blocks == 2              # the partial third block is not cached
+    b = make_request("b", list(range(8)) + [50, 51, 52])
+    hits = run_prefill(kv, b)
+    assert hits == kv.block_table("a")[:2] and kv.block_table("b")[:2] == hits
+    assert kv.pool.ref_count(hits[0]) == 2
+    assert (kv.num_queried_tokens, kv.num_hit_tokens) == (21, 8)
+
+
+def test_a_full_hit_still_recomputes_the_last_token():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    run_prefill(kv, make_request("a", list(range(8))))
+    again = make_request("b", list(range(8)))
+    assert len(kv.computed_blocks(again)) == 1         # 7 tokens at most: one whole block
+
+
+def test_salted_requests_never_share_a_block():
+    kv = KVCacheManager(num_blocks=20, block_size=4)
+    run_prefill(kv, make_request("plain", list(range(12))))
+    assert run_prefill(kv, make_request("t1", list(range(12)), salt="tenant-1")) == []
+    assert run_prefill(kv, make_request("t2", list(range(12)), salt="tenant-2")) == []
+    assert len(run_prefill(kv, make_request("t1b", list(range(12)), salt="tenant-1"))) == 2
+    tables = [set(kv.block_table(r)) for r in ("plain", "t1", "t2")]
+    assert not (tables[0] & tables[1] or tables[0] & tables[2] or tables[1] & tables[2])
+
+
+def test_opted_out_requests_neither_reuse_nor_store():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    run_prefill(kv, make_request("a", list(range(8)), prefix_cache=False))
+    assert kv.pool.num_cached_blocks == 0
+    run_prefill(kv, make_request("b", list(range(9))))
+    assert run_prefill(kv, make_request("c", list(range(9)), prefix_cache=False)) == []
+    off = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    run_prefill(off, make_request("a", list(range(9))))
+    assert off.pool.num_cached_blocks == 0
+
+
+def test_generated_tokens_are_cached_once_computed():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    r = make_request("a", [1, 2, 3])
+    run_prefill(kv, r)
+    for t in (4, 5):                                   # two decode steps
+        r.append_output(t)
+        assert kv.allocate_slots(r, r.num_tokens)
+        r.num_computed_tokens = r.num_tokens - 1       # the newest token's KV comes next step
+        kv.cache_full_blocks(r)
+    assert kv.pool.num_cached_blocks == 1              # [1, 2, 3, 4] is full and computed
+    keys = extend_keys([], [1, 2, 3, 4], 4)
+    assert kv.pool.lookup(keys[0]) == kv.block_table("a")[0]
+
+
+def test_tables_grow_and_refuse_without_side_effects():
     kv = KVCacheManager(num_blocks=4, block_size=4)
-    assert kv.allocate_slots("a", 5)            # tokens 0-4: two blocks
-    assert kv.block_table("a") == [0, 1]
-    assert kv.allocate_slots("a", 8)            # still fits in two
-    assert kv.block_table("a") == [0, 1]
-    assert kv.allocate_slots("a", 9)
-    assert kv.block_table("a") == [0, 1, 2]
-    assert not kv.allocate_slots("b", 5)        # one block left, two needed: nothing changes
+    a, b = make_request("a", [0] * 9), make_request("b", [1] * 5)
+    assert kv.allocate_slots(a, 5) and kv.block_table("a") == [0, 1]
+    assert kv.allocate_slots(a, 8) and kv.block_table("a") == [0, 1]
+    assert kv.allocate_slots(a, 9) and kv.block_table("a") == [0, 1, 2]
+    assert not kv.allocate_slots(b, 5)
     assert kv.block_table("b") == [] and kv.num_free_blocks == 1
     kv.free("a")
     assert kv.num_free_blocks == 4
-    assert kv.allocate_slots("b", 5)
-    assert kv.block_table("b") == [3, 2]        # blocks freed tail-first, reused oldest first
-    kv.free("unknown")                          # freeing twice or unknown is harmless
+    kv.free("unknown")
+
+
+def test_keys_chain_and_depend_on_the_salt():
+    k0 = block_key(None, [1, 2])
+    assert block_key(None, [1, 2]) == k0 != block_key(None, [1, 2], "s")
+    assert block_key(k0, [3, 4]) != block_key(block_key(None, [9, 9]), [3, 4])
+    assert extend_keys([], [1, 2, 3, 4, 5], 2) == [k0, block_key(k0, [3, 4])]

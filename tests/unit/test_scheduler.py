@@ -14,16 +14,23 @@ EOS = 2
 
 
 def make_scheduler(token_budget: int = 64, num_blocks: int = 32, block_size: int = 16,
-                   max_num_seqs: int = 8, max_model_len: int = 4096) -> Scheduler:
+                   max_num_seqs: int = 8, max_model_len: int = 4096, caching: bool = True,
+                   fair_share: bool = False) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
-                                     max_num_batched_tokens=token_budget),
-                     KVCacheManager(num_blocks, block_size), max_model_len)
+                                     max_num_batched_tokens=token_budget,
+                                     fair_share=fair_share),
+                     KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching),
+                     max_model_len)
 
 
 def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int = 8,
+                 prompt: list[int] | None = None, priority: int = 0, user: str | None = None,
                  **params) -> Request:
-    return Request(request_id, list(range(10, 10 + num_prompt_tokens)),
-                   SamplingParams(max_tokens=max_tokens, **params), frozenset({EOS}), max_tokens)
+    """Each request id gets its own prompt tokens unless `prompt` is given."""
+    base = 100 * (sum(map(ord, request_id)) % 97) + 1000
+    return Request(request_id, prompt or list(range(base, base + num_prompt_tokens)),
+                   SamplingParams(max_tokens=max_tokens, **params), frozenset({EOS}), max_tokens,
+                   priority=priority, user=user)
 
 
 def fake_result(plan: SchedulerOutput, token: int = 7) -> RunnerOutput:
@@ -96,11 +103,25 @@ def test_preemption_takes_the_newest_and_it_resumes_first():
     while "a" in sched.requests:
         step(sched)
     plan = step(sched)                                   # b recomputes prompt + its token
-    assert plan.num_new_tokens == {"b": 9}
+    assert plan.num_new_tokens == {"b": 9}               # (a evicted b's cached blocks)
     while sched.has_unfinished():
         step(sched)
     assert sched.kv.num_free_blocks == 4
 
+
+def test_a_preempted_request_resumes_from_what_stays_cached():
+    # 5 blocks of 4: a and b prefill 2 each; a takes the 5th; b must grow and is preempted.
+    # Its blocks go idle tail first, so when a grows again LRU evicts b's second block and
+    # b resumes from its first: 9 tokens, 4 cached, 5 to compute.
+    sched = make_scheduler(token_budget=64, num_blocks=5, block_size=4)
+    sched.add(make_request("a", 8, max_tokens=8))
+    sched.add(make_request("b", 8, max_tokens=8))
+    step(sched)
+    assert step(sched).num_new_tokens == {"a": 1} and sched.num_preemptions == 1
+    while "a" in sched.requests:
+        assert "b" not in step(sched).num_new_tokens
+    assert step(sched).num_new_tokens == {"b": 5}
+    assert sched.kv.num_hit_tokens >= 4
 
 def test_the_oldest_request_preempts_itself_last():
     sched = make_scheduler(token_budget=64, num_blocks=2, block_size=4)
@@ -182,3 +203,109 @@ def test_requests_that_can_never_fit_are_refused_up_front():
     with pytest.raises(InvalidRequest, match="already in use"):
         sched.add(make_request("c", 1))
     assert sched.num_waiting == 1
+
+
+def run_to_end(sched: Scheduler, limit: int = 500) -> list[str]:
+    """Step until idle; returns request ids in the order they finished."""
+    done = []
+    for _ in range(limit):
+        if not sched.has_unfinished():
+            return done
+        before = set(sched.requests)
+        step(sched)
+        done += sorted(before - set(sched.requests))
+    raise AssertionError("the scheduler never drained")
+
+
+def test_a_cached_prefix_is_skipped():
+    sched = make_scheduler(token_budget=64, block_size=16)
+    shared = list(range(500, 532))
+    sched.add(make_request("a", 40, prompt=shared + [1] * 8))
+    run_to_end(sched)
+    b = make_request("b", 40, prompt=shared + [2] * 8)
+    sched.add(b)
+    plan = step(sched)
+    assert (plan.scheduled[0].start, plan.num_new_tokens) == (32, {"b": 8})
+    assert b.num_cached_tokens == 32
+    c = make_request("c", 32, prompt=shared)             # a full hit: the last block recomputed
+    sched.add(c)
+    plan = step(sched)
+    assert plan.num_new_tokens["c"] == 16 and c.num_cached_tokens == 16
+
+
+def test_priority_orders_the_queue():
+    sched = make_scheduler(max_num_seqs=1)
+    sched.add(make_request("low", 4, max_tokens=2, priority=5))
+    sched.add(make_request("high", 4, max_tokens=2, priority=0))
+    sched.add(make_request("mid", 4, max_tokens=2, priority=1))
+    assert run_to_end(sched) == ["high", "mid", "low"]
+
+
+def test_a_higher_priority_arrival_takes_a_seat():
+    sched = make_scheduler(max_num_seqs=1)
+    sched.add(make_request("low", 4, max_tokens=6, priority=3))
+    step(sched)
+    sched.add(make_request("high", 4, max_tokens=3, priority=0))
+    plan = step(sched)
+    low = sched.requests["low"]
+    assert plan.num_new_tokens == {"high": 4}
+    assert low.status is RequestStatus.PREEMPTED and low.priority == 3
+    assert run_to_end(sched) == ["high", "low"]
+    assert len(low.output_token_ids) == 6
+
+
+def test_a_higher_priority_arrival_takes_blocks():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=8)
+    sched.add(make_request("low", 12, max_tokens=4, priority=2))   # 3 blocks, then a 4th
+    step(sched)
+    sched.add(make_request("high", 8, max_tokens=2, priority=0))   # needs 2 blocks
+    plan = step(sched)
+    assert "high" in plan.num_new_tokens and "low" not in plan.num_new_tokens
+    assert sched.requests["low"].status is RequestStatus.PREEMPTED
+    assert run_to_end(sched) == ["high", "low"]
+
+
+def test_equal_priority_never_preempts_for_a_seat():
+    sched = make_scheduler(max_num_seqs=1)
+    sched.add(make_request("first", 4, max_tokens=4))
+    step(sched)
+    sched.add(make_request("second", 4, max_tokens=4))
+    assert step(sched).num_new_tokens == {"first": 1}
+    assert sched.num_preemptions == 0
+
+
+def test_preempted_requests_resume_before_later_arrivals_of_their_priority():
+    sched = make_scheduler(max_num_seqs=2)
+    sched.add(make_request("a", 4, max_tokens=8, priority=1))
+    sched.add(make_request("b", 4, max_tokens=8, priority=1))
+    step(sched)
+    sched.add(make_request("vip", 4, max_tokens=2, priority=0))
+    sched.add(make_request("late", 4, max_tokens=2, priority=1))
+    plan = step(sched)
+    assert set(plan.num_new_tokens) == {"a", "vip"}       # b (ranked after a) gave its seat
+    b = sched.requests["b"]
+    assert b.status is RequestStatus.PREEMPTED
+    order = run_to_end(sched)
+    assert order.index("b") < order.index("late")
+
+
+def test_fair_share_lets_a_second_user_in_past_a_flood():
+    def admitted(fair: bool) -> set[str]:
+        sched = make_scheduler(max_num_seqs=2, fair_share=fair)
+        for i in range(5):
+            sched.add(make_request(f"A{i}", 4, max_tokens=20, user="A"))
+        sched.add(make_request("B0", 4, max_tokens=20, user="B"))
+        return set(step(sched).num_new_tokens)
+    assert admitted(False) == {"A0", "A1"}
+    assert admitted(True) == {"A0", "B0"}
+
+
+def test_fair_share_finishes_everyone():
+    sched = make_scheduler(max_num_seqs=2, fair_share=True)
+    for i in range(6):
+        sched.add(make_request(f"A{i}", 4, max_tokens=3, user="A"))
+    for i in range(2):
+        sched.add(make_request(f"B{i}", 4, max_tokens=3, user="B"))
+    order = run_to_end(sched)
+    assert sorted(order) == sorted([f"A{i}" for i in range(6)] + ["B0", "B1"])
+    assert order.index("B1") < order.index("A3")
