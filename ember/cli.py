@@ -35,6 +35,15 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    default=SchedulerConfig.max_num_batched_tokens,
                    help="token budget of one step (the prefill chunk size)")
     g.add_argument("--engine-seed", type=int, default=0, help="seed for unseeded sampling")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="recompute every prompt (the prefix cache is on by default)")
+    g.add_argument("--eviction-policy", default=CacheConfig.eviction_policy,
+                   choices=["lru", "lfu", "cost"],
+                   help="which idle cached block goes first when blocks run out")
+    g.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype,
+                   choices=["auto", "int8"], help="int8 holds ~2x the tokens of bf16")
+    g.add_argument("--fair-share", action="store_true",
+                   help="admit waiting requests round-robin by their `user`")
     g.add_argument("-q", "--quiet", action="store_true",
                    help="do not report the model and KV cache on stderr at start")
 
@@ -55,9 +64,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         seed=args.engine_seed,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          eviction_policy=args.eviction_policy,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens))
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  fair_share=args.fair_share))
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ember.errors import BadSamplingParams
+from ember.errors import BadSamplingParams, InvalidRequest
 
 MAX_LOGPROBS = 20
 
@@ -94,6 +94,24 @@ class SamplingParams:
 def _check(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
         raise BadSamplingParams(f"{name}={value!r} {rule}", param=name)
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """How a request is served, beside how its tokens are sampled."""
+
+    priority: int = 0                 # lower runs first (as in vLLM); ties go by arrival
+    user: str | None = None           # for fair share between users
+    cache_salt: str | None = None     # requests share cached KV only with the same salt
+    prefix_cache: bool = True         # False: neither reuse nor store cached KV
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise InvalidRequest(f"priority={self.priority!r} must be an integer (lower runs "
+                                 "first)", param="priority")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str)
+                                                and self.cache_salt):
+            raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
 
 
 class RequestStatus(enum.Enum):

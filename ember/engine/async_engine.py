@@ -25,7 +25,7 @@ from ember.config import EngineConfig
 from ember.engine.core import EngineCore
 from ember.engine.output import SequenceText
 from ember.errors import EmberError, EngineDead, Overloaded, RequestFailed
-from ember.request import CompletionOutput, FinishReason, SamplingParams
+from ember.request import CompletionOutput, FinishReason, RequestOptions, SamplingParams
 from ember.weights.loader import served_model_name
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,10 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     last_step_time: float = 0.0
+    prefix_cache_queries: int = 0   # prompt tokens looked up
+    prefix_cache_hits: int = 0      # of those, found cached
+    prefix_cache_evictions: int = 0
+    num_cached_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class Finished:
 
     num_prompt_tokens: int
     queue_time_s: float
+    num_cached_tokens: int = 0   # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -71,6 +76,7 @@ class _Stream:
     num_prompt_tokens: int
     arrival_time: float
     first_scheduled: float | None = None
+    num_cached_tokens: int = 0
     num_open: int = 0
 
     def put(self, item: Any) -> None:
@@ -137,8 +143,8 @@ class AsyncEngine:
 
     # -- requests --------------------------------------------------------------------------
 
-    def submit(self, request_id: str, prompt_token_ids: list[int],
-               params: SamplingParams) -> "RequestStream":
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               options: RequestOptions = RequestOptions()) -> "RequestStream":
         """Queue a request and return its stream. Raises at once, queueing nothing, if the
         request can never run, the queue is full, or the engine is not ready."""
         core = self._core()
@@ -154,16 +160,17 @@ class AsyncEngine:
                          [f"{request_id}-{i}" for i in range(len(children))],
                          len(prompt_token_ids), time.monotonic())
         self._streams[request_id] = stream
-        self._inbox.append(("add", (request_id, prompt_token_ids, children)))
+        self._inbox.append(("add", (request_id, prompt_token_ids, children, options)))
         self._wake.set()
         deadline = None if self.request_timeout_s is None else \
             time.monotonic() + self.request_timeout_s
         return RequestStream(self, request_id, stream, deadline)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[CompletionOutput | Finished]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       options: RequestOptions = RequestOptions()
+                       ) -> AsyncIterator[CompletionOutput | Finished]:
         """submit() and iterate: deltas (one per sequence per step), then one Finished."""
-        stream = self.submit(request_id, prompt_token_ids, params)
+        stream = self.submit(request_id, prompt_token_ids, params, options)
         try:
             async for item in stream:
                 yield item
@@ -235,13 +242,13 @@ class AsyncEngine:
         return True
 
     def _add(self, request_id: str, prompt_token_ids: list[int],
-             children: list[SamplingParams]) -> None:
+             children: list[SamplingParams], options: RequestOptions) -> None:
         stream = self._streams.get(request_id)
         if stream is None:  # cancelled before it reached the engine
             return
         try:
             for seq_id, child in zip(stream.sequences, children):
-                request = self.core.add_request(seq_id, prompt_token_ids, child)
+                request = self.core.add_request(seq_id, prompt_token_ids, child, options)
                 index = int(seq_id.rsplit("-", 1)[1])
                 self._texts[seq_id] = (request_id, SequenceText(self.core.tokenizer, request,
                                                                 index))
@@ -272,6 +279,7 @@ class AsyncEngine:
                 continue
             if stream.first_scheduled is None:
                 stream.first_scheduled = request.first_scheduled_time
+                stream.num_cached_tokens = request.num_cached_tokens
             stream.put(seq.take_delta())
             if seq.finish_reason is not None:
                 del self._texts[request.request_id]
@@ -279,18 +287,27 @@ class AsyncEngine:
                 if stream.num_open == 0:
                     queue_time = (stream.first_scheduled or stream.arrival_time) - \
                         stream.arrival_time
-                    stream.put(Finished(stream.num_prompt_tokens, max(0.0, queue_time)))
+                    stream.put(Finished(stream.num_prompt_tokens, max(0.0, queue_time),
+                                        stream.num_cached_tokens))
                     stream.put(_STOP)
         self._publish_stats(stepped=True)
 
     def _publish_stats(self, stepped: bool) -> None:
-        scheduler = self.core.scheduler
+        scheduler, kv = self.core.scheduler, self.core.scheduler.kv
         self.stats = EngineStats(num_running=scheduler.num_running,
                                  num_waiting=scheduler.num_waiting,
-                                 kv_cache_usage=scheduler.kv.usage(),
+                                 kv_cache_usage=kv.usage(),
                                  num_preemptions=scheduler.num_preemptions,
                                  num_steps=self.stats.num_steps + stepped,
-                                 last_step_time=time.monotonic())
+                                 last_step_time=time.monotonic(),
+                                 prefix_cache_queries=kv.num_queried_tokens,
+                                 prefix_cache_hits=kv.num_hit_tokens,
+                                 prefix_cache_evictions=kv.pool.num_evictions,
+                                 num_cached_blocks=kv.pool.num_cached_blocks)
+
+    def kv_events_after(self, seq: int) -> tuple[list, bool]:
+        """The prefix cache's stored/removed events after `seq` (any thread may ask)."""
+        return self._core().scheduler.kv.pool.events_after(seq)
 
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ember.config import EngineConfig, ModelConfig
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kv.kv_manager import KVCacheManager
-from ember.request import FinishReason, Request, SamplingParams
+from ember.request import FinishReason, Request, RequestOptions, SamplingParams
 from ember.runner.kv_tensors import GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks
 from ember.runner.runner import ModelRunner
 from ember.scheduler.scheduler import Scheduler
@@ -74,16 +74,19 @@ class EngineCore:
                  config.device, self.cache_info.describe())
         kv_caches = allocate_kv_caches(self.model_config, num_blocks, block_size, self.dtype,
                                        config.device)
-        self.scheduler = Scheduler(config.scheduler, KVCacheManager(num_blocks, block_size),
-                                   self.max_model_len)
+        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
+                            config.cache.eviction_policy)
+        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    options: RequestOptions = RequestOptions()) -> Request:
         """Validate and queue one sequence. Raises InvalidRequest subclasses at once."""
         max_tokens = self.check_request(prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params,
-                          eos_token_ids=self.tokenizer.eos_token_ids, max_tokens=max_tokens)
+                          eos_token_ids=self.tokenizer.eos_token_ids, max_tokens=max_tokens,
+                          priority=options.priority, user=options.user,
+                          cache_salt=options.cache_salt, prefix_cache=options.prefix_cache)
         self.scheduler.add(request)
         return request
 

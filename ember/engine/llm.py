@@ -9,7 +9,7 @@ from ember.config import EngineConfig
 from ember.engine.core import EngineCore
 from ember.engine.output import SequenceText
 from ember.errors import InvalidRequest
-from ember.request import FinishReason, RequestOutput, SamplingParams
+from ember.request import FinishReason, RequestOptions, RequestOutput, SamplingParams
 from ember.tokenizer.chat import ChatTemplate, Message
 
 Prompt = str | list[int]
@@ -54,15 +54,18 @@ class LLM:
         return self._chat_template
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Run all prompts together (continuous batching); outputs come back in prompt order."""
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 options: RequestOptions | None = None) -> list[RequestOutput]:
+        """Run all prompts together (continuous batching); outputs come back in prompt order.
+
+        `options` (priority, cache_salt, prefix_cache, user) apply to every prompt.
+        """
         prompt_list = _as_prompt_list(prompts)
         param_list = _as_param_list(params, len(prompt_list))
         outputs, sequences = [], []
         try:
             for prompt, p in zip(prompt_list, param_list):
-                output, seqs = self._add(prompt, p)
+                output, seqs = self._add(prompt, p, options or RequestOptions())
                 outputs.append(output)
                 sequences.append(seqs)
             self._run_to_completion([s for seqs in sequences for s in seqs])
@@ -110,13 +113,14 @@ class LLM:
         self.engine.finish(seq.request.request_id)
         self._live.pop(seq.request.request_id, None)
 
-    def _add(self, prompt: Prompt, params: SamplingParams) -> tuple[RequestOutput,
-                                                                    list[SequenceText]]:
+    def _add(self, prompt: Prompt, params: SamplingParams,
+             options: RequestOptions = RequestOptions()
+             ) -> tuple[RequestOutput, list[SequenceText]]:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = str(next(self._ids))
         seqs = []
         for index, child in enumerate(params.fan_out()):
-            request = self.engine.add_request(f"{request_id}-{index}", token_ids, child)
+            request = self.engine.add_request(f"{request_id}-{index}", token_ids, child, options)
             seqs.append(SequenceText(self.tokenizer, request, index))
         text = prompt if isinstance(prompt, str) else None
         self._live.update({s.request.request_id: s for s in seqs})

@@ -140,6 +140,7 @@ class BlockPool:
 
     def events_after(self, seq: int) -> tuple[list[KVEvent], bool]:
         """Events with seq > `seq`, and whether older ones were dropped from the log."""
-        events = [e for e in self.events if e.seq > seq]
-        dropped = bool(self.events) and self.events[0].seq > seq + 1
+        snapshot = list(self.events)  # one C-level copy: safe while the engine thread appends
+        events = [e for e in snapshot if e.seq > seq]
+        dropped = bool(snapshot) and snapshot[0].seq > seq + 1
         return events, dropped

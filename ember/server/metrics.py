@@ -42,17 +42,28 @@ class EngineCollector(Collector):
                               stats.kv_cache_usage)
         yield self._gauge("vllm:gpu_cache_usage_perc", "Alias of vllm:kv_cache_usage_perc for "
                           "older routers", stats.kv_cache_usage)
-        preemptions = CounterMetricFamily("ember_num_preemptions", "Requests preempted "
-                                          "(KV recomputed) because blocks ran out",
-                                          labels=["model_name"])
-        preemptions.add_metric([self.model_name], stats.num_preemptions)
-        yield preemptions
+        yield self._counter("ember_num_preemptions", "Requests preempted (KV recomputed) "
+                            "because blocks or seats ran out", stats.num_preemptions)
+        for prefix in ("ember_", "vllm:"):
+            yield self._counter(f"{prefix}prefix_cache_queries", "Prompt tokens looked up in "
+                                "the prefix cache", stats.prefix_cache_queries)
+            yield self._counter(f"{prefix}prefix_cache_hits", "Prompt tokens found in the "
+                                "prefix cache", stats.prefix_cache_hits)
+        yield self._counter("ember_prefix_cache_evictions", "Cached blocks given up to make "
+                            "room", stats.prefix_cache_evictions)
+        yield self._gauge("ember_prefix_cache_blocks", "Blocks holding a cached prefix",
+                          stats.num_cached_blocks)
         if core is not None:
             info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration",
                                      labels=["block_size", "num_gpu_blocks", "model_name"])
             info.add_metric([str(core.cache_info.block_size), str(core.cache_info.num_blocks),
                              self.model_name], 1.0)
             yield info
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        counter = CounterMetricFamily(name, doc, labels=["model_name"])
+        counter.add_metric([self.model_name], value)
+        return counter
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         gauge = GaugeMetricFamily(name, doc, labels=["model_name"])

@@ -24,7 +24,7 @@ import anyio
 
 from ember.engine.async_engine import Finished, RequestStream
 from ember.errors import EmberError, InvalidRequest
-from ember.request import CompletionOutput, SamplingParams, TokenLogprob
+from ember.request import CompletionOutput, RequestOptions, SamplingParams, TokenLogprob
 from ember.server.errors import ClientDisconnected, error_body
 from ember.server.metrics import RequestTracker
 from ember.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -62,25 +62,28 @@ class Generation:
     """The engine requests behind one HTTP request (one per prompt, each with n sequences)."""
 
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, options: RequestOptions) -> None:
         self.n = params.n
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self.tracker: RequestTracker = state.metrics.tracker()
         self.streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                self.streams.append(state.engine.submit(f"{request_id}-{i}", prompt, params))
+                self.streams.append(state.engine.submit(f"{request_id}-{i}", prompt, params,
+                                                        options))
         except BaseException:
             self.close("refused")
             raise
         self.choices = [Choice() for _ in range(len(prompts) * self.n)]
         self._queue_times: list[float] = []
+        self.num_cached_tokens = 0
 
     async def deltas(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
         """(choice index, delta) as the engine produces them, all prompts interleaved."""
         async for prompt_idx, item in _merge(self.streams):
             if isinstance(item, Finished):
                 self._queue_times.append(item.queue_time_s)
+                self.num_cached_tokens += item.num_cached_tokens
                 continue
             index = prompt_idx * self.n + item.index
             self.choices[index].add(item)
@@ -89,10 +92,11 @@ class Generation:
         self.tracker.on_finish([c.finish_reason or "abort" for c in self.choices],
                                self.num_prompt_tokens, self._queue_times)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         completion = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.num_prompt_tokens + completion}
+                "total_tokens": self.num_prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
     def close(self, reason: str) -> None:
         """Abort whatever has not finished (KV blocks are freed by the engine)."""
@@ -272,7 +276,8 @@ async def create_completion(request: Request) -> Response:
     prompts = completion_prompts(body.prompt_list(), tokenizer)
     params = body.sampling_params(body.max_tokens, body.logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    gen = Generation(state, request_id, [ids for _, ids in prompts], params)
+    gen = Generation(state, request_id, [ids for _, ids in prompts], params,
+                     body.request_options())
     created = int(time.time())
     echo = [(text if text is not None else tokenizer.decode(ids)) if body.echo else ""
             for text, ids in prompts for _ in range(params.n)]
@@ -328,7 +333,7 @@ async def create_chat_completion(request: Request) -> Response:
     prompt = chat_prompt(state, body.messages, body.add_generation_prompt)
     params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = Generation(state, request_id, [prompt], params)
+    gen = Generation(state, request_id, [prompt], params, body.request_options())
     base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": state.model_name}
     if body.stream:

@@ -13,7 +13,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
                       model_validator)
 
 from ember.errors import InvalidRequest
-from ember.request import MAX_LOGPROBS, SamplingParams
+from ember.request import MAX_LOGPROBS, RequestOptions, SamplingParams
 
 
 class Strict(BaseModel):
@@ -58,6 +58,13 @@ class SamplingFields(Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int = 0                # lower runs first
+    cache_salt: str | None = None    # share cached prefixes only with the same salt
+    prefix_cache: bool = True        # False: neither reuse nor store cached KV
+
+    def request_options(self) -> RequestOptions:
+        return RequestOptions(priority=self.priority, user=self.user,
+                              cache_salt=self.cache_salt, prefix_cache=self.prefix_cache)
 
     @property
     def include_usage(self) -> bool:

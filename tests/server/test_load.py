@@ -79,7 +79,8 @@ def test_64_concurrent_streams_complete_with_correct_usage(server):
     for body, r in zip(bodies, results):
         assert r["status"] == 200 and r["done"]
         assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": body["max_tokens"],
-                              "total_tokens": 3 + body["max_tokens"]}
+                              "total_tokens": 3 + body["max_tokens"],
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     server.wait_idle()
 
 

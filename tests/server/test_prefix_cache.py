@@ -1,0 +1,141 @@
+"""The prefix cache, salts, priorities and KV events through the HTTP API.
+
+Reference: the cache rules (whole 16-token blocks, never the last prompt token) and the chained
+keys of ember/kv/prefix_cache.py computed here from the server's own /tokenize.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from ember.kv.prefix_cache import extend_keys
+from tests.server.conftest import LiveServer
+
+LONG = "The quick brown fox jumps over the lazy dog. " * 12
+
+
+def complete(server, **body) -> dict:
+    r = httpx.post(server.url + "/v1/completions", json={"max_tokens": 2, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def expected_hit(num_prompt_tokens: int, block_size: int = 16) -> int:
+    return (num_prompt_tokens - 1) // block_size * block_size
+
+
+def test_cached_tokens_are_reported_like_openai(server):
+    first = complete(server, prompt=LONG + "one")
+    n = first["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    again = complete(server, prompt=LONG + "one")
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == expected_hit(n)
+    chat = {"messages": [{"role": "user", "content": LONG}], "max_tokens": 2,
+            "stream": True, "stream_options": {"include_usage": True}}
+    httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60)
+    body = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).text
+    usage = json.loads(body.split("data: ")[-2])["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == expected_hit(usage["prompt_tokens"])
+
+
+def test_greedy_text_is_the_same_with_and_without_a_hit(server):
+    cold = complete(server, prompt=LONG + "two", max_tokens=12, temperature=0,
+                    prefix_cache=False)
+    warm1 = complete(server, prompt=LONG + "two", max_tokens=12, temperature=0)
+    warm2 = complete(server, prompt=LONG + "two", max_tokens=12, temperature=0)
+    assert warm2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert cold["choices"][0]["text"] == warm1["choices"][0]["text"] == \
+        warm2["choices"][0]["text"]
+
+
+def test_salts_isolate_tenants_and_opting_out_stores_nothing(server):
+    prompt = LONG + "three"
+    complete(server, prompt=prompt)
+    salted = complete(server, prompt=prompt, cache_salt="tenant-a")
+    assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    again = complete(server, prompt=prompt, cache_salt="tenant-a")
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    other = complete(server, prompt=prompt, cache_salt="tenant-b")
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    private = LONG.replace("fox", "cat") + "four"
+    complete(server, prompt=private, prefix_cache=False)
+    after = complete(server, prompt=private)
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_prefix_cache_metrics(server):
+    hits = server.metric('ember_prefix_cache_hits_total{model_name="%s"}'
+                         % server.state.model_name)
+    cached = sum(complete(server, prompt=LONG + "five")["usage"]["prompt_tokens_details"]
+                 ["cached_tokens"] for _ in range(2))
+    name = server.state.model_name
+    assert server.metric(f'ember_prefix_cache_hits_total{{model_name="{name}"}}') == \
+        hits + cached
+    assert server.metric(f'vllm:prefix_cache_hits_total{{model_name="{name}"}}') == \
+        hits + cached
+    assert server.metric(f'ember_prefix_cache_blocks{{model_name="{name}"}}') > 0
+
+
+def test_kv_events_name_the_blocks_a_prompt_stored(server):
+    start = httpx.get(server.url + "/kv/events").json()
+    last = max([e["seq"] for e in start["events"]], default=-1)
+    prompt = "Events: " + LONG.replace("dog", "hen")
+    complete(server, prompt=prompt, max_tokens=1)
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    keys = extend_keys([], ids, 16)
+    page = httpx.get(server.url + "/kv/events", params={"after": last}).json()
+    stored = [e for e in page["events"] if e["type"] == "stored"]
+    assert [e["block_hash"] for e in stored] == keys
+    assert stored[1]["parent_block_hash"] == keys[0] and stored[0]["parent_block_hash"] is None
+    assert page["block_size"] == 16 and page["dropped"] is False
+    with httpx.stream("GET", server.url + "/kv/events/stream", params={"after": last},
+                      timeout=10) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+    assert json.loads(first[6:])["block_hash"] == keys[0]
+
+
+def test_prefix_caching_can_be_turned_off(tiny_llama_dir):
+    folder, _ = tiny_llama_dir
+    live = LiveServer(folder, engine_options={"enable_prefix_caching": False})
+    try:
+        complete(live, prompt=LONG)
+        assert complete(live, prompt=LONG)["usage"]["prompt_tokens_details"] == \
+            {"cached_tokens": 0}
+    finally:
+        live.close()
+
+
+def test_priority_preempts_over_http(tiny_llama_dir):
+    folder, _ = tiny_llama_dir
+    live = LiveServer(folder, engine_options={"max_num_seqs": 1})
+    live.delay_steps(0.01)
+    try:
+        results = {}
+
+        def run(name: str, priority: int, max_tokens: int) -> None:
+            start = time.monotonic()
+            complete(live, prompt=f"{name} request", max_tokens=max_tokens, ignore_eos=True,
+                     priority=priority)
+            results[name] = time.monotonic() - start
+
+        low = threading.Thread(target=run, args=("low", 5, 150))
+        low.start()
+        deadline = time.monotonic() + 10
+        while not live.scheduler.running:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        high = threading.Thread(target=run, args=("high", 0, 10))
+        high.start()
+        high.join(30)
+        low.join(60)
+        assert results["high"] < results["low"]
+        assert live.metric('ember_num_preemptions_total{model_name="%s"}'
+                           % live.state.model_name) >= 1
+        with pytest.raises(AssertionError):
+            complete(live, prompt="x", priority="high")
+    finally:
+        live.close()
