@@ -168,6 +168,24 @@ def cmd_serve(args: argparse.Namespace) -> None:
         drain_timeout_s=args.drain_timeout))
 
 
+def cmd_perplexity(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from ember.bench.workloads import default_corpus
+    from ember.engine.perplexity import perplexity
+    llm = LLM(config=engine_config(args))
+    text = Path(args.text).read_text() if args.text else default_corpus()
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)[:args.num_tokens]
+    result = perplexity(llm.engine, ids, args.window) | {
+        "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        "kv_cache_dtype": llm.engine.cache_info.dtype, "text": args.text or "built-in corpus"}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,6 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
     _server_args(serve)
     serve.set_defaults(func=cmd_serve)
     add_bench_parser(sub)
+    ppl = sub.add_parser("perplexity", help="perplexity of a text: the quality check for "
+                         "weight and KV formats")
+    ppl.add_argument("--text", default=None, help="a text file (default: the Shakespeare "
+                     "excerpt shipped with ember)")
+    ppl.add_argument("--num-tokens", type=int, default=10240)
+    ppl.add_argument("--window", type=int, default=1024)
+    ppl.add_argument("--out", default=None, help="also write the result as JSON")
+    _engine_args(ppl)
+    ppl.set_defaults(func=cmd_perplexity)
     gen = sub.add_parser("generate", help="complete one prompt, streaming the text")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true",

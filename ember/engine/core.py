@@ -44,6 +44,7 @@ class CacheInfo:
     num_blocks: int
     block_size: int
     bytes_per_token: int
+    dtype: str = "float32"
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +53,8 @@ class CacheInfo:
     def describe(self) -> str:
         gib = self.num_tokens * self.bytes_per_token / GIB
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
-                f"{self.num_tokens} tokens ({gib:.2f} GiB, {self.bytes_per_token} bytes/token)")
+                f"{self.num_tokens} tokens ({gib:.2f} GiB of {self.dtype}, "
+                f"{self.bytes_per_token} bytes/token)")
 
 
 class EngineCore:
@@ -67,13 +69,16 @@ class EngineCore:
         model = load_model(files, self.model_config, self.dtype, config.device)
         block_size = config.cache.block_size
         num_blocks = plan_num_blocks(self.model_config, config.cache, self.dtype)
+        kv_dtype = config.cache.kv_cache_dtype
         self.cache_info = CacheInfo(num_blocks, block_size,
-                                    kv_bytes_per_token(self.model_config, self.dtype))
+                                    kv_bytes_per_token(self.model_config, self.dtype, kv_dtype),
+                                    kv_dtype if kv_dtype != "auto" else
+                                    str(self.dtype).removeprefix("torch."))
         log.info("loaded %s (%s, %s on %s); %s", self.model_path.name,
                  self.model_config.architecture, str(self.dtype).removeprefix("torch."),
                  config.device, self.cache_info.describe())
         kv_caches = allocate_kv_caches(self.model_config, num_blocks, block_size, self.dtype,
-                                       config.device)
+                                       config.device, kv_dtype)
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                             config.cache.eviction_policy)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ember.config import ModelConfig
-from ember.models.attention import AttentionMetadata, paged_attention
+from ember.models.attention import AttentionMetadata, PagedKV, paged_attention
 from ember.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -23,7 +23,7 @@ class LlamaAttention(nn.Module):
                                   bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: PagedKV,
                 meta: AttentionMetadata) -> Tensor:
         """x [T, hidden] -> [T, hidden]."""
         num_tokens = x.shape[0]
@@ -43,7 +43,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: PagedKV,
                 meta: AttentionMetadata) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -70,7 +70,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[PagedKV],
                 meta: AttentionMetadata) -> Tensor:
         """input_ids, positions [T] long -> final hidden states [T, hidden]."""
         cos, sin = rope_cos_sin(positions, self.inv_freq)

@@ -4,15 +4,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ember.models.attention import PagedKV
 from ember.models.llama import LlamaForCausalLM
 from ember.request import Request
-from ember.runner.inputs import prepare_inputs
+from ember.runner.inputs import ModelInputs, prepare_inputs
 from ember.sampling.sampler import Sampler
 from ember.scheduler.output import RunnerOutput, SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[Tensor], block_size: int,
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKV], block_size: int,
                  device: str, seed: int) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -31,6 +32,14 @@ class ModelRunner:
         if not inputs.sampling_requests:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return inputs.sampling_requests, self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @torch.inference_mode()
+    def forward_all(self, plan: SchedulerOutput) -> tuple[ModelInputs, Tensor]:
+        """Like forward(), but logits [T, vocab] float32 for every new token of the step (for
+        scoring text); rows follow the flat batch of `prepare_inputs`."""
+        inputs = prepare_inputs(plan, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        return inputs, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:

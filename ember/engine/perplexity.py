@@ -1,0 +1,59 @@
+"""Perplexity of a text under the engine, to check that a weight or KV format costs little.
+
+The text runs through the engine like any prompt: scheduled in chunks of the step budget,
+its K and V written to (and read back from) the paged cache in whatever format the cache
+holds. So with a small `max_num_batched_tokens`, most tokens attend over cached, possibly
+quantized, K and V, as they would while serving.
+
+    perplexity = exp(mean over tokens t>0 of -log p(token_t | tokens_<t)), in independent
+    windows of `window` tokens (each window starts with an empty context).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ember.engine.core import EngineCore
+from ember.request import RequestOptions, SamplingParams
+from ember.scheduler.output import RunnerOutput
+
+
+def window_nll(core: EngineCore, token_ids: list[int]) -> tuple[float, int]:
+    """Sum of -log p over tokens 1.. of one window, and how many tokens that is."""
+    request_id = "perplexity"
+    core.add_request(request_id, token_ids, SamplingParams(temperature=0, max_tokens=1),
+                     RequestOptions(prefix_cache=False))
+    targets = torch.tensor(token_ids)
+    total, count = 0.0, 0
+    while core.has_unfinished():
+        plan = core.scheduler.schedule()
+        inputs, logits = core.runner.forward_all(plan)
+        item = plan.scheduled[0]
+        logprobs = logits.log_softmax(dim=-1)
+        # row j holds position item.start + j and predicts the token at position + 1
+        next_positions = torch.arange(item.start + 1, item.end + 1)
+        known = next_positions < len(token_ids)
+        rows = torch.arange(item.num_new_tokens)[known]
+        total -= float(logprobs[rows, targets[next_positions[known]]].sum())
+        count += int(known.sum())
+        result = RunnerOutput()
+        if item.samples:
+            result.sampled_token_ids[request_id] = [int(logits[-1].argmax())]
+        core.scheduler.update(plan, result)
+    return total, count
+
+
+def perplexity(core: EngineCore, token_ids: list[int], window: int = 1024) -> dict[str, float]:
+    if core.has_unfinished():
+        raise RuntimeError("perplexity needs an idle engine")
+    window = min(window, core.max_model_len - 1)
+    total, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = token_ids[start:start + window]
+        if len(chunk) < 2:
+            break
+        nll, n = window_nll(core, chunk)
+        total, count = total + nll, count + n
+    return {"perplexity": math.exp(total / count), "tokens_scored": count,
+            "mean_nll": total / count, "window": window}
