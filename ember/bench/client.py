@@ -220,6 +220,8 @@ class Runner:
                 if usage:
                     record.prompt_tokens = usage.get("prompt_tokens")
                     record.output_tokens = usage.get("completion_tokens")
+                    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens")
                     record.usage_reported = True
                 if cancel and record.chunk_times:
                     record.cancelled = True

@@ -35,6 +35,7 @@ class RequestRecord:
     e2e: float | None = None
     chunk_times: list[float] = field(default_factory=list)  # content chunk arrivals, from start
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if sent
     output_tokens: int | None = None
     usage_reported: bool = False      # False: output_tokens counted from chunks
     target_prompt_tokens: int | None = None
@@ -123,6 +124,7 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None
         "requests_per_s": rate(len(ok)), "output_tok_per_s": rate(output),
         "total_tok_per_s": rate(prompt + output),
         "output_tokens": output, "prompt_tokens": prompt,
+        "cached_prompt_tokens": sum(r.cached_tokens or 0 for r in ok),
         "usage_reported": all(r.usage_reported for r in ok) if ok else None,
         "ttft_s": describe([r.ttft for r in ok if r.ttft is not None]),
         "tpot_s": describe([r.tpot for r in ok if r.tpot is not None]),

@@ -58,7 +58,8 @@ def run_offline(llm, workload: dict[str, Any], repeats: int = 3) -> dict[str, An
     return summarize_offline([decode() for _ in range(repeats)],
                              [prefill() for _ in range(repeats)],
                              [batch() for _ in range(repeats)], workload) | {
-        "engine": f"ember {str(llm.engine.dtype).removeprefix('torch.')}"}
+        "engine": f"ember {str(llm.engine.dtype).removeprefix('torch.')}",
+        "kv_cache_dtype": llm.engine.cache_info.dtype}
 
 
 def summarize_offline(decodes: list[dict[str, float]], prefills: list[float],

@@ -29,6 +29,10 @@ def table(summary: dict[str, Any], title: str = "") -> str:
                  f"{summary['total_tok_per_s']:.1f} total tok/s"
                  + ("" if summary.get("usage_reported", True) is not False
                     else "  (tokens counted from chunks: the server sent no usage)"))
+    if summary.get("cached_prompt_tokens"):
+        share = summary["cached_prompt_tokens"] / max(summary["prompt_tokens"], 1)
+        lines.append(f"cache      {summary['cached_prompt_tokens']} of "
+                     f"{summary['prompt_tokens']} prompt tokens cached ({share * 100:.1f}%)")
     if "goodput" in summary:
         g = summary["goodput"]
         slo = ", ".join(f"{k}<={v * 1000:g}ms" for k, v in g["slo_s"].items())

@@ -7,6 +7,10 @@ until its slot is needed: empty blocks are handed out first, then the eviction p
 which cached block to give up. Every block stored or removed is logged as a KV event, for
 routers that want to know what this replica holds.
 
+Eviction is leaf first, whatever the policy: a cached block whose child is still cached is
+not a candidate (it waits, "parked"), because a lookup walks a prompt's keys from the start
+and stops at the first miss, so evicting a parent would strand all its descendants.
+
     block states:  empty (free) -> in use (ref > 0) -> cached and idle (ref 0) -> evicted
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ class _Meta:
     parent_key: int | None = None
     depth: int = 0
     hits: int = 0
+    released: int = 0  # logical time its last user let it go
 
 
 class BlockPool:
@@ -42,7 +47,9 @@ class BlockPool:
         self._ref_counts = [0] * num_blocks
         self._meta = [_Meta() for _ in range(num_blocks)]
         self._empty: deque[int] = deque(range(num_blocks))
-        self._idle = make_policy(policy)           # cached blocks with no user
+        self._idle = make_policy(policy)           # cached leaves with no user
+        self._parked: set[int] = set()             # cached, no user, but a child is cached
+        self._children: dict[int, int] = {}        # key -> number of cached children
         self._by_key: dict[int, int] = {}
         self._clock = 0
         self.num_evictions = 0
@@ -55,8 +62,9 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that can be handed out now: empty ones and idle cached ones."""
-        return len(self._empty) + len(self._idle)
+        """Blocks that can be handed out now: empty ones and idle cached ones (a parked block
+        becomes a leaf once its children go, so all of them can be had)."""
+        return len(self._empty) + len(self._idle) + len(self._parked)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -101,7 +109,15 @@ class BlockPool:
                     self._empty.append(block_id)
                 else:
                     self._clock += 1
-                    self._idle.insert(block_id, Candidate(meta.hits, meta.depth, self._clock))
+                    meta.released = self._clock
+                    self._make_candidate(block_id)
+
+    def _make_candidate(self, block_id: int) -> None:
+        meta = self._meta[block_id]
+        if self._children.get(meta.key, 0):
+            self._parked.add(block_id)
+        else:
+            self._idle.insert(block_id, Candidate(meta.hits, meta.depth, meta.released))
 
     # -- the prefix cache ------------------------------------------------------------------
 
@@ -112,7 +128,10 @@ class BlockPool:
         """Take a reference to cached blocks a request reuses (a cache hit)."""
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:
-                self._idle.remove(block_id)
+                if block_id in self._parked:
+                    self._parked.remove(block_id)
+                else:
+                    self._idle.remove(block_id)
             self._ref_counts[block_id] += 1
             self._meta[block_id].hits += 1
 
@@ -125,13 +144,23 @@ class BlockPool:
             return
         meta.key, meta.parent_key, meta.depth, meta.hits = key, parent_key, depth, 0
         self._by_key[key] = block_id
+        if parent_key is not None:
+            self._children[parent_key] = self._children.get(parent_key, 0) + 1
         self._log("stored", key, parent_key, num_tokens)
 
     def _uncache(self, block_id: int) -> None:
         meta = self._meta[block_id]
         del self._by_key[meta.key]
+        self._children.pop(meta.key, None)
         self._log("removed", meta.key)
         self._meta[block_id] = _Meta()
+        parent = meta.parent_key
+        if parent is not None and parent in self._children:
+            self._children[parent] -= 1
+            parent_block = self._by_key.get(parent)
+            if self._children[parent] == 0 and parent_block in self._parked:
+                self._parked.remove(parent_block)  # now a leaf: a candidate again
+                self._make_candidate(parent_block)
 
     def _log(self, kind: str, key: int, parent_key: int | None = None,
              num_tokens: int = 0) -> None:

@@ -16,7 +16,7 @@ blocks are always used first. Each policy sees the same facts about a candidate:
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
 from dataclasses import dataclass
 
 POLICIES = ("lru", "lfu", "cost")
@@ -30,22 +30,31 @@ class Candidate:
 
 
 class LRU:
+    """A heap on the release clock, with lazy deletion (a candidate may enter late, when its
+    last cached child goes, and must still be ordered by when it was released)."""
+
     name = "lru"
 
     def __init__(self) -> None:
-        self._order: OrderedDict[int, None] = OrderedDict()
+        self._heap: list[tuple[int, int]] = []
+        self._live: dict[int, int] = {}  # block -> released
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._live)
 
     def insert(self, block_id: int, candidate: Candidate) -> None:
-        self._order[block_id] = None
+        self._live[block_id] = candidate.released
+        heapq.heappush(self._heap, (candidate.released, block_id))
 
     def remove(self, block_id: int) -> None:
-        del self._order[block_id]
+        del self._live[block_id]
 
     def pop(self) -> int:
-        return self._order.popitem(last=False)[0]
+        while True:
+            released, block_id = heapq.heappop(self._heap)
+            if self._live.get(block_id) == released:
+                del self._live[block_id]
+                return block_id
 
 
 class _ScoredPolicy:

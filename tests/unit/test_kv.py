@@ -196,3 +196,23 @@ def test_keys_chain_and_depend_on_the_salt():
     assert block_key(None, [1, 2]) == k0 != block_key(None, [1, 2], "s")
     assert block_key(k0, [3, 4]) != block_key(block_key(None, [9, 9]), [3, 4])
     assert extend_keys([], [1, 2, 3, 4, 5], 2) == [k0, block_key(k0, [3, 4])]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "cost"])
+def test_eviction_is_leaf_first_whatever_the_policy(policy):
+    """A parent released long before its child is still evicted after it: evicting the
+    parent would strand the child (lookups stop at the first miss)."""
+    pool = BlockPool(4, policy)
+    parent, child, other = pool.allocate(3)
+    pool.cache(parent, 1, None, 0, 16)
+    pool.cache(child, 2, 1, 1, 16)
+    pool.cache(other, 3, None, 0, 16)
+    pool.free([parent])              # released first: LRU's first choice if it were a leaf
+    pool.free([other])
+    pool.free([child])
+    reuse(pool, other, 3)            # so LFU and cost prefer to keep `other`
+    assert pool.allocate(1) == [3]   # the empty block
+    assert pool.allocate(1) == [child]
+    assert pool.lookup(1) == parent  # the parent became a leaf, and stays cached until needed
+    assert pool.allocate(1) == [parent]
+    assert pool.allocate(1) == [other]
