@@ -6,7 +6,8 @@ Workloads (`ember bench offline`'s token-id prompts; greedy, EOS banned):
   single  one streaming request: 32-token prompt, 256 tokens
   batch   32 streaming requests at once: 64-256-token prompts, 64 tokens each
 Offline runs LLM.generate in this process; online starts the server in a subprocess on
-127.0.0.1 and streams with httpx. Output tok/s = generated tokens / wall time; the ratio is
+127.0.0.1 and streams with httpx. The prefix cache is bypassed on both sides, so that repeated
+runs recompute what they measure. Output tok/s = generated tokens / wall time; the ratio is
 online / offline (1.0 = no overhead). Median of --repeats runs.
 """
 from __future__ import annotations
@@ -35,15 +36,16 @@ def free_port() -> int:
 
 def offline_tok_s(llm, prompts: list[list[int]], max_tokens: int) -> float:
     from ember import SamplingParams
+    from ember.request import RequestOptions
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, RequestOptions(prefix_cache=False))
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> int:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "prefix_cache": False}
     tokens = 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         async for line in r.aiter_lines():

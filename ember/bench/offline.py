@@ -34,25 +34,28 @@ def offline_workload(encode: Callable[[str], list[int]], batch_size: int = 32, s
 
 
 def run_offline(llm, workload: dict[str, Any], repeats: int = 3) -> dict[str, Any]:
+    """The prefix cache is bypassed: repeats must recompute what they measure."""
     from ember import SamplingParams
+    from ember.request import RequestOptions
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
-    llm.generate([workload["decode"]], greedy(4))  # warm-up
+    cold = RequestOptions(prefix_cache=False)
+    llm.generate([workload["decode"]], greedy(4), cold)  # warm-up
 
     def decode() -> dict[str, float]:
         start, first = time.perf_counter(), None
-        for _ in llm.stream(workload["decode"], greedy(DECODE_TOKENS)):
+        for _ in llm.stream(workload["decode"], greedy(DECODE_TOKENS), cold):
             first = first or time.perf_counter()
         end = time.perf_counter()
         return {"ttft_s": first - start, "decode_tok_per_s": (DECODE_TOKENS - 1) / (end - first)}
 
     def prefill() -> float:
         start = time.perf_counter()
-        llm.generate([workload["prefill"]], greedy(1))
+        llm.generate([workload["prefill"]], greedy(1), cold)
         return time.perf_counter() - start
 
     def batch() -> float:
         start = time.perf_counter()
-        outs = llm.generate(workload["batch"], greedy(BATCH_OUTPUT))
+        outs = llm.generate(workload["batch"], greedy(BATCH_OUTPUT), cold)
         return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
     return summarize_offline([decode() for _ in range(repeats)],

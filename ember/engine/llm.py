@@ -94,12 +94,13 @@ class LLM:
         text = self.chat_template.render(messages, add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               options: RequestOptions | None = None) -> Iterator[str]:
         """Yield the text of one completion as it is generated."""
         params = params or SamplingParams()
         if params.n != 1:
             raise InvalidRequest("stream() makes one completion; use n=1", param="n")
-        _, (seq,) = self._add(prompt, params)
+        _, (seq,) = self._add(prompt, params, options or RequestOptions())
         try:
             while not seq.finish_reason:
                 self._step()

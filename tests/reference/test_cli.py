@@ -45,3 +45,15 @@ def test_bad_sampling_value_exits_with_a_clear_error(tiny_llama_dir, capsys):
     folder, _ = tiny_llama_dir
     assert cli.main(["generate", "x", "--model", str(folder), "--top-p", "2"]) == 2
     assert "top_p=2.0 must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_perplexity_command_writes_its_result(tiny_llama_dir, tmp_path, capsys):
+    import json
+    folder, _ = tiny_llama_dir
+    out = tmp_path / "ppl.json"
+    assert cli.main(["perplexity", "--model", str(folder), "--num-tokens", "300",
+                     "--window", "100", "--kv-cache-dtype", "int8", "--out", str(out),
+                     "-q"]) == 0
+    result = json.loads(out.read_text())
+    assert result["tokens_scored"] == 3 * 99 and result["kv_cache_dtype"] == "int8"
+    assert result["perplexity"] > 1
