@@ -5,12 +5,16 @@ Each layer's cache (PagedKV) is one tensor [2, num_blocks, block_size, num_kv_he
 A request's token i sits in block `block_ids[i // block_size]` at offset `i % block_size`; the
 runner turns that into `slot_mapping` (block * block_size + offset) for the tokens of a step.
 
-The flat batch of a step is ordered decodes first:
+A step's new tokens form one flat batch. Requests are attended in two ways:
 
-    rows [0, num_decodes)        one new token per request: one batched SDPA call
-    rows [num_decodes, T)        prefill chunks, one SDPA call each
+  fresh chunks   a prompt's first chunk (no earlier context): causal attention over the
+                 chunk's own k and v, one SDPA call each (the flash kernel on CPU)
+  groups         every other request (a decode, or a chunk that continues a prompt):
+                 several requests at once, their queries padded to the group's longest and
+                 their context gathered through block tables, under one boolean mask
 
-This is the plain torch path, the reference on CPU and CUDA alike.
+The runner (runner/inputs.py) forms the groups and builds their masks once per step. This is
+the plain torch path, the reference on CPU and CUDA alike.
 """
 from __future__ import annotations
 
@@ -22,22 +26,37 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
-class PrefillChunk:
-    """One request's chunk of more than one new token."""
+class FreshChunk:
+    """A prompt's first chunk: its tokens attend only to each other."""
 
     token_start: int   # row of its first new token in the flat batch
-    num_tokens: int    # new tokens this step
-    seq_len: int       # tokens in its context after this step (earlier ones + new ones)
-    block_ids: Tensor  # [ceil(seq_len / block_size)] long: blocks holding the context
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Requests attended together over their paged context.
+
+    rows          [G, max_n] long: flat-batch row of each member's i-th new token (padding
+                  repeats a real row; its output is dropped)
+    valid         [G, max_n] bool: which of those are real
+    block_tables  [G, max_blocks] long: each member's context blocks, 0-padded
+    mask          [G, 1, max_n, max_blocks * block_size] bool: key j is visible to new token i
+                  of member g iff j < seq_len_g and j <= seq_len_g - n_g + i (padding rows see
+                  key 0 only, so that no row is fully masked)
+    """
+
+    rows: Tensor
+    valid: Tensor
+    block_tables: Tensor
+    mask: Tensor
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: Tensor               # [T] long: cache slot of each new token
-    num_decodes: int = 0
-    decode_block_tables: Tensor | None = None  # [num_decodes, max_blocks] long, 0-padded
-    decode_seq_lens: Tensor | None = None      # [num_decodes] long
-    prefills: list[PrefillChunk] = field(default_factory=list)
+    fresh: list[FreshChunk] = field(default_factory=list)
+    groups: list[AttentionGroup] = field(default_factory=list)
 
 
 @dataclass
@@ -97,49 +116,28 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: PagedKV,
     """
     kv_cache.write(k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    if meta.num_decodes:
-        out[:meta.num_decodes] = _decode_attention(q[:meta.num_decodes], kv_cache, meta, scale)
-    for chunk in meta.prefills:
+    for chunk in meta.fresh:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, chunk, scale)
+        out[rows] = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
+            is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+    for group in meta.groups:
+        out[group.rows[group.valid]] = _group_attention(q, kv_cache, group, scale)
     return out
 
 
-def _decode_attention(q: Tensor, kv_cache: PagedKV, meta: AttentionMetadata,
-                      scale: float) -> Tensor:
-    """q [B, heads, head_dim]: one query per request, all requests in one SDPA call."""
-    tables, seq_lens = meta.decode_block_tables, meta.decode_seq_lens
-    batch, max_blocks = tables.shape
+def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup,
+                     scale: float) -> Tensor:
+    """Returns [num valid rows, heads, head_dim], in the order of rows[valid]."""
+    members, max_blocks = group.block_tables.shape
     block_size, kv_heads, head_dim = kv_cache.shape[2:]
-    keys = kv_cache.gather(0, tables, q.dtype).view(batch, max_blocks * block_size, kv_heads,
-                                                    head_dim)
-    values = kv_cache.gather(1, tables, q.dtype).view(batch, max_blocks * block_size, kv_heads,
-                                                      head_dim)
-    # key slot j of request b is real when j < seq_lens[b]; the padding is masked out
-    mask = torch.arange(max_blocks * block_size, device=q.device)[None, :] < seq_lens[:, None]
+    context = max_blocks * block_size
+    keys = kv_cache.gather(0, group.block_tables, q.dtype).view(members, context, kv_heads,
+                                                                head_dim)
+    values = kv_cache.gather(1, group.block_tables, q.dtype).view(members, context, kv_heads,
+                                                                  head_dim)
+    queries = q[group.rows]                                   # [G, max_n, heads, head_dim]
     out = F.scaled_dot_product_attention(
-        q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
-    return out[:, :, 0, :]
-
-
-def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: PagedKV, chunk: PrefillChunk,
-                       scale: float) -> Tensor:
-    """q [n, heads, head_dim] for the chunk's n new tokens, causal over its whole context."""
-    n = chunk.num_tokens
-    if chunk.seq_len == n:  # no earlier context: attend over this step's k and v directly
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
-    block_size, kv_heads, head_dim = kv_cache.shape[2:]
-    keys = kv_cache.gather(0, chunk.block_ids, q.dtype).view(-1, kv_heads, head_dim)
-    values = kv_cache.gather(1, chunk.block_ids, q.dtype).view(-1, kv_heads, head_dim)
-    keys, values = keys[:chunk.seq_len], values[:chunk.seq_len]
-    # new token i sits at position seq_len - n + i and sees keys at positions <= its own
-    query_pos = torch.arange(chunk.seq_len - n, chunk.seq_len, device=q.device)
-    mask = torch.arange(chunk.seq_len, device=q.device)[None, :] <= query_pos[:, None]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-        attn_mask=mask[None], scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+        queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=group.mask, scale=scale, enable_gqa=True)  # [G, heads, max_n, head_dim]
+    return out.transpose(1, 2)[group.valid]

@@ -1,13 +1,18 @@
 """SchedulerOutput -> flat tensors for one forward pass. All the index maths lives here.
 
-The step's tokens are laid out in one flat batch, decodes first:
+The step's tokens are laid out in one flat batch, in scheduled order:
 
-    request:   d0  d1  d2 | p0 p0 p0 p0 | p1 p1 p1
-    row:        0   1   2 |  3  4  5  6 |  7  8  9
+    request:   d0 | p0 p0 p0 p0 | d1 | p1 p1 p1
+    row:        0 |  1  2  3  4 |  5 |  6  7  8
 
 A request's new token at position `pos` goes to cache slot
 `block_ids[pos // block_size] * block_size + pos % block_size`. The logits rows are the last new
 token of each request that samples (a leading prefill chunk samples nothing).
+
+Attention: a request whose chunk starts a prompt is a FreshChunk; every other one (decodes,
+continued prefills) joins an AttentionGroup. Groups gather requests of similar shape, so that
+padding each member's queries to the longest and its context to the widest wastes little:
+a group stays within GROUP_WASTE times the work of attending its members one by one.
 """
 from __future__ import annotations
 
@@ -17,9 +22,11 @@ import torch
 from torch import Tensor
 
 from ember.kv.kv_manager import cdiv
-from ember.models.attention import AttentionMetadata, PrefillChunk
+from ember.models.attention import AttentionGroup, AttentionMetadata, FreshChunk
 from ember.request import Request
 from ember.scheduler.output import ScheduledRequest, SchedulerOutput
+
+GROUP_WASTE = 2.0
 
 
 @dataclass(frozen=True)
@@ -31,29 +38,74 @@ class ModelInputs:
     sampling_requests: list[Request]  # [S], in the order of logits_indices
 
 
+@dataclass(frozen=True)
+class _Member:
+    row: int          # first row in the flat batch
+    num_new: int
+    seq_len: int      # context after this step
+    block_ids: list[int]
+
+
 def _slots(item: ScheduledRequest, block_size: int) -> list[int]:
     return [item.block_ids[pos // block_size] * block_size + pos % block_size
             for pos in range(item.start, item.end)]
 
 
+def group_members(members: list[_Member]) -> list[list[_Member]]:
+    """Sort by shape and cut into groups whose padded work stays within GROUP_WASTE times
+    the members' own work (new tokens x context)."""
+    groups: list[list[_Member]] = []
+    current: list[_Member] = []
+    for m in sorted(members, key=lambda m: (m.num_new, m.seq_len)):
+        trial = current + [m]
+        padded = len(trial) * max(x.num_new for x in trial) * max(x.seq_len for x in trial)
+        useful = sum(x.num_new * x.seq_len for x in trial)
+        if current and padded > GROUP_WASTE * useful:
+            groups.append(current)
+            trial = [m]
+        current = trial
+    if current:
+        groups.append(current)
+    return groups
+
+
+def build_group(members: list[_Member], block_size: int, device: torch.device
+                ) -> AttentionGroup:
+    max_n = max(m.num_new for m in members)
+    width = max(cdiv(m.seq_len, block_size) for m in members)
+    rows = torch.tensor([[m.row + min(i, m.num_new - 1) for i in range(max_n)]
+                         for m in members], dtype=torch.long)
+    new = torch.tensor([m.num_new for m in members])[:, None]
+    seq_lens = torch.tensor([m.seq_len for m in members])[:, None, None]
+    valid = torch.arange(max_n)[None, :] < new
+    key_pos = torch.arange(width * block_size)[None, None, :]
+    query_pos = (seq_lens[:, :, 0] - new + torch.arange(max_n)[None, :])[:, :, None]
+    mask = (key_pos < seq_lens) & (key_pos <= query_pos)
+    mask |= (~valid[:, :, None]) & (key_pos == 0)   # padding rows see key 0 only
+    tables = torch.tensor([m.block_ids[:cdiv(m.seq_len, block_size)] +
+                           [0] * (width - cdiv(m.seq_len, block_size)) for m in members],
+                          dtype=torch.long)
+    return AttentionGroup(rows.to(device), valid.to(device), tables.to(device),
+                          mask[:, None].to(device))
+
+
 def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
-    decodes = [s for s in plan.scheduled if s.num_new_tokens == 1]
-    ordered = decodes + [s for s in plan.scheduled if s.num_new_tokens > 1]
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    chunks: list[PrefillChunk] = []
+    fresh: list[FreshChunk] = []
+    members: list[_Member] = []
     logits_rows: list[int] = []
     sampling: list[Request] = []
-    for item in ordered:
+    for item in plan.scheduled:
         row = len(token_ids)
         token_ids.extend(item.request.all_token_ids[item.start:item.end])
         positions.extend(range(item.start, item.end))
         slots.extend(_slots(item, block_size))
-        if item.num_new_tokens > 1:
-            block_ids = item.block_ids[:cdiv(item.end, block_size)]
-            chunks.append(PrefillChunk(row, item.num_new_tokens, item.end,
-                                       torch.tensor(block_ids, dtype=torch.long, device=device)))
+        if item.start == 0 and item.num_new_tokens > 1:
+            fresh.append(FreshChunk(row, item.num_new_tokens))
+        else:
+            members.append(_Member(row, item.num_new_tokens, item.end, item.block_ids))
         if item.samples:
             logits_rows.append(row + item.num_new_tokens - 1)
             sampling.append(item.request)
@@ -61,14 +113,7 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device)
     def as_long(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    attn = AttentionMetadata(slot_mapping=as_long(slots), num_decodes=len(decodes),
-                             prefills=chunks)
-    if decodes:
-        tables = [d.block_ids[:cdiv(d.end, block_size)] for d in decodes]
-        width = max(len(t) for t in tables)
-        attn = AttentionMetadata(
-            slot_mapping=attn.slot_mapping, num_decodes=len(decodes), prefills=chunks,
-            decode_block_tables=as_long([t + [0] * (width - len(t)) for t in tables]),
-            decode_seq_lens=as_long([d.end for d in decodes]))
+    groups = [build_group(g, block_size, device) for g in group_members(members)]
+    attn = AttentionMetadata(slot_mapping=as_long(slots), fresh=fresh, groups=groups)
     return ModelInputs(as_long(token_ids), as_long(positions), attn, as_long(logits_rows),
                        sampling)
