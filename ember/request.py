@@ -7,6 +7,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from ember.constraint import Constraint
 from ember.errors import BadSamplingParams, InvalidRequest
 
 MAX_LOGPROBS = 20
@@ -39,6 +40,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    constraint: Constraint | None = None  # structured output: what the text must match
 
     def __post_init__(self) -> None:
         # Accept a bare string or a list where a tuple is stored: the object stays hashable.
@@ -155,6 +157,7 @@ class Request:
     cache_salt: str | None = None     # requests share cached KV only with the same salt
     prefix_cache: bool = True         # False: neither reuse nor store cached KV
     num_cached_tokens: int = 0        # prompt tokens served from the prefix cache
+    grammar: object | None = None     # the compiled constraint (opaque to the bookkeeping)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

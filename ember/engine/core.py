@@ -13,6 +13,7 @@ from ember.kv.kv_manager import KVCacheManager
 from ember.request import FinishReason, Request, RequestOptions, SamplingParams
 from ember.runner.kv_tensors import GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks
 from ember.runner.runner import ModelRunner
+from ember.sampling.grammar import Grammars
 from ember.scheduler.scheduler import Scheduler
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.gguf import GGUFFile
@@ -83,15 +84,24 @@ class EngineCore:
                             config.cache.eviction_policy)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    options: RequestOptions = RequestOptions()) -> Request:
-        """Validate and queue one sequence. Raises InvalidRequest subclasses at once."""
+                    options: RequestOptions = RequestOptions(),
+                    grammar: object | None = None) -> Request:
+        """Validate and queue one sequence. Raises InvalidRequest subclasses at once.
+
+        A constrained request's grammar is compiled here unless the caller compiled it
+        already (the server does, off the engine thread).
+        """
         max_tokens = self.check_request(prompt_token_ids, params)
+        if params.constraint is not None and grammar is None:
+            grammar = self.grammars.compile(params.constraint)
         request = Request(request_id, list(prompt_token_ids), params,
                           eos_token_ids=self.tokenizer.eos_token_ids, max_tokens=max_tokens,
                           priority=options.priority, user=options.user,
-                          cache_salt=options.cache_salt, prefix_cache=options.prefix_cache)
+                          cache_salt=options.cache_salt, prefix_cache=options.prefix_cache,
+                          grammar=grammar)
         self.scheduler.add(request)
         return request
 

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ember.request import Request, SampledLogprob
 from ember.sampling import processors as P
+from ember.sampling.grammar import Matcher, apply_bitmask, new_bitmask
 
 
 @dataclass
@@ -126,10 +127,31 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device).manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
+        self._matchers: dict[str, Matcher] = {}
 
     def forget(self, request_ids: frozenset[str]) -> None:
         for request_id in request_ids:
             self._seeded.pop(request_id, None)
+            self._matchers.pop(request_id, None)
+
+    def _constrain(self, logits: Tensor, requests: list[Request]
+                   ) -> tuple[Tensor, list[Matcher | None]]:
+        """The logits with every token a request's grammar forbids now set to -inf (a copy,
+        when any row is constrained: logprobs still report the model's own distribution)."""
+        matchers: list[Matcher | None] = []
+        for r in requests:
+            if r.grammar is not None and r.request_id not in self._matchers:
+                self._matchers[r.request_id] = Matcher(r.grammar)
+            matchers.append(self._matchers.get(r.request_id))
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return logits, matchers
+        bitmask = new_bitmask(len(requests), logits.shape[-1])
+        for i in rows:
+            matchers[i].fill_mask(bitmask, i)
+        masked = logits.clone()
+        apply_bitmask(masked, bitmask, rows)
+        return masked, matchers
 
     def _generator(self, request: Request) -> torch.Generator:
         if request.params.seed is None:
@@ -143,7 +165,8 @@ class Sampler:
                ) -> tuple[list[int], list[SampledLogprob | None]]:
         """logits [B, V] float32, one row per request -> a token per row (+ logprobs if asked)."""
         batch = build_sampling_batch(requests, logits.shape[-1], logits.device)
-        processed = process_logits(logits, batch)
+        masked, matchers = self._constrain(logits, requests)
+        processed = process_logits(masked, batch)
         tokens = processed.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
@@ -153,6 +176,10 @@ class Sampler:
                 noise[j].exponential_(generator=self._generator(requests[row]))
             tokens[random_rows] = (probs / noise).argmax(dim=-1)
         token_list = tokens.tolist()
+        for matcher, token_id in zip(matchers, token_list):
+            if matcher is not None and not matcher.accept(token_id):
+                raise RuntimeError(f"the grammar refused token {token_id} that its own mask "
+                                   "allowed")
         return token_list, self._logprobs(logits, tokens, requests, batch.num_logprobs)
 
     @staticmethod
