@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.config import EngineConfig
+from ember.constraint import Constraint
 from ember.engine.core import EngineCore
 from ember.engine.output import SequenceText
 from ember.errors import EmberError, EngineDead, Overloaded, RequestFailed
@@ -143,8 +144,16 @@ class AsyncEngine:
 
     # -- requests --------------------------------------------------------------------------
 
+    async def compile(self, constraint: Constraint) -> object:
+        """Compile a structured-output constraint in a worker thread, so the engine keeps
+        stepping meanwhile (compiled grammars are cached: a repeat returns at once)."""
+        core = self._core()
+        return await asyncio.get_running_loop().run_in_executor(
+            None, core.grammars.compile, constraint)
+
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               options: RequestOptions = RequestOptions()) -> "RequestStream":
+               options: RequestOptions = RequestOptions(),
+               grammar: object | None = None) -> "RequestStream":
         """Queue a request and return its stream. Raises at once, queueing nothing, if the
         request can never run, the queue is full, or the engine is not ready."""
         core = self._core()
@@ -160,7 +169,10 @@ class AsyncEngine:
                          [f"{request_id}-{i}" for i in range(len(children))],
                          len(prompt_token_ids), time.monotonic())
         self._streams[request_id] = stream
-        self._inbox.append(("add", (request_id, prompt_token_ids, children, options)))
+        if params.constraint is not None and grammar is None:
+            raise RequestFailed("a constrained request needs its grammar compiled first "
+                                "(await AsyncEngine.compile)")
+        self._inbox.append(("add", (request_id, prompt_token_ids, children, options, grammar)))
         self._wake.set()
         deadline = None if self.request_timeout_s is None else \
             time.monotonic() + self.request_timeout_s
@@ -242,13 +254,15 @@ class AsyncEngine:
         return True
 
     def _add(self, request_id: str, prompt_token_ids: list[int],
-             children: list[SamplingParams], options: RequestOptions) -> None:
+             children: list[SamplingParams], options: RequestOptions,
+             grammar: object | None) -> None:
         stream = self._streams.get(request_id)
         if stream is None:  # cancelled before it reached the engine
             return
         try:
             for seq_id, child in zip(stream.sequences, children):
-                request = self.core.add_request(seq_id, prompt_token_ids, child, options)
+                request = self.core.add_request(seq_id, prompt_token_ids, child, options,
+                                                grammar)
                 index = int(seq_id.rsplit("-", 1)[1])
                 self._texts[seq_id] = (request_id, SequenceText(self.core.tokenizer, request,
                                                                 index))

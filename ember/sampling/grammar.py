@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 import torch
 import xgrammar as xgr
@@ -30,6 +31,20 @@ from ember.tokenizer.tokenizer import Tokenizer
 
 _ENGINE_NOISE = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
+JSON_KINDS = ("json_schema", "json_object")
+TAG_OPEN, TAG_CLOSE = b"<tool_call>", b"</tool_call>"
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A compiled constraint and what the matcher needs beside it."""
+
+    grammar: xgr.CompiledGrammar
+    kind: str
+    control_words: torch.Tensor   # [mask words] int32: bits of tokens with bytes < 0x20
+    token_bytes: list[bytes]
+
+
 class Grammars:
     """Compiles constraints for one tokenizer (thread-safe; results are cached)."""
 
@@ -39,8 +54,16 @@ class Grammars:
                                  stop_token_ids=sorted(tokenizer.eos_token_ids))
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+        self._token_bytes = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        self._control_words = _token_words(
+            [i for i, b in enumerate(self._token_bytes) if any(c < 0x20 for c in b)
+             and i not in tokenizer.eos_token_ids], vocab_size)
 
-    def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+    def compile(self, constraint: Constraint) -> Compiled:
+        return Compiled(self._compile(constraint), constraint.kind, self._control_words,
+                        self._token_bytes)
+
+    def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
         c, spec = self._compiler, constraint.spec
         try:
             if constraint.kind == "json_schema":
@@ -64,17 +87,48 @@ class Grammars:
                                  f"{message}", param="response_format") from None
 
 
-class Matcher:
-    """One request's position in its grammar."""
+def _token_words(token_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """A bitmask row (xgrammar's layout: bit i of word i // 32) with `token_ids` set."""
+    words = torch.zeros(-(-vocab_size // 32), dtype=torch.int64)
+    for i in token_ids:
+        words[i // 32] |= 1 << (i % 32)
+    return words.to(torch.int32)  # wraps bit 31 to the sign bit, as int32 bitmasks hold it
 
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
-        self._matcher = xgr.GrammarMatcher(compiled)
+
+class Matcher:
+    """One request's position in its grammar.
+
+    Inside JSON (all of a json constraint, or a tool call between its tags) no token with a
+    raw control character is allowed, whatever the grammar engine says: JSON needs them
+    escaped, and xgrammar lets some through in length-bounded strings.
+    """
+
+    def __init__(self, compiled: Compiled) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled.grammar)
+        self._compiled = compiled
+        self._always_json = compiled.kind in JSON_KINDS
+        self._in_call = False
+        self._recent = b""
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._always_json or self._in_call:
+            bitmask[row] &= ~self._compiled.control_words
 
     def accept(self, token_id: int) -> bool:
+        if self._compiled.kind == "structural_tag":
+            self._track_calls(self._compiled.token_bytes[token_id]
+                              if token_id < len(self._compiled.token_bytes) else b"")
         return self._matcher.accept_token(token_id)
+
+    def _track_calls(self, new: bytes) -> None:
+        recent = self._recent + new
+        opened, closed = recent.rfind(TAG_OPEN), recent.rfind(TAG_CLOSE)
+        if opened > closed and opened >= 0:
+            self._in_call = True
+        elif closed >= 0:
+            self._in_call = False
+        self._recent = recent[-len(TAG_CLOSE):]
 
 
 def new_bitmask(batch: int, vocab_size: int) -> torch.Tensor:

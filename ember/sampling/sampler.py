@@ -167,6 +167,7 @@ class Sampler:
         batch = build_sampling_batch(requests, logits.shape[-1], logits.device)
         masked, matchers = self._constrain(logits, requests)
         processed = process_logits(masked, batch)
+        _let_finished_grammars_stop(processed, requests, matchers)
         tokens = processed.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
@@ -200,6 +201,15 @@ class Sampler:
             top = tuple(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist()))
             out.append(SampledLogprob(chosen[i], top))
         return out
+
+
+def _let_finished_grammars_stop(logits: Tensor, requests: list[Request],
+                                matchers: list) -> None:
+    """A grammar that is complete allows only EOS; if min_tokens banned that too, the row has
+    no token left. End the request instead (in place)."""
+    for i, matcher in enumerate(matchers):
+        if matcher is not None and torch.isinf(logits[i]).all():
+            logits[i, sorted(requests[i].eos_token_ids)] = 0.0
 
 
 def _rows(batch: SamplingBatch, rows: list[int]) -> SamplingBatch:

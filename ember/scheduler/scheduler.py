@@ -211,6 +211,8 @@ class Scheduler:
         params = request.params
         last = request.output_token_ids[-1]
         num_output = len(request.output_token_ids)
+        if request.grammar is not None and last in request.eos_token_ids:
+            return FinishReason.STOP  # the grammar is complete: ignore_eos cannot go on
         if num_output >= params.min_tokens and (
                 (not params.ignore_eos and last in request.eos_token_ids)
                 or last in params.stop_token_ids):

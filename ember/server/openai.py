@@ -30,6 +30,8 @@ from ember.server.metrics import RequestTracker
 from ember.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest)
 from ember.server.state import ServerState, read_json_body, server_state
+from ember.server.tools import (ToolCallParser, check_tools, render_for_plain_template,
+                                tool_constraint)
 from ember.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -62,7 +64,8 @@ class Generation:
     """The engine requests behind one HTTP request (one per prompt, each with n sequences)."""
 
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
-                 params: SamplingParams, options: RequestOptions) -> None:
+                 params: SamplingParams, options: RequestOptions,
+                 grammar: object | None = None) -> None:
         self.n = params.n
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self.tracker: RequestTracker = state.metrics.tracker()
@@ -70,7 +73,7 @@ class Generation:
         try:
             for i, prompt in enumerate(prompts):
                 self.streams.append(state.engine.submit(f"{request_id}-{i}", prompt, params,
-                                                        options))
+                                                        options, grammar))
         except BaseException:
             self.close("refused")
             raise
@@ -274,10 +277,12 @@ async def create_completion(request: Request) -> Response:
     state, body = await parse_request(request, CompletionRequest)
     tokenizer = state.engine.tokenizer
     prompts = completion_prompts(body.prompt_list(), tokenizer)
-    params = body.sampling_params(body.max_tokens, body.logprobs)
+    constraint = body.constraint()
+    grammar = await state.engine.compile(constraint) if constraint else None
+    params = body.sampling_params(body.max_tokens, body.logprobs, constraint)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(state, request_id, [ids for _, ids in prompts], params,
-                     body.request_options())
+                     body.request_options(), grammar)
     created = int(time.time())
     echo = [(text if text is not None else tokenizer.decode(ids)) if body.echo else ""
             for text, ids in prompts for _ in range(params.n)]
@@ -320,52 +325,118 @@ def _null_usage(include_usage: bool) -> dict[str, Any]:
 
 # -- /v1/chat/completions ----------------------------------------------------------------------
 
-def chat_prompt(state: ServerState, messages: list, add_generation_prompt: bool) -> list[int]:
+def chat_prompt(state: ServerState, messages: list, add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None,
+                functions: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of the conversation through the model's template. A template that knows
+    tools gets them; for one that does not, tools and calls are written in (tools.py)."""
     template_messages = [m.as_template_message(i) for i, m in enumerate(messages)]
-    text = state.chat_template().render(template_messages, add_generation_prompt)
+    template = state.chat_template()
+    if template.knows_tools:
+        text = template.render(template_messages, add_generation_prompt, tools=tools)
+    else:
+        text = template.render(render_for_plain_template(template_messages, functions),
+                               add_generation_prompt)
     return state.engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass
+class ChatChoice:
+    """Turns one choice's text into OpenAI chat deltas: content, or tool calls if tools."""
+
+    parser: ToolCallParser | None
+    started: bool = False
+
+    def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
+        if self.parser is None:
+            return [{"content": text}] if text else []
+        events = self.parser.feed(text) + (self.parser.finish() if final else [])
+        out = []
+        for event in events:
+            if event[0] == "content":
+                out.append({"content": event[1]})
+            elif event[0] == "call":
+                call = event[2]
+                out.append({"tool_calls": [{"index": event[1], "id": call.id, "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]})
+            else:
+                out.append({"tool_calls": [{"index": event[1],
+                                            "function": {"arguments": event[2]}}]})
+        return out
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        if reason == "stop" and self.parser is not None and self.parser.calls:
+            return "tool_calls"
+        return reason
+
+
+def _tool_calls(parser: ToolCallParser) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                          "arguments": c.arguments}}
+            for c in parser.calls]
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
     state, body = await parse_request(request, ChatCompletionRequest)
     tokenizer = state.engine.tokenizer
-    prompt = chat_prompt(state, body.messages, body.add_generation_prompt)
-    params = body.sampling_params(body.max_new_tokens(), body.num_logprobs())
+    functions = check_tools(body.tools) if body.tools and body.tool_choice != "none" else None
+    constraint = body.constraint()
+    if functions:
+        if constraint is not None:
+            raise InvalidRequest("tools and response_format cannot be combined in one request",
+                                 param="response_format")
+        constraint = tool_constraint(functions, body.tool_choice or "auto",
+                                     body.parallel_tool_calls)
+    grammar = await state.engine.compile(constraint) if constraint else None
+    prompt = chat_prompt(state, body.messages, body.add_generation_prompt,
+                         body.tools if functions else None, functions)
+    params = body.sampling_params(body.max_new_tokens(), body.num_logprobs(), constraint)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = Generation(state, request_id, [prompt], params, body.request_options())
+    gen = Generation(state, request_id, [prompt], params, body.request_options(), grammar)
     base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": state.model_name}
+    views = [ChatChoice(ToolCallParser() if functions else None) for _ in range(params.n)]
     if body.stream:
-        started = [False] * params.n
-
         def chunks(index: int, delta: CompletionOutput) -> list[dict[str, Any]]:
-            out = []
+            view, out = views[index], []
             extra = _null_usage(body.include_usage)
-            if not started[index]:
-                started[index] = True
+            if not view.started:
+                view.started = True
                 out.append(base | {"choices": [{"index": index, "delta": {
                     "role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}]} | extra)
-            if delta.text or delta.logprobs:
-                logprobs = chat_logprobs(tokenizer, delta.logprobs) \
-                    if delta.logprobs is not None else None
-                out.append(base | {"choices": [{"index": index, "delta": {"content": delta.text},
-                                                "logprobs": logprobs,
+            logprobs = chat_logprobs(tokenizer, delta.logprobs) if delta.logprobs else None
+            pieces = view.deltas(delta.text, delta.finish_reason is not None)
+            if logprobs and not pieces:
+                pieces = [{"content": ""}]
+            for k, piece in enumerate(pieces):
+                out.append(base | {"choices": [{"index": index, "delta": piece,
+                                                "logprobs": logprobs if k == 0 else None,
                                                 "finish_reason": None}]} | extra)
             if delta.finish_reason is not None:
-                out.append(base | {"choices": [{"index": index, "delta": {}, "logprobs": None,
-                                                "finish_reason": _finish(delta),
-                                                "stop_reason": delta.stop_reason}]} | extra)
+                out.append(base | {"choices": [{
+                    "index": index, "delta": {}, "logprobs": None,
+                    "finish_reason": view.finish_reason(_finish(delta)),
+                    "stop_reason": delta.stop_reason}]} | extra)
             return out
 
         usage = (lambda u: base | {"choices": [], "usage": u}) if body.include_usage else None
         return EventStreamResponse(sse_stream(gen, chunks, usage), headers=_sse_headers())
     await collect(request, gen)
-    choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(tokenizer, c.logprobs) if body.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-               for i, c in enumerate(gen.choices)]
+    choices = []
+    for i, (c, view) in enumerate(zip(gen.choices, views)):
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if view.parser is not None:
+            events = view.parser.feed(c.text) + view.parser.finish()
+            content = "".join(e[1] for e in events if e[0] == "content").strip()
+            message = {"role": "assistant", "content": content or None}
+            if view.parser.calls:
+                message["tool_calls"] = _tool_calls(view.parser)
+        choices.append({"index": i, "message": message,
+                        "logprobs": chat_logprobs(tokenizer, c.logprobs) if body.logprobs
+                        else None, "finish_reason": view.finish_reason(c.finish_reason),
+                        "stop_reason": c.stop_reason})
     return JSONResponse(base | {"object": "chat.completion", "choices": choices,
                                 "usage": gen.usage()})
 

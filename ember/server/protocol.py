@@ -13,6 +13,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
                       model_validator)
 
 from ember.errors import InvalidRequest
+from ember.constraint import Constraint
 from ember.request import MAX_LOGPROBS, RequestOptions, SamplingParams
 
 
@@ -61,6 +62,20 @@ class SamplingFields(Strict):
     priority: int = 0                # lower runs first
     cache_salt: str | None = None    # share cached prefixes only with the same salt
     prefix_cache: bool = True        # False: neither reuse nor store cached KV
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # json, regex, choice, grammar, lark,
+                                                      # json_object (vLLM-style extension)
+
+    def constraint(self) -> Constraint | None:
+        """response_format or structured_outputs (not both) -> a Constraint."""
+        if self.response_format and self.structured_outputs:
+            raise InvalidRequest("send response_format or structured_outputs, not both",
+                                 param="structured_outputs")
+        if self.response_format:
+            return _response_format(self.response_format)
+        if self.structured_outputs:
+            return _structured_outputs(self.structured_outputs)
+        return None
 
     def request_options(self) -> RequestOptions:
         return RequestOptions(priority=self.priority, user=self.user,
@@ -79,8 +94,8 @@ class SamplingFields(Strict):
             raise InvalidRequest("logit_bias keys must be token ids (strings of integers)",
                                  param="logit_bias") from None
 
-    def sampling_params(self, max_tokens: int | None, num_logprobs: int | None
-                        ) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, num_logprobs: int | None,
+                        constraint: Constraint | None = None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream=true",
                                  param="stream_options")
@@ -94,7 +109,46 @@ class SamplingFields(Strict):
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=num_logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, constraint=constraint)
+
+
+def _response_format(fmt: dict[str, Any]) -> Constraint | None:
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise InvalidRequest("response_format json_schema needs {'name': ..., 'schema': "
+                                 "{...}}", param="response_format.json_schema")
+        return Constraint.json_schema(spec["schema"])
+    raise InvalidRequest(f"response_format type {kind!r} is not one of text, json_object, "
+                         "json_schema", param="response_format.type")
+
+
+def _structured_outputs(spec: dict[str, Any]) -> Constraint:
+    given = [k for k in ("json", "regex", "choice", "grammar", "lark", "json_object")
+             if spec.get(k) not in (None, False)]
+    unknown = sorted(set(spec) - {"json", "regex", "choice", "grammar", "lark", "json_object"})
+    if unknown or len(given) != 1:
+        raise InvalidRequest("structured_outputs takes exactly one of json, regex, choice, "
+                             "grammar, lark, json_object" + (f"; unknown: {', '.join(unknown)}"
+                                                             if unknown else ""),
+                             param="structured_outputs")
+    kind = given[0]
+    if kind == "json":
+        schema = spec["json"]
+        return Constraint.json_schema(json.loads(schema) if isinstance(schema, str) else schema)
+    if kind == "choice":
+        return Constraint.choice(spec["choice"])
+    if kind == "json_object":
+        return Constraint("json_object")
+    if not isinstance(spec[kind], str) or not spec[kind]:
+        raise InvalidRequest(f"structured_outputs.{kind} must be a non-empty string",
+                             param=f"structured_outputs.{kind}")
+    return Constraint(kind, spec[kind])
 
 
 class CompletionRequest(SamplingFields):
@@ -129,6 +183,15 @@ class CompletionRequest(SamplingFields):
                                  "does not compute; drop one of them", param="echo")
 
 
+def _tool_call(call: dict[str, Any], index: int) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+            not isinstance(fn.get("arguments"), str):
+        raise InvalidRequest(f"messages[{index}].tool_calls entries need function.name and "
+                             "function.arguments (a JSON string)", param=f"messages.{index}")
+    return {"id": call.get("id"), "type": "function", "function": fn}
+
+
 def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in value)
@@ -144,6 +207,7 @@ class ChatMessage(Strict):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     def as_template_message(self, index: int) -> dict[str, Any]:
         """A {role, content} dict for the chat template; content parts joined as text."""
@@ -153,6 +217,8 @@ class ChatMessage(Strict):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [_tool_call(c, index) for c in self.tool_calls]
         return message
 
     def _text(self, index: int) -> str:
@@ -181,21 +247,12 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # extension: False continues the last message
 
     def check_supported(self) -> None:
-        if self.tools:
-            raise InvalidRequest("tools are not supported by ember yet; send the request "
-                                 "without tools", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidRequest("tool_choice needs tools, which ember does not support yet",
-                                 param="tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise InvalidRequest(f"response_format {self.response_format.get('type')!r} is "
-                                 "not supported by ember yet; only 'text'",
-                                 param="response_format")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise InvalidRequest("tool_choice needs tools", param="tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
 

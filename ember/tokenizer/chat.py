@@ -52,6 +52,7 @@ class ChatTemplate:
             raise UnsupportedModel(f"the model's chat template does not compile ({e})") from e
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
+        self.knows_tools = "tools" in source  # the template renders tool definitions itself
 
     def render(self, messages: list[Message], add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None, **extra: Any) -> str:

@@ -66,3 +66,30 @@ def test_a_bad_grammar_is_refused_before_generation(smollm_llm, prompt):
         smollm_llm.generate([prompt("x")], SamplingParams(
             constraint=Constraint.json_schema({"type": "objectx"})))
     assert not smollm_llm.engine.has_unfinished()
+
+
+def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(smollm_llm, prompt):
+    out = smollm_llm.generate([prompt("Pick one.")], SamplingParams(
+        max_tokens=50, min_tokens=20, ignore_eos=True, temperature=0,
+        constraint=Constraint.choice(["yes", "no"])))[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason.value == "stop"
+
+
+def test_auto_tool_choice_is_free_text_until_a_call_starts(smollm_llm):
+    """The auto grammar lets any text through, then holds a started call to the tools."""
+    from ember.sampling.grammar import Matcher
+    from ember.server.tools import check_tools, tool_constraint
+    functions = check_tools([{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+        "additionalProperties": False}}}])
+    compiled = smollm_llm.engine.grammars.compile(tool_constraint(functions, "auto", True))
+    encode = lambda text: smollm_llm.tokenizer.encode(text, add_special_tokens=False)  # noqa
+
+    def accepts(text: str) -> bool:
+        matcher = Matcher(compiled)
+        return all(matcher.accept(t) for t in encode(text))
+
+    assert accepts("Any text at all, even {json} or <b>tags</b>.\n")
+    assert accepts('Sure. <tool_call>{"name": "add", "arguments": {"a": 5}}</tool_call> More.')
+    assert not accepts('Sure. <tool_call>{"name": "sub", "arguments": {"a": 5}}</tool_call>')
+    assert not accepts('<tool_call>{"name": "add", "arguments": {"a": "five"}}</tool_call>')
