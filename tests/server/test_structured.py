@@ -153,14 +153,18 @@ def test_parallel_calls_come_back_as_several(client):
     assert len({c.id for c in choice.message.tool_calls}) == len(choice.message.tool_calls)
 
 
-def test_tool_choice_none_and_auto_answer_in_text(client):
-    out = client.chat.completions.create(model=None, messages=ASK, tools=TOOLS,
-                                         tool_choice="none", max_tokens=10, temperature=0)
-    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
-    auto = client.chat.completions.create(model=None, messages=ASK, tools=TOOLS,
-                                          max_tokens=10, temperature=0)
-    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    call_args(auto.choices[0].message)
+@pytest.mark.parametrize("choice", ["none", "auto"])
+def test_tool_choice_none_and_auto_streamed_or_not(client, choice):
+    kw = dict(model=None, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=12,
+              temperature=0)
+    out = client.chat.completions.create(**kw).choices[0]
+    if choice == "none":
+        assert out.message.tool_calls is None and out.message.content
+    calls = call_args(out.message, skip_last=out.finish_reason == "length")
+    content, streamed, finish = reassemble(client.chat.completions.create(stream=True, **kw))
+    assert finish == out.finish_reason
+    assert content.strip() == (out.message.content or "").strip()
+    assert [(n, json.loads(a)) for n, a in streamed[:len(calls)]] == calls
 
 
 def test_tool_results_are_rendered_in_later_turns(client, server):
