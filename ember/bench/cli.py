@@ -207,7 +207,8 @@ def cmd_plot(args: argparse.Namespace) -> None:
 def cmd_offline(args: argparse.Namespace) -> None:
     from ember import LLM
     from ember.bench.offline import offline_workload, run_offline
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     workload = offline_workload(lambda t: llm.tokenizer.encode(t, add_special_tokens=False),
                                 args.batch_size, args.seed, max_len=llm.engine.max_model_len)
     result = run_offline(llm, workload, repeats=args.repeats)
@@ -265,6 +266,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     off = bsub.add_parser("offline", help="the engine in-process: decode, prefill, batch")
     off.add_argument("--model", default=None)
     off.add_argument("--dtype", default="auto")
+    off.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
     off.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     off.add_argument("--repeats", type=int, default=3)
     off.add_argument("--batch-size", type=int, default=32)

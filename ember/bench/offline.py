@@ -62,7 +62,7 @@ def run_offline(llm, workload: dict[str, Any], repeats: int = 3) -> dict[str, An
                              [prefill() for _ in range(repeats)],
                              [batch() for _ in range(repeats)], workload) | {
         "engine": f"ember {str(llm.engine.dtype).removeprefix('torch.')}",
-        "kv_cache_dtype": llm.engine.cache_info.dtype}
+        "kv_cache_dtype": llm.engine.cache_info.dtype, "weights": llm.engine.quantization}
 
 
 def summarize_offline(decodes: list[dict[str, float]], prefills: list[float],

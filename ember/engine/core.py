@@ -17,7 +17,8 @@ from ember.sampling.grammar import Grammars
 from ember.scheduler.scheduler import Scheduler
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.gguf import GGUFFile
-from ember.weights.loader import ModelFiles, load_model, open_model_files, resolve_dtype
+from ember.weights.loader import (ModelFiles, apply_quantization, load_model, open_model_files,
+                                  resolve_dtype, resolve_quantization)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,11 @@ class EngineCore:
         self.tokenizer = load_tokenizer(files)
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
-        model = load_model(files, self.model_config, self.dtype, config.device)
+        self.quantization = resolve_quantization(config.quantization, files, self.dtype,
+                                                 config.device)
+        model = apply_quantization(load_model(files, self.model_config, self.dtype,
+                                              config.device),
+                                   self.quantization, self.dtype, config.device)
         block_size = config.cache.block_size
         num_blocks = plan_num_blocks(self.model_config, config.cache, self.dtype)
         kv_dtype = config.cache.kv_cache_dtype
@@ -75,9 +80,9 @@ class EngineCore:
                                     kv_bytes_per_token(self.model_config, self.dtype, kv_dtype),
                                     kv_dtype if kv_dtype != "auto" else
                                     str(self.dtype).removeprefix("torch."))
-        log.info("loaded %s (%s, %s on %s); %s", self.model_path.name,
+        log.info("loaded %s (%s, %s, weights %s, on %s); %s", self.model_path.name,
                  self.model_config.architecture, str(self.dtype).removeprefix("torch."),
-                 config.device, self.cache_info.describe())
+                 self.quantization, config.device, self.cache_info.describe())
         kv_caches = allocate_kv_caches(self.model_config, num_blocks, block_size, self.dtype,
                                        config.device, kv_dtype)
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,

@@ -15,6 +15,7 @@ import math
 import torch
 
 from ember.engine.core import EngineCore
+from ember.quant.packed import packed_everywhere
 from ember.request import RequestOptions, SamplingParams
 from ember.scheduler.output import RunnerOutput
 
@@ -45,15 +46,18 @@ def window_nll(core: EngineCore, token_ids: list[int]) -> tuple[float, int]:
 
 
 def perplexity(core: EngineCore, token_ids: list[int], window: int = 1024) -> dict[str, float]:
+    """Packed (int8/int4) weights score every token, though serving uses them only for small
+    batches: the figure is the quality of the weight format that decode runs on."""
     if core.has_unfinished():
         raise RuntimeError("perplexity needs an idle engine")
     window = min(window, core.max_model_len - 1)
     total, count = 0.0, 0
-    for start in range(0, len(token_ids) - 1, window):
-        chunk = token_ids[start:start + window]
-        if len(chunk) < 2:
-            break
-        nll, n = window_nll(core, chunk)
-        total, count = total + nll, count + n
+    with packed_everywhere(core.runner.model):
+        for start in range(0, len(token_ids) - 1, window):
+            chunk = token_ids[start:start + window]
+            if len(chunk) < 2:
+                break
+            nll, n = window_nll(core, chunk)
+            total, count = total + nll, count + n
     return {"perplexity": math.exp(total / count), "tokens_scored": count,
-            "mean_nll": total / count, "window": window}
+            "mean_nll": total / count, "window": window, "weights": core.quantization}

@@ -44,12 +44,19 @@ class AttentionGroup:
     mask          [G, 1, max_n, max_blocks * block_size] bool: key j is visible to new token i
                   of member g iff j < seq_len_g and j <= seq_len_g - n_g + i (padding rows see
                   key 0 only, so that no row is fully masked)
+    bias          the mask as float32 0 / -inf, for the matmul path (few queries per member)
+    out_rows      [num valid] long: rows[valid], where the outputs go
+    whole_batch   the group is the step's whole flat batch, rows 0..T-1 in order, no padding
+                  (every step that only decodes): queries and outputs need no indexing
     """
 
     rows: Tensor
     valid: Tensor
     block_tables: Tensor
     mask: Tensor
+    bias: Tensor
+    out_rows: Tensor
+    whole_batch: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,13 +91,13 @@ class PagedKV:
                 self.scale[which].view(num_slots, -1).index_copy_(0, slot_mapping, scale)
             self.data[which].view(num_slots, *x.shape[1:]).index_copy_(0, slot_mapping, x)
 
-    def gather(self, which: int, block_ids: Tensor, dtype: torch.dtype) -> Tensor:
-        """K (0) or V (1) of `block_ids` (any shape) -> [*block_ids.shape, block_size,
-        kv_heads, head_dim] in `dtype`."""
-        x = self.data[which][block_ids]
+    def gather(self, block_ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """K and V of `block_ids` (any shape) -> [2, *block_ids.shape, block_size, kv_heads,
+        head_dim] in `dtype` (the model's, or float32 for small attention)."""
+        x = self.data[:, block_ids]
         if self.scale is None:
-            return x
-        return x.to(dtype) * self.scale[which][block_ids].to(dtype)[..., None]
+            return x.to(dtype)
+        return x.to(dtype) * self.scale[:, block_ids].to(dtype)[..., None]
 
 
 FP16_MIN_NORMAL = 2.0 ** -14
@@ -115,6 +122,8 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: PagedKV,
     Writes k and v into the cache, then attends each new token over its request's context.
     """
     kv_cache.write(k, v, meta.slot_mapping)
+    if not meta.fresh and len(meta.groups) == 1 and meta.groups[0].whole_batch:
+        return _group_attention(q, kv_cache, meta.groups[0], scale)  # e.g. all decodes
     out = torch.empty_like(q)
     for chunk in meta.fresh:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
@@ -122,7 +131,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: PagedKV,
             q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
             is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
     for group in meta.groups:
-        out[group.rows[group.valid]] = _group_attention(q, kv_cache, group, scale)
+        out[group.out_rows] = _group_attention(q, kv_cache, group, scale)
     return out
 
 
@@ -132,12 +141,48 @@ def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup,
     members, max_blocks = group.block_tables.shape
     block_size, kv_heads, head_dim = kv_cache.shape[2:]
     context = max_blocks * block_size
-    keys = kv_cache.gather(0, group.block_tables, q.dtype).view(members, context, kv_heads,
-                                                                head_dim)
-    values = kv_cache.gather(1, group.block_tables, q.dtype).view(members, context, kv_heads,
-                                                                  head_dim)
-    queries = q[group.rows]                                   # [G, max_n, heads, head_dim]
-    out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=group.mask, scale=scale, enable_gqa=True)  # [G, heads, max_n, head_dim]
-    return out.transpose(1, 2)[group.valid]
+    max_n = group.rows.shape[1]
+    if group.whole_batch:  # the rows are 0..T-1 in order: no gather of queries
+        queries = q.view(members, max_n, *q.shape[1:])
+    else:
+        queries = q[group.rows]                              # [G, max_n, heads, head_dim]
+    small = max_n <= MATMUL_MAX_QUERIES and members * context <= SMALL_ATTENTION_KEYS
+    # bf16 matmuls cost ~14 us each when tiny, float32 ones ~4 us
+    kv = kv_cache.gather(group.block_tables, torch.float32 if small else q.dtype)
+    keys, values = kv.view(2, members, context, kv_heads, head_dim).transpose(2, 3)
+    if max_n <= MATMUL_MAX_QUERIES:
+        out = _matmul_attention(queries, keys, values, group.bias, scale)
+    else:
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys, values, attn_mask=group.mask, scale=scale,
+            enable_gqa=True).transpose(1, 2)                 # [G, max_n, heads, head_dim]
+    if out.shape[0] * out.shape[1] == group.out_rows.shape[0]:
+        return out.reshape(-1, *out.shape[2:])               # no padding: every row is real
+    return out[group.valid]
+
+
+# up to this many new tokens per member, plain matmuls beat the SDPA kernel, whose masked
+# bfloat16 path is 3-17x slower for decode-sized queries on CPU (docs/benchmarks.md)
+MATMUL_MAX_QUERIES = 16
+# up to this many keys in a group, float32 matmuls (~4 us) beat bfloat16 ones (~14 us)
+SMALL_ATTENTION_KEYS = 1024
+
+
+def _matmul_attention(queries: Tensor, keys: Tensor, values: Tensor, bias: Tensor,
+                      scale: float) -> Tensor:
+    """queries [G, n, heads, d], keys/values [G, kv_heads, ctx, d], bias [G, 1, n, ctx] ->
+    [G, n, heads, d]. The heads sharing a KV head are stacked as extra query rows, so each
+    KV head is read once; softmax runs in float32."""
+    out_dtype = queries.dtype
+    members, n, heads, d = queries.shape
+    kv_heads = keys.shape[1]
+    queries = queries.to(keys.dtype)
+    per_kv = heads // kv_heads
+    stacked = queries.view(members, n, kv_heads, per_kv, d).permute(0, 2, 3, 1, 4) \
+        .reshape(members, kv_heads, per_kv * n, d)
+    scores = torch.matmul(stacked, keys.transpose(-1, -2)).float() * scale
+    scores = scores.view(members, kv_heads, per_kv, n, -1) + bias[:, :, None]
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(members, kv_heads, per_kv * n,
+                                                                -1)
+    out = torch.matmul(probs, values).view(members, kv_heads, per_kv, n, d)
+    return out.permute(0, 3, 1, 2, 4).reshape(members, n, heads, d).to(out_dtype)

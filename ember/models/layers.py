@@ -17,10 +17,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        """x [T, hidden]; normalised in float32, scaled in x's dtype (as transformers does)."""
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """x [T, hidden]; one fused kernel (it accumulates low-precision inputs in float32)."""
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> Tensor:
@@ -46,19 +44,24 @@ def _llama3_inv_freq(inv_freq: Tensor, s: RopeScaling) -> Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-def rope_cos_sin(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
-    """positions [T] -> cos, sin [T, head_dim] float32 (each half repeated, as rotate_half wants)."""
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype
+                 ) -> tuple[Tensor, Tensor]:
+    """positions [T] -> cos, sin [T, 1, head_dim] in `dtype`, computed once per step.
+
+    Each half repeats (pairs are (i, i + head_dim / 2)), and the first half of sin is negated,
+    so that rotate_half(x) * sin becomes roll(x, half) * sin (see apply_rope).
+    """
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    sin = emb.sin()
+    sin[:, :inv_freq.shape[0]].neg_()
+    return emb.cos()[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, head_dim]; rotates the pairs (i, i + head_dim / 2)."""
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """x [T, heads, head_dim] -> x * cos + rotate_half(x) * sin, with rotate_half(x) =
+    [-x2, x1] written as roll(x) = [x2, x1] against the sign-folded sin of rope_cos_sin."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
 
 class SwiGLU(nn.Module):

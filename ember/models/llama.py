@@ -27,12 +27,15 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> Tensor:
         """x [T, hidden] -> [T, hidden]."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k rotate together: one pass over [T, heads + kv_heads, head_dim]
+        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(
+            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads,
+                                                     self.head_dim)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,8 +76,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[PagedKV],
                 meta: AttentionMetadata) -> Tensor:
         """input_ids, positions [T] long -> final hidden states [T, hidden]."""
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
         x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.model.norm(x)

@@ -54,13 +54,13 @@ def _slots(item: ScheduledRequest, block_size: int) -> list[int]:
 def group_members(members: list[_Member]) -> list[list[_Member]]:
     """Sort by shape and cut into groups whose padded work stays within GROUP_WASTE times
     the members' own work (new tokens x context)."""
+    if members and _cheap_enough(members):
+        return [members]  # in batch order: a step of decodes then needs no row indexing
     groups: list[list[_Member]] = []
     current: list[_Member] = []
     for m in sorted(members, key=lambda m: (m.num_new, m.seq_len)):
         trial = current + [m]
-        padded = len(trial) * max(x.num_new for x in trial) * max(x.seq_len for x in trial)
-        useful = sum(x.num_new * x.seq_len for x in trial)
-        if current and padded > GROUP_WASTE * useful:
+        if current and not _cheap_enough(trial):
             groups.append(current)
             trial = [m]
         current = trial
@@ -69,8 +69,14 @@ def group_members(members: list[_Member]) -> list[list[_Member]]:
     return groups
 
 
-def build_group(members: list[_Member], block_size: int, device: torch.device
-                ) -> AttentionGroup:
+def _cheap_enough(group: list[_Member]) -> bool:
+    padded = len(group) * max(x.num_new for x in group) * max(x.seq_len for x in group)
+    return padded <= GROUP_WASTE * sum(x.num_new * x.seq_len for x in group)
+
+
+def build_group(members: list[_Member], block_size: int, device: torch.device,
+                num_rows: int) -> AttentionGroup:
+    """One group's tensors; `num_rows` is the step's flat batch size."""
     max_n = max(m.num_new for m in members)
     width = max(cdiv(m.seq_len, block_size) for m in members)
     rows = torch.tensor([[m.row + min(i, m.num_new - 1) for i in range(max_n)]
@@ -85,8 +91,15 @@ def build_group(members: list[_Member], block_size: int, device: torch.device
     tables = torch.tensor([m.block_ids[:cdiv(m.seq_len, block_size)] +
                            [0] * (width - cdiv(m.seq_len, block_size)) for m in members],
                           dtype=torch.long)
+    bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
     return AttentionGroup(rows.to(device), valid.to(device), tables.to(device),
-                          mask[:, None].to(device))
+                          mask[:, None].to(device), bias[:, None].to(device),
+                          rows[valid].to(device), _is_whole_batch(rows, valid, num_rows))
+
+
+def _is_whole_batch(rows: Tensor, valid: Tensor, num_rows: int) -> bool:
+    return bool(valid.all()) and rows.numel() == num_rows and \
+        bool((rows.flatten() == torch.arange(num_rows)).all())
 
 
 def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
@@ -113,7 +126,8 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device)
     def as_long(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    groups = [build_group(g, block_size, device) for g in group_members(members)]
+    groups = [build_group(g, block_size, device, len(token_ids))
+              for g in group_members(members)]
     attn = AttentionMetadata(slot_mapping=as_long(slots), fresh=fresh, groups=groups)
     return ModelInputs(as_long(token_ids), as_long(positions), attn, as_long(logits_rows),
                        sampling)

@@ -110,6 +110,14 @@ class GGUFFile:
                            original_max_position_embeddings=int(self.metadata.get(
                                f"{self.arch}.rope.scaling.original_context_length", 0) or 0))
 
+    def linear_bits(self) -> int | None:
+        """Bits per weight of the decoder's linear layers as stored (4, 8), None if unquantized
+        (the largest over them: a Q4/Q8 mix counts as 8)."""
+        bits = {t.tensor_type.name[1] for t in self._reader.tensors
+                if t.name.startswith("blk.") and t.name.endswith(".weight")
+                and t.tensor_type.name[:2] in ("Q4", "Q5", "Q6", "Q8")}
+        return max((int(b) for b in bits), default=None)
+
     def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) pairs, dequantized; rope_freqs keeps its GGUF name."""
         permuted = ARCHITECTURES[self.arch][1]

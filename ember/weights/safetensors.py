@@ -84,6 +84,10 @@ class SafetensorsFolder:
     def model_config(self) -> ModelConfig:
         return model_config_from_hf(self.config)
 
+    def linear_bits(self) -> int | None:
+        """Floating-point weights: nothing to match with packed integer formats."""
+        return None
+
     def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) pairs, memory-mapped from the files."""
         for file in self.files:

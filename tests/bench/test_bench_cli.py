@@ -67,11 +67,11 @@ def test_offline_bench_writes_its_figures(tiny_llama_dir, tmp_path):
     folder, _ = tiny_llama_dir
     out = tmp_path / "offline.json"
     assert cli.main(["bench", "offline", "--model", str(folder), "--repeats", "1",
-                     "--batch-size", "3", "--out", str(out)]) == 0
+                     "--batch-size", "3", "--dtype", "float32", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["batch_size"] == 3 and result["prefill_tokens"] == 511
     assert result["decode_tok_per_s"] > 0 and result["prefill_ttft_s"] > 0
-    assert result["engine"] == "ember float32"
+    assert result["engine"] == "ember float32" and result["weights"] == "none"
 
 
 def test_mistakes_get_one_clear_line(tmp_path):

@@ -1,0 +1,181 @@
+"""`ember roofline`: this machine's limits, the loaded model's cost per token, and how close
+ember runs to them.
+
+Machine (measured here, with torch's threads):
+  bandwidth   reading a buffer over and over (a sum): once as big as DRAM-only data
+              (1 GiB) and once as big as the model's decode weights (which may stay in cache)
+  matmul      peak GFLOP/s of a 1024^3 matmul in float32 and in bfloat16
+
+Model, per token (weights as a step reads them: the packed ones where the model is quantized
+and the batch is small, else the dense ones):
+  bytes       weight bytes / batch + KV bytes of the token's context
+  FLOPs       2 x parameters used (the embedding is a lookup) + attention 4 x context x q_size
+              per layer
+
+Limits: a step of B tokens takes at least max(bytes / bandwidth, FLOPs / peak); decode tok/s
+limit = B / that. Prefill uses the dense weights' compute peak. ember's own figures come from
+running the engine (decode at batch 1 and at --batch, one 1024-token prefill), and each is
+reported as a percentage of its limit. The weights-fit-in-cache bandwidth gives the tighter
+(higher) limit; both are reported.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ember.quant.packed import PACKED_MAX_ROWS, PackedLinear
+from ember.request import RequestOptions, SamplingParams
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Machine:
+    threads: int
+    dram_gb_s: float          # reading 1 GiB, repeatedly
+    cached_gb_s: float        # reading a buffer the size of the decode weights
+    cached_bytes: int
+    fp32_gflops: float
+    bf16_gflops: float
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:
+    """GB/s of summing a float32 buffer of `num_bytes` (reads it once per pass)."""
+    buf = torch.ones(max(num_bytes // 4, 1024), dtype=torch.float32)
+    passes = max(1, (1 << 30) // num_bytes)
+    seconds = _best_time(lambda: [buf.sum() for _ in range(passes)], repeats)
+    return buf.numel() * 4 * passes / seconds / 1e9
+
+
+def matmul_gflops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n ** 3 / _best_time(lambda: a @ b, repeats) / 1e9
+
+
+def measure_machine(weight_bytes: int) -> Machine:
+    return Machine(threads=torch.get_num_threads(), dram_gb_s=read_bandwidth(GIB),
+                   cached_gb_s=read_bandwidth(weight_bytes), cached_bytes=weight_bytes,
+                   fp32_gflops=matmul_gflops(torch.float32),
+                   bf16_gflops=matmul_gflops(torch.bfloat16))
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    decode_weight_bytes: int   # read once per decode step (packed where quantized)
+    dense_weight_bytes: int    # what prefill reads
+    kv_bytes_per_token: int    # in the cache, all layers
+    params: int                # multiply-accumulates per token in the linears
+    attn_flops_per_context_token: int
+
+
+def model_cost(model: torch.nn.Module, kv_bytes_per_token: int) -> ModelCost:
+    decode = dense = params = 0
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            decode += module.packed_bytes()
+            dense += module.in_features * module.out_features * 2
+            params += module.in_features * module.out_features
+        elif isinstance(module, torch.nn.Linear):
+            size = module.weight.numel() * module.weight.element_size()
+            decode, dense, params = decode + size, dense + size, params + module.weight.numel()
+    config = model.config
+    return ModelCost(decode, dense, kv_bytes_per_token, params,
+                     4 * config.q_size * config.num_layers)
+
+
+def decode_limit(cost: ModelCost, bandwidth_gb_s: float, batch: int, context: int,
+                 peak_gflops: float) -> float:
+    """tok/s at most for `batch` sequences of `context` tokens each decoding one token
+    (batches above PACKED_MAX_ROWS read the dense weights, as ember does)."""
+    weights = cost.decode_weight_bytes if batch <= PACKED_MAX_ROWS else cost.dense_weight_bytes
+    step_bytes = weights + batch * context * cost.kv_bytes_per_token
+    step_flops = batch * (2 * cost.params + context * cost.attn_flops_per_context_token)
+    seconds = max(step_bytes / (bandwidth_gb_s * 1e9), step_flops / (peak_gflops * 1e9))
+    return batch / seconds
+
+
+def prefill_limit(cost: ModelCost, peak_gflops: float, prompt: int) -> float:
+    flops = prompt * 2 * cost.params + cost.attn_flops_per_context_token * prompt * prompt / 2
+    return prompt / (flops / (peak_gflops * 1e9))
+
+
+def measure_ember(llm, batch: int, context: int = 128, tokens: int = 64) -> dict[str, float]:
+    """Decode tok/s at batch 1 and `batch` (prompts of `context` tokens), 1024-token prefill."""
+    cold = RequestOptions(prefix_cache=False)
+    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa
+    prompts = [[100 + (i * 7 + j) % 20000 for j in range(context)] for i in range(batch)]
+    llm.generate(prompts[:1], greedy(4), cold)
+
+    def decode(n: int) -> float:
+        """The same prompts for 1 and for tokens + 1 tokens: the difference is decode."""
+        start = time.perf_counter()
+        llm.generate(prompts[:n], greedy(1), cold)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        llm.generate(prompts[:n], greedy(tokens + 1), cold)
+        return n * tokens / max(time.perf_counter() - start - prefill, 1e-9)
+
+    long = [100 + j % 20000 for j in range(min(1024, llm.engine.max_model_len - 1))]
+    prefill = _best_time(lambda: llm.generate([long], greedy(1), cold), repeats=2)
+    return {"decode_batch1_tok_s": decode(1), f"decode_batch{batch}_tok_s": decode(batch),
+            "prefill_tok_s": len(long) / prefill, "prefill_tokens": len(long)}
+
+
+def roofline_report(llm, batch: int, context: int = 128) -> dict[str, Any]:
+    engine = llm.engine
+    cost = model_cost(engine.runner.model, engine.cache_info.bytes_per_token)
+    machine = measure_machine(cost.decode_weight_bytes)
+    dense_peak = machine.bf16_gflops if engine.dtype == torch.bfloat16 else machine.fp32_gflops
+    measured = measure_ember(llm, batch, context)
+    limits: dict[str, float] = {}
+    for name, bw in (("cached", machine.cached_gb_s), ("dram", machine.dram_gb_s)):
+        for b in (1, batch):
+            limits[f"decode_batch{b}_{name}_tok_s"] = decode_limit(cost, bw, b, context,
+                                                                   dense_peak)
+    limits["prefill_tok_s"] = prefill_limit(cost, dense_peak, measured["prefill_tokens"])
+    percent = {f"decode_batch{b}_of_{name}_limit": 100 * measured[f"decode_batch{b}_tok_s"]
+               / limits[f"decode_batch{b}_{name}_tok_s"]
+               for b in (1, batch) for name in ("cached", "dram")}
+    percent["prefill_of_limit"] = 100 * measured["prefill_tok_s"] / limits["prefill_tok_s"]
+    return {"machine": asdict(machine), "model": asdict(cost) | {
+                "dtype": str(engine.dtype).removeprefix("torch."),
+                "weights": engine.quantization, "decode_context": context,
+                "flops_per_token": 2 * cost.params},
+            "limits": limits, "measured": measured, "percent_of_limit": percent}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    m, c = report["machine"], report["model"]
+    lines = [f"machine  {m['threads']} threads; read bandwidth {m['dram_gb_s']:.1f} GB/s "
+             f"(1 GiB), {m['cached_gb_s']:.1f} GB/s ({m['cached_bytes'] / 1e6:.0f} MB, the "
+             f"decode weights); matmul {m['fp32_gflops']:.0f} GFLOP/s fp32, "
+             f"{m['bf16_gflops']:.0f} bf16",
+             f"model    {c['dtype']}, weights {c['weights']}: decode reads "
+             f"{c['decode_weight_bytes'] / 1e6:.1f} MB of weights per step, prefill "
+             f"{c['dense_weight_bytes'] / 1e6:.1f} MB; {c['kv_bytes_per_token']} KV bytes per "
+             f"context token; {c['flops_per_token'] / 1e6:.0f} MFLOP per token",
+             f"{'':34}{'ember':>10}{'limit':>10}{'% of it':>9}"]
+    for key, value in report["measured"].items():
+        if key == "prefill_tokens":
+            continue
+        base = key.removesuffix("_tok_s")
+        for name in (("cached", "dram") if base.startswith("decode") else ("",)):
+            limit_key = f"{base}_{name}_tok_s" if name else key
+            pct_key = f"{base}_of_{name}_limit" if name else "prefill_of_limit"
+            label = f"{base} tok/s" + (f" ({name} weights)" if name else "")
+            lines.append(f"{label:34}{value:10.1f}{report['limits'][limit_key]:10.1f}"
+                         f"{report['percent_of_limit'][pct_key]:8.0f}%")
+    return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""Weight-only int8 and int4 linears on PyTorch's own CPU packed-weight kernels.
+
+    int8  one scale per output row, symmetric:        w = q * s,      q in -127..127
+          (aten._weight_int8pack_mm, as gpt-fast and torchao use it)
+    int4  one scale and minimum per 32 inputs of a row: w = q * s + m,  q in 0..15
+          (aten._weight_int4pack_mm_for_cpu, which takes (s, m + 8 s) per group)
+
+int4 with groups of 32 is GGUF's Q4_1 layout, so a Q4_1 model converts without loss beyond
+rounding its scales to bfloat16 (the kernels' activation dtype).
+
+Why two weights per layer: at a few rows (decode) a matmul is memory-bound and the packed
+kernels read 2-4x fewer bytes than bfloat16; at many rows (prefill, large batches) it is
+compute-bound and oneDNN's bfloat16 matmul is 3x faster than the packed kernels on this kind
+of CPU (docs/benchmarks.md). So a PackedLinear keeps the dense bfloat16 weight too, and picks by
+the number of rows; `keep_dense=False` drops it to save memory at the cost of prefill speed.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ember.errors import ConfigError
+
+GROUP = 32
+METHODS = ("int8", "int4")
+# at this many rows or fewer the packed kernel beats dense bfloat16 (measured: equal near 8)
+PACKED_MAX_ROWS = 8
+
+
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """[N, K] float -> (int8 [N, K], float32 scales [N]), symmetric per row."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
+    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(weight: Tensor, group: int = GROUP) -> tuple[Tensor, Tensor, Tensor]:
+    """[N, K] float -> (q int32 [N, K] in 0..15, scales [N, K/group], minima [N, K/group])."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // group, group)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-10)
+    q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    return q.view(n, k), scale, lo
+
+
+def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def dequantize_int4(q: Tensor, scale: Tensor, lo: Tensor, group: int = GROUP) -> Tensor:
+    n, k = q.shape
+    w = q.float().view(n, k // group, group) * scale[..., None] + lo[..., None]
+    return w.view(n, k)
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T (+ b) with W stored int8 or int4; the dense weight (if kept) serves big batches.
+
+    The packed kernels take bfloat16 activations; the model runs in bfloat16 with them.
+    """
+
+    def __init__(self, linear: nn.Linear, method: str, keep_dense: bool = True,
+                 max_packed_rows: int = PACKED_MAX_ROWS) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        self.method, self.max_packed_rows = method, max_packed_rows
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight = weight if keep_dense else None
+        self.bias = linear.bias
+        if method == "int8":
+            q, scale = quantize_int8(weight)
+            self.register_buffer("qweight", q)
+            self.register_buffer("scales", scale.to(torch.bfloat16))
+        elif method == "int4":
+            q, scale, lo = quantize_int4(weight)
+            self.register_buffer("qweight",
+                                 torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            # the kernel's per-group (scale, zero) with w = (q - 8) * scale + zero
+            zeros = lo + 8 * scale
+            self.register_buffer("scales", torch.stack([scale, zeros], dim=-1)
+                                 .transpose(0, 1).contiguous().to(torch.bfloat16))
+        else:
+            raise ConfigError(f"weight quantization {method!r} is unknown; choose one of "
+                              f"{', '.join(METHODS)} or none")
+
+    def packed_bytes(self) -> int:
+        return self.qweight.numel() * self.qweight.element_size() + \
+            self.scales.numel() * self.scales.element_size()
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.weight is not None and x.shape[0] > self.max_packed_rows:
+            return F.linear(x, self.weight, self.bias)
+        if self.method == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, GROUP,
+                                                              self.scales)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, {self.method}, "
+                f"dense={'kept' if self.weight is not None else 'dropped'}")
+
+
+def linear_modules(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute name, linear) for every nn.Linear below `model`."""
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                yield parent, name, child
+
+
+def check_method(method: str, dtype: torch.dtype, device: str, in_features: int) -> None:
+    if method not in METHODS:
+        raise ConfigError(f"quantization={method!r} is unknown; choose none, "
+                          f"{', '.join(METHODS)} or auto")
+    if torch.device(device).type != "cpu":
+        raise ConfigError(f"{method} weights run on PyTorch's CPU kernels; on {device} use "
+                          "--quantization none")
+    if dtype != torch.bfloat16:
+        raise ConfigError(f"{method} weights need bfloat16 activations, not "
+                          f"{str(dtype).removeprefix('torch.')}; use --dtype bfloat16 (or auto)")
+    if method == "int4" and in_features % GROUP:
+        raise ConfigError(f"int4 needs input sizes divisible by {GROUP}, the model has "
+                          f"{in_features}; use --quantization int8")
+
+
+def quantize_linears(model: nn.Module, method: str, lm_head_method: str,
+                     keep_dense: bool = True) -> None:
+    """Swap every nn.Linear for a PackedLinear, in place: `method` for the decoder layers,
+    `lm_head_method` for the output projection (the most sensitive to rounding)."""
+    for parent, name, linear in list(linear_modules(model)):
+        chosen = lm_head_method if name == "lm_head" else method
+        setattr(parent, name, PackedLinear(linear, chosen, keep_dense))
+
+
+@contextmanager
+def packed_everywhere(model: nn.Module) -> Iterator[None]:
+    """Every batch size runs on the packed weights meanwhile: how a weight format's quality is
+    measured (perplexity scores whole chunks, which would otherwise take the dense weight)."""
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    saved = [m.max_packed_rows for m in packed]
+    for module in packed:
+        module.max_packed_rows = 1 << 62
+    try:
+        yield
+    finally:
+        for module, rows in zip(packed, saved):
+            module.max_packed_rows = rows
