@@ -1,7 +1,8 @@
 """Offline speed: ember beside llama-cpp-python on the same GGUF, in one run, with ratios.
 
     .venv/bin/python benchmarks/offline.py --llama-python /path/to/llama-venv/bin/python \
-        [--dtypes float32,bfloat16] [--repeats 3] [--out results/offline.json]
+        [--formats float32:none,bfloat16:none,bfloat16:int4] [--repeats 3] \
+        [--out results/offline.json]
 
 The workloads are `ember bench offline`'s (ember/bench/offline.py): one stream (32-token
 prompt, 256 tokens), one 1024-token prefill, and 32 prompts at once (64 tokens each), as the
@@ -98,8 +99,8 @@ def main() -> None:
                         help="python of a venv with llama-cpp-python (omit to run ember alone)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtypes", default="float32,bfloat16",
-                        help="ember weight dtypes to run, comma-separated")
+    parser.add_argument("--formats", default="float32:none,bfloat16:none,bfloat16:int4",
+                        help="ember DTYPE:QUANTIZATION pairs to run, comma-separated")
     parser.add_argument("--out", default="results/offline.json")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -116,12 +117,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     results: dict = {"command": " ".join(sys.argv)}
     workload = None
-    for dtype in args.dtypes.split(","):
-        llm = LLM(args.model, dtype=dtype)
+    for spec in args.formats.split(","):
+        dtype, _, quantization = spec.partition(":")
+        llm = LLM(args.model, dtype=dtype, quantization=quantization or "auto")
         results["model"] = str(llm.engine.model_path)
         workload = workload or offline_workload(
             functools.partial(llm.tokenizer.encode, add_special_tokens=False))
-        results[f"ember_{dtype}"] = run_offline(llm, workload, args.repeats)
+        results[f"ember_{dtype}_{llm.engine.quantization}"] = run_offline(llm, workload,
+                                                                          args.repeats)
         del llm
     if args.llama_python:
         results["llama_cpp"] = run_peer(args.llama_python, results["model"], workload,

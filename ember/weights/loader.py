@@ -99,12 +99,13 @@ def resolve_quantization(name: str, files: ModelFiles, dtype: torch.dtype,
 
 def apply_quantization(model: LlamaForCausalLM, method: str, dtype: torch.dtype,
                        device: str) -> LlamaForCausalLM:
-    """Pack the linears: `method` in the decoder layers and in the output projection."""
+    """Pack the linears: `method` in the decoder layers, int8 in the output projection (int4
+    there costs ~5% perplexity on the default model, whose embedding ships as Q8_0)."""
     if method == "none":
         return model
     check_method(method, dtype, device, model.config.hidden_size)
     check_method(method, dtype, device, model.config.intermediate_size)
-    quantize_linears(model, method, lm_head_method=method)
+    quantize_linears(model, method, lm_head_method="int8")
     return model
 
 

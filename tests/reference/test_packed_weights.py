@@ -1,0 +1,122 @@
+"""int8 / int4 packed weights (ember/quant/packed.py).
+
+References: the dequantized weights in float32 for the kernels; gguf's own Q4_1 dequantizer
+for the lossless Q4_1 -> int4 conversion; bf16 dense weights for greedy tokens (closeness rule)
+and perplexity (int8 within 1%, int4 within 5%, on Shakespeare as the issue asks).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf import quants as gguf_quants
+
+from ember import LLM, SamplingParams
+from ember.config import EngineConfig
+from ember.engine.perplexity import perplexity
+from ember.errors import ConfigError
+from ember.quant.packed import (PackedLinear, dequantize_int4, dequantize_int8,
+                                packed_everywhere, quantize_int4, quantize_int8)
+from tests.conftest import CHAT_PROMPTS, SHAKESPEARE, first_mismatch
+
+
+def _linear(out_features: int, in_features: int, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=False)
+    linear.weight.data = (torch.randn(out_features, in_features) * 0.05).bfloat16()
+    return linear
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_packed_matmul_equals_the_dequantized_weights(method, rows):
+    linear = _linear(96, 128)
+    packed = PackedLinear(linear, method)
+    if method == "int8":
+        q, scale = quantize_int8(linear.weight)
+        weight = dequantize_int8(q, scale)
+    else:
+        weight = dequantize_int4(*quantize_int4(linear.weight))
+    x = torch.randn(rows, 128).bfloat16()
+    ref = x.float() @ weight.T
+    out = packed(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    # the kernels round their output (and int4 its scales) to bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_big_batches_take_the_dense_weight_and_small_ones_the_packed():
+    linear = _linear(64, 64)
+    packed = PackedLinear(linear, "int4", max_packed_rows=4)
+    x = torch.randn(9, 64).bfloat16()
+    assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight))
+    small = torch.randn(4, 64).bfloat16()
+    assert not torch.equal(packed(small), torch.nn.functional.linear(small, linear.weight))
+    with packed_everywhere(packed):
+        assert not torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight))
+    assert packed.max_packed_rows == 4
+
+
+def test_round_trip_errors_are_within_half_a_step():
+    w = torch.randn(40, 256) * torch.linspace(0.01, 3, 40)[:, None]
+    q, scale = quantize_int8(w)
+    assert ((dequantize_int8(q, scale) - w).abs() <= 0.5 * scale[:, None] * 1.001 + 1e-7).all()
+    q4, s4, lo = quantize_int4(w)
+    assert q4.min() >= 0 and q4.max() <= 15
+    step = s4.repeat_interleave(32, dim=1)
+    assert ((dequantize_int4(q4, s4, lo) - w).abs() <= 0.5 * step * 1.001 + 1e-7).all()
+
+
+def test_q4_1_weights_convert_to_int4_without_loss():
+    """A GGUF Q4_1 tensor, dequantized by gguf, requantizes to the very same 4-bit values."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(16, 128)).astype(np.float32)
+    blocks = gguf_quants.quantize(w, QType.Q4_1)
+    deq = torch.from_numpy(gguf_quants.dequantize(blocks, QType.Q4_1).reshape(16, 128))
+    back = dequantize_int4(*quantize_int4(deq))
+    torch.testing.assert_close(back, deq, rtol=0, atol=1e-5)
+
+
+def test_packed_weights_need_bfloat16_and_a_cpu(smollm_path):
+    with pytest.raises(ConfigError, match="--dtype bfloat16"):
+        LLM(str(smollm_path), dtype="float32", quantization="int4")
+    with pytest.raises(ConfigError, match="quantization='int3'"):
+        EngineConfig(quantization="int3")
+
+
+@pytest.fixture(scope="module")
+def formats(smollm_path):
+    """The default model's weights as bf16 (dense), int8 and int4 (packed)."""
+    return {q: LLM(str(smollm_path), dtype="bfloat16", quantization=q,
+                   max_num_batched_tokens=256) for q in ("none", "int8", "int4")}
+
+
+def test_auto_runs_a_q4_gguf_on_int4(smollm_path, formats):
+    llm = LLM(str(smollm_path), dtype="bfloat16")
+    assert llm.engine.quantization == "int4"
+    assert formats["none"].engine.quantization == "none"
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_packed_greedy_tokens_agree_with_bf16_by_the_closeness_rule(formats, method):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    prompts = [formats["none"].chat_prompt([{"role": "user", "content": p}])
+               for p in CHAT_PROMPTS]
+    ref, got = (formats[k].generate(prompts, params) for k in ("none", method))
+    for a, b in zip(ref, got):
+        a, b = a.outputs[0], b.outputs[0]
+        k = first_mismatch(a.token_ids, b.token_ids)
+        if k is not None:
+            assert b.token_ids[k] in {t.token_id for t in a.logprobs[k].top}
+            assert a.token_ids[k] in {t.token_id for t in b.logprobs[k].top}
+
+
+def test_packed_perplexity_on_shakespeare_within_bounds(formats):
+    if not SHAKESPEARE.exists():
+        pytest.skip(f"{SHAKESPEARE} is absent (it ships beside the project, not in it)")
+    text = SHAKESPEARE.read_text()[:20000]
+    ids = formats["none"].tokenizer.encode(text, add_special_tokens=False)[:1536]
+    ppl = {k: perplexity(formats[k].engine, ids, window=512)["perplexity"] for k in formats}
+    assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01, ppl
+    assert abs(ppl["int4"] / ppl["none"] - 1) < 0.05, ppl
