@@ -1,7 +1,9 @@
 """Attention over a paged KV cache.
 
-Each layer's cache (PagedKV) is one tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
-(K then V), in the model's dtype or in int8 with one scale per token and head.
+Each layer's cache (PagedKV) is one tensor [2, num_kv_heads, num_blocks, block_size, head_dim]
+(K then V), in the model's dtype or in int8 with one scale per token and head. Heads lead so
+that a group's gathered context, [kv_heads, members, context, head_dim], feeds the attention
+matmuls as it is, with no transposing copy.
 A request's token i sits in block `block_ids[i // block_size]` at offset `i % block_size`; the
 runner turns that into `slot_mapping` (block * block_size + offset) for the tokens of a step.
 
@@ -70,8 +72,8 @@ class AttentionMetadata:
 class PagedKV:
     """One layer's KV cache.
 
-    data   [2, num_blocks, block_size, kv_heads, head_dim]: the model's dtype, or int8
-    scale  [2, num_blocks, block_size, kv_heads] float16, for int8 only: x = data * scale,
+    data   [2, kv_heads, num_blocks, block_size, head_dim]: the model's dtype, or int8
+    scale  [2, kv_heads, num_blocks, block_size] float16, for int8 only: x = data * scale,
            with scale = max|x| / 127 over each token's head (symmetric, per token and head)
     """
 
@@ -79,25 +81,30 @@ class PagedKV:
     scale: Tensor | None = None
 
     @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
+    def block_size(self) -> int:
+        return self.data.shape[3]
 
     def write(self, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
         """Store the step's k, v [T, kv_heads, head_dim] at their slots."""
-        num_slots = self.data.shape[1] * self.data.shape[2]
+        _, kv_heads, num_blocks, block_size, head_dim = self.data.shape
+        num_slots = num_blocks * block_size
         for which, x in ((0, k), (1, v)):
             if self.scale is not None:
                 x, scale = quantize_int8(x)
-                self.scale[which].view(num_slots, -1).index_copy_(0, slot_mapping, scale)
-            self.data[which].view(num_slots, *x.shape[1:]).index_copy_(0, slot_mapping, x)
+                self.scale[which].view(kv_heads, num_slots).index_copy_(
+                    1, slot_mapping, scale.transpose(0, 1))
+            self.data[which].view(kv_heads, num_slots, head_dim).index_copy_(
+                1, slot_mapping, x.transpose(0, 1))
 
-    def gather(self, block_ids: Tensor, dtype: torch.dtype) -> Tensor:
-        """K and V of `block_ids` (any shape) -> [2, *block_ids.shape, block_size, kv_heads,
+    def gather(self, block_tables: Tensor, dtype: torch.dtype) -> Tensor:
+        """K and V of block_tables [G, max_blocks] -> [2, kv_heads, G, max_blocks * block_size,
         head_dim] in `dtype` (the model's, or float32 for small attention)."""
-        x = self.data[:, block_ids]
-        if self.scale is None:
-            return x.to(dtype)
-        return x.to(dtype) * self.scale[:, block_ids].to(dtype)[..., None]
+        _, kv_heads, _, block_size, head_dim = self.data.shape
+        members, max_blocks = block_tables.shape
+        x = self.data[:, :, block_tables]
+        if self.scale is not None:
+            x = x.to(dtype) * self.scale[:, :, block_tables].to(dtype)[..., None]
+        return x.to(dtype).view(2, kv_heads, members, max_blocks * block_size, head_dim)
 
 
 FP16_MIN_NORMAL = 2.0 ** -14
@@ -139,8 +146,7 @@ def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup,
                      scale: float) -> Tensor:
     """Returns [num valid rows, heads, head_dim], in the order of rows[valid]."""
     members, max_blocks = group.block_tables.shape
-    block_size, kv_heads, head_dim = kv_cache.shape[2:]
-    context = max_blocks * block_size
+    context = max_blocks * kv_cache.block_size
     max_n = group.rows.shape[1]
     if group.whole_batch:  # the rows are 0..T-1 in order: no gather of queries
         queries = q.view(members, max_n, *q.shape[1:])
@@ -148,13 +154,13 @@ def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup,
         queries = q[group.rows]                              # [G, max_n, heads, head_dim]
     small = max_n <= MATMUL_MAX_QUERIES and members * context <= SMALL_ATTENTION_KEYS
     # bf16 matmuls cost ~14 us each when tiny, float32 ones ~4 us
-    kv = kv_cache.gather(group.block_tables, torch.float32 if small else q.dtype)
-    keys, values = kv.view(2, members, context, kv_heads, head_dim).transpose(2, 3)
+    keys, values = kv_cache.gather(group.block_tables, torch.float32 if small else q.dtype)
     if max_n <= MATMUL_MAX_QUERIES:
         out = _matmul_attention(queries, keys, values, group.bias, scale)
     else:
         out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys, values, attn_mask=group.mask, scale=scale,
+            queries.transpose(1, 2), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=group.mask, scale=scale,
             enable_gqa=True).transpose(1, 2)                 # [G, max_n, heads, head_dim]
     if out.shape[0] * out.shape[1] == group.out_rows.shape[0]:
         return out.reshape(-1, *out.shape[2:])               # no padding: every row is real
@@ -170,19 +176,18 @@ SMALL_ATTENTION_KEYS = 1024
 
 def _matmul_attention(queries: Tensor, keys: Tensor, values: Tensor, bias: Tensor,
                       scale: float) -> Tensor:
-    """queries [G, n, heads, d], keys/values [G, kv_heads, ctx, d], bias [G, 1, n, ctx] ->
+    """queries [G, n, heads, d], keys/values [kv_heads, G, ctx, d], bias [G, 1, n, ctx] ->
     [G, n, heads, d]. The heads sharing a KV head are stacked as extra query rows, so each
     KV head is read once; softmax runs in float32."""
     out_dtype = queries.dtype
     members, n, heads, d = queries.shape
-    kv_heads = keys.shape[1]
-    queries = queries.to(keys.dtype)
+    kv_heads = keys.shape[0]
     per_kv = heads // kv_heads
-    stacked = queries.view(members, n, kv_heads, per_kv, d).permute(0, 2, 3, 1, 4) \
-        .reshape(members, kv_heads, per_kv * n, d)
+    stacked = queries.to(keys.dtype).view(members, n, kv_heads, per_kv, d) \
+        .permute(2, 0, 3, 1, 4).reshape(kv_heads, members, per_kv * n, d)
     scores = torch.matmul(stacked, keys.transpose(-1, -2)).float() * scale
-    scores = scores.view(members, kv_heads, per_kv, n, -1) + bias[:, :, None]
-    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(members, kv_heads, per_kv * n,
+    scores = scores.view(kv_heads, members, per_kv, n, -1) + bias.view(1, members, 1, n, -1)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kv_heads, members, per_kv * n,
                                                                 -1)
-    out = torch.matmul(probs, values).view(members, kv_heads, per_kv, n, d)
-    return out.permute(0, 3, 1, 2, 4).reshape(members, n, heads, d).to(out_dtype)
+    out = torch.matmul(probs, values).view(kv_heads, members, per_kv, n, d)
+    return out.permute(1, 3, 0, 2, 4).reshape(members, n, heads, d).to(out_dtype)

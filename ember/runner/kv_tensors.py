@@ -32,8 +32,8 @@ def plan_num_blocks(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) 
 def allocate_kv_caches(model: ModelConfig, num_blocks: int, block_size: int,
                        dtype: torch.dtype, device: str, kv_cache_dtype: str = "auto"
                        ) -> list[PagedKV]:
-    """One PagedKV per layer: [2 (K, V), num_blocks, block_size, kv_heads, head_dim]."""
-    shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    """One PagedKV per layer: [2 (K, V), kv_heads, num_blocks, block_size, head_dim]."""
+    shape = (2, model.num_kv_heads, num_blocks, block_size, model.head_dim)
     if kv_cache_dtype == "int8":
         return [PagedKV(torch.zeros(shape, dtype=torch.int8, device=device),
                         torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device))
