@@ -53,8 +53,9 @@ def _best_time(fn, repeats: int) -> float:
 
 
 def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:
-    """GB/s of summing a float32 buffer of `num_bytes` (reads it once per pass)."""
-    buf = torch.ones(max(num_bytes // 4, 1024), dtype=torch.float32)
+    """GB/s of summing a float32 buffer of `num_bytes` (reads it once per pass). Random
+    values: pages of one repeated value may be merged by the host and read from cache."""
+    buf = torch.rand(max(num_bytes // 4, 1024), dtype=torch.float32)
     passes = max(1, (1 << 30) // num_bytes)
     seconds = _best_time(lambda: [buf.sum() for _ in range(passes)], repeats)
     return buf.numel() * 4 * passes / seconds / 1e9
