@@ -116,7 +116,7 @@ def prefill_limit(cost: ModelCost, peak_gflops: float, prompt: int) -> float:
 def measure_ember(llm, batch: int, context: int = 128, tokens: int = 64) -> dict[str, float]:
     """Decode tok/s at batch 1 and `batch` (prompts of `context` tokens), 1024-token prefill."""
     cold = RequestOptions(prefix_cache=False)
-    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa
+    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     prompts = [[100 + (i * 7 + j) % 20000 for j in range(context)] for i in range(batch)]
     llm.generate(prompts[:1], greedy(4), cold)
 
@@ -160,14 +160,14 @@ def roofline_report(llm, batch: int, context: int = 128) -> dict[str, Any]:
 
 def format_report(report: dict[str, Any]) -> str:
     m, c = report["machine"], report["model"]
-    lines = [f"machine  {m['threads']} threads; read bandwidth {m['dram_gb_s']:.1f} GB/s "
-             f"(1 GiB), {m['cached_gb_s']:.1f} GB/s ({m['cached_bytes'] / 1e6:.0f} MB, the "
-             f"decode weights); matmul {m['fp32_gflops']:.0f} GFLOP/s fp32, "
-             f"{m['bf16_gflops']:.0f} bf16",
-             f"model    {c['dtype']}, weights {c['weights']}: decode reads "
-             f"{c['decode_weight_bytes'] / 1e6:.1f} MB of weights per step, prefill "
-             f"{c['dense_weight_bytes'] / 1e6:.1f} MB; {c['kv_bytes_per_token']} KV bytes per "
-             f"context token; {c['flops_per_token'] / 1e6:.0f} MFLOP per token",
+    lines = [(f"machine  {m['threads']} threads; read bandwidth {m['dram_gb_s']:.1f} GB/s "
+              f"(1 GiB), {m['cached_gb_s']:.1f} GB/s ({m['cached_bytes'] / 1e6:.0f} MB, the "
+              f"decode weights); matmul {m['fp32_gflops']:.0f} GFLOP/s fp32, "
+              f"{m['bf16_gflops']:.0f} bf16"),
+             (f"model    {c['dtype']}, weights {c['weights']}: decode reads "
+              f"{c['decode_weight_bytes'] / 1e6:.1f} MB of weights per step, prefill "
+              f"{c['dense_weight_bytes'] / 1e6:.1f} MB; {c['kv_bytes_per_token']} KV bytes per "
+              f"context token; {c['flops_per_token'] / 1e6:.0f} MFLOP per token"),
              f"{'':34}{'ember':>10}{'limit':>10}{'% of it':>9}"]
     for key, value in report["measured"].items():
         if key == "prefill_tokens":

@@ -16,8 +16,14 @@ from ember import LLM, SamplingParams
 from ember.config import EngineConfig
 from ember.engine.perplexity import perplexity
 from ember.errors import ConfigError
-from ember.quant.packed import (PackedLinear, dequantize_int4, dequantize_int8,
-                                packed_everywhere, quantize_int4, quantize_int8)
+from ember.quant.packed import (
+    PackedLinear,
+    dequantize_int4,
+    dequantize_int8,
+    packed_everywhere,
+    quantize_int4,
+    quantize_int8,
+)
 from tests.conftest import CHAT_PROMPTS, SHAKESPEARE, first_mismatch
 
 

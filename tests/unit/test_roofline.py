@@ -1,0 +1,35 @@
+"""`ember roofline` arithmetic: bytes and FLOPs per token, and the limits they set."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.engine.roofline import ModelCost, decode_limit, model_cost, prefill_limit
+from ember.quant.packed import PackedLinear
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = type("C", (), {"q_size": 64, "num_layers": 2})()
+        self.a = PackedLinear(torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16), "int4")
+        self.b = torch.nn.Linear(96, 64, bias=False).to(torch.bfloat16)
+
+
+def test_model_cost_counts_packed_and_dense_bytes():
+    cost = model_cost(_Model(), kv_bytes_per_token=100)
+    # int4: half a byte a weight + (scale, zero) in bf16 per 32 weights; dense: 2 bytes each
+    packed = 96 * 64 // 2 + (64 // 32) * 96 * 2 * 2
+    assert cost.decode_weight_bytes == packed + 96 * 64 * 2
+    assert cost.dense_weight_bytes == 2 * 96 * 64 * 2
+    assert cost.params == 2 * 96 * 64 and cost.attn_flops_per_context_token == 4 * 64 * 2
+
+
+def test_limits_are_the_slower_of_bandwidth_and_compute():
+    cost = ModelCost(decode_weight_bytes=10**8, dense_weight_bytes=4 * 10**8,
+                     kv_bytes_per_token=0, params=10**8, attn_flops_per_context_token=0)
+    # batch 1: 0.1 GB at 50 GB/s = 2 ms (compute 0.2 GFLOP at 1000 GFLOP/s = 0.2 ms)
+    assert decode_limit(cost, 50, 1, 0, 1000) == pytest.approx(500)
+    # batch 16 reads the dense weights: 0.4 GB -> 8 ms; compute 3.2 GFLOP -> 3.2 ms
+    assert decode_limit(cost, 50, 16, 0, 1000) == pytest.approx(2000)
+    assert prefill_limit(cost, 1000, 100) == pytest.approx(5000)
