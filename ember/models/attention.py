@@ -134,9 +134,11 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: PagedKV,
     out = torch.empty_like(q)
     for chunk in meta.fresh:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        # 4-D with a batch of one: CPU's flash kernel runs 3-D inputs 2x slower
         out[rows] = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
-            is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+            q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None],
+            v[rows].transpose(0, 1)[None], is_causal=True, scale=scale,
+            enable_gqa=True)[0].transpose(0, 1)
     for group in meta.groups:
         out[group.out_rows] = _group_attention(q, kv_cache, group, scale)
     return out
@@ -155,7 +157,7 @@ def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup,
     small = max_n <= MATMUL_MAX_QUERIES and members * context <= SMALL_ATTENTION_KEYS
     # bf16 matmuls cost ~14 us each when tiny, float32 ones ~4 us
     keys, values = kv_cache.gather(group.block_tables, torch.float32 if small else q.dtype)
-    if max_n <= MATMUL_MAX_QUERIES:
+    if max_n <= MATMUL_MAX_QUERIES or (members == 1 and max_n <= MATMUL_MAX_QUERIES_ALONE):
         out = _matmul_attention(queries, keys, values, group.bias, scale)
     else:
         out = F.scaled_dot_product_attention(
@@ -170,6 +172,8 @@ def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup,
 # up to this many new tokens per member, plain matmuls beat the SDPA kernel, whose masked
 # bfloat16 path is 3-17x slower for decode-sized queries on CPU (docs/benchmarks.md)
 MATMUL_MAX_QUERIES = 16
+# and for a group of one (a prompt's suffix after a prefix-cache hit) up to this many
+MATMUL_MAX_QUERIES_ALONE = 128
 # up to this many keys in a group, float32 matmuls (~4 us) beat bfloat16 ones (~14 us)
 SMALL_ATTENTION_KEYS = 1024
 
