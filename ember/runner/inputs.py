@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from ember.kv.kv_manager import cdiv
-from ember.models.attention import AttentionGroup, AttentionMetadata, FreshChunk
+from ember.models.attention import (MATMUL_MAX_QUERIES, AttentionGroup, AttentionMetadata,
+                                    FreshChunk)
 from ember.request import Request
 from ember.scheduler.output import ScheduledRequest, SchedulerOutput
 
@@ -54,9 +55,13 @@ def _slots(item: ScheduledRequest, block_size: int) -> list[int]:
 def group_members(members: list[_Member]) -> list[list[_Member]]:
     """Sort by shape and cut into groups whose padded work stays within GROUP_WASTE times
     the members' own work (new tokens x context)."""
+    # a member with many new tokens (a continued prompt) attends alone: one member's plain
+    # matmuls beat a padded multi-member kernel call at these sizes (docs/benchmarks.md)
+    alone = [[m] for m in members if m.num_new > MATMUL_MAX_QUERIES]
+    members = [m for m in members if m.num_new <= MATMUL_MAX_QUERIES]
     if members and _cheap_enough(members):
-        return [members]  # in batch order: a step of decodes then needs no row indexing
-    groups: list[list[_Member]] = []
+        return [members] + alone  # in batch order: a step of decodes needs no row indexing
+    groups: list[list[_Member]] = alone
     current: list[_Member] = []
     for m in sorted(members, key=lambda m: (m.num_new, m.seq_len)):
         trial = current + [m]
