@@ -99,12 +99,16 @@ class PagedKV:
     def gather(self, block_tables: Tensor, dtype: torch.dtype) -> Tensor:
         """K and V of block_tables [G, max_blocks] -> [2, kv_heads, G, max_blocks * block_size,
         head_dim] in `dtype` (the model's, or float32 for small attention)."""
-        _, kv_heads, _, block_size, head_dim = self.data.shape
+        _, kv_heads, num_blocks, block_size, head_dim = self.data.shape
         members, max_blocks = block_tables.shape
-        x = self.data[:, :, block_tables]
+        # index_select over whole blocks: 2.5-4x faster than advanced indexing on CPU
+        flat = block_tables.flatten()
+        x = self.data.view(2 * kv_heads, num_blocks, -1).index_select(1, flat)
+        x = x.view(2, kv_heads, members, max_blocks * block_size, head_dim)
         if self.scale is not None:
-            x = x.to(dtype) * self.scale[:, :, block_tables].to(dtype)[..., None]
-        return x.to(dtype).view(2, kv_heads, members, max_blocks * block_size, head_dim)
+            scale = self.scale.view(2 * kv_heads, num_blocks, -1).index_select(1, flat)
+            x = x.to(dtype) * scale.view(2, kv_heads, members, -1, 1).to(dtype)
+        return x.to(dtype)
 
 
 FP16_MIN_NORMAL = 2.0 ** -14
