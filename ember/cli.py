@@ -6,10 +6,12 @@ EMBER_API_KEY (the default for --api-key).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from ember.bench.cli import add_bench_parser
 from ember.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
@@ -174,9 +176,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_perplexity(args: argparse.Namespace) -> None:
-    import json
-    from pathlib import Path
-
     from ember.bench.workloads import default_corpus
     from ember.engine.perplexity import perplexity
     llm = LLM(config=engine_config(args))
@@ -186,22 +185,24 @@ def cmd_perplexity(args: argparse.Namespace) -> None:
         "dtype": str(llm.engine.dtype).removeprefix("torch."),
         "kv_cache_dtype": llm.engine.cache_info.dtype, "text": args.text or "built-in corpus"}
     print(json.dumps(result, indent=2))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    _write_json(args.out, result)
 
 
 def cmd_roofline(args: argparse.Namespace) -> None:
-    import json
-    from pathlib import Path
-
     from ember.engine.roofline import format_report, roofline_report
     report = roofline_report(LLM(config=engine_config(args)), args.batch, args.context)
     print(format_report(report))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+    if _write_json(args.out, report):
         print(f"wrote {args.out}")
+
+
+def _write_json(out: str | None, result: dict) -> bool:
+    """--out: the result as JSON there (its folder made); False when no --out was given."""
+    if not out:
+        return False
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2))
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -68,11 +68,10 @@ class EngineCore:
         self.tokenizer = load_tokenizer(files)
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
-        self.quantization = resolve_quantization(config.quantization, files, self.dtype,
-                                                 config.device)
+        self.quantization = resolve_quantization(config.quantization, files, self.model_config,
+                                                 self.dtype, config.device)
         model = apply_quantization(load_model(files, self.model_config, self.dtype,
-                                              config.device),
-                                   self.quantization, self.dtype, config.device)
+                                              config.device), self.quantization)
         block_size = config.cache.block_size
         num_blocks = plan_num_blocks(self.model_config, config.cache, self.dtype)
         kv_dtype = config.cache.kv_cache_dtype

@@ -16,7 +16,7 @@ the number of rows; `keep_dense=False` drops it to save memory at the cost of pr
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -116,19 +116,20 @@ def linear_modules(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear
                 yield parent, name, child
 
 
-def check_method(method: str, dtype: torch.dtype, device: str, in_features: int) -> None:
-    if method not in METHODS:
-        raise ConfigError(f"quantization={method!r} is unknown; choose none, "
-                          f"{', '.join(METHODS)} or auto")
+def check_method(method: str, dtype: torch.dtype, device: str,
+                 in_features: Iterable[int]) -> None:
+    """Whether `method` (an EngineConfig choice, already known) can run here, on linears with
+    these input sizes; raised before the model loads."""
     if torch.device(device).type != "cpu":
         raise ConfigError(f"{method} weights run on PyTorch's CPU kernels; on {device} use "
                           "--quantization none")
     if dtype != torch.bfloat16:
         raise ConfigError(f"{method} weights need bfloat16 activations, not "
                           f"{str(dtype).removeprefix('torch.')}; use --dtype bfloat16 (or auto)")
-    if method == "int4" and in_features % GROUP:
+    odd = sorted({k for k in in_features if k % GROUP})
+    if method == "int4" and odd:
         raise ConfigError(f"int4 needs input sizes divisible by {GROUP}, the model has "
-                          f"{in_features}; use --quantization int8")
+                          f"{', '.join(map(str, odd))}; use --quantization int8")
 
 
 def quantize_linears(model: nn.Module, method: str, lm_head_method: str,

@@ -85,27 +85,27 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def resolve_quantization(name: str, files: ModelFiles, dtype: torch.dtype,
-                         device: str) -> str:
+def resolve_quantization(name: str, files: ModelFiles, config: ModelConfig,
+                         dtype: torch.dtype, device: str) -> str:
     """'auto' keeps the precision the weights were shipped in: a 4-bit GGUF runs int4, an
-    8-bit (or 5-6 bit) one int8, anything else none; packed kernels need a CPU and bfloat16."""
-    if name != "auto":
-        return name
-    bits = files.linear_bits()
-    if bits is None or torch.device(device).type != "cpu" or dtype != torch.bfloat16:
-        return "none"
-    return "int4" if bits <= 4 else "int8"
+    8-bit (or 5-6 bit) one int8, anything else none; packed kernels need a CPU and bfloat16.
+    A packed choice is checked here, before anything loads."""
+    if name == "auto":
+        bits = files.linear_bits()
+        if bits is None or torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+            return "none"
+        name = "int4" if bits <= 4 else "int8"
+    if name != "none":
+        check_method(name, dtype, device,
+                     (config.hidden_size, config.q_size, config.intermediate_size))
+    return name
 
 
-def apply_quantization(model: LlamaForCausalLM, method: str, dtype: torch.dtype,
-                       device: str) -> LlamaForCausalLM:
+def apply_quantization(model: LlamaForCausalLM, method: str) -> LlamaForCausalLM:
     """Pack the linears: `method` in the decoder layers, int8 in the output projection (int4
     there costs ~5% perplexity on the default model, whose embedding ships as Q8_0)."""
-    if method == "none":
-        return model
-    check_method(method, dtype, device, model.config.hidden_size)
-    check_method(method, dtype, device, model.config.intermediate_size)
-    quantize_linears(model, method, lm_head_method="int8")
+    if method != "none":
+        quantize_linears(model, method, lm_head_method="int8")
     return model
 
 
