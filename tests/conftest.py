@@ -115,6 +115,18 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def assert_greedy_close(ref: list, got: list) -> None:
+    """The closeness rule (STYLE.md) on two engines' greedy outputs of the same prompts, made
+    with logprobs=5: same tokens until the first divergence, and there each side's token is in
+    the other's top-5."""
+    for a, b in zip(ref, got, strict=True):
+        a, b = a.outputs[0], b.outputs[0]
+        k = first_mismatch(a.token_ids, b.token_ids)
+        if k is not None:
+            assert b.token_ids[k] in {t.token_id for t in a.logprobs[k].top}
+            assert a.token_ids[k] in {t.token_id for t in b.logprobs[k].top}
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation, never stopping early (no EOS)."""
     with torch.no_grad():
