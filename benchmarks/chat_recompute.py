@@ -23,9 +23,16 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args()
     sessions = defaultdict(list)
+    failed = 0
     for line in Path(args.jsonl).read_text().splitlines():
         row = json.loads(line)
+        if row.get("error"):
+            failed += 1
+            continue
         sessions[row["session"]].append(row)
+    if failed or not sessions:
+        raise SystemExit(f"{failed} failed requests and {len(sessions)} sessions in "
+                         f"{args.jsonl}: rerun the benchmark (is --base-url .../v1 right?)")
     print("| session | turn | prompt | cached | recomputed | new | recomputed <= new + block |")
     print("|---:|---:|---:|---:|---:|---:|---|")
     worst, ok_all = 0, True

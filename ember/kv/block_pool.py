@@ -7,6 +7,10 @@ until its slot is needed: empty blocks are handed out first, then the eviction p
 which cached block to give up. Every block stored or removed is logged as a KV event, for
 routers that want to know what this replica holds.
 
+A cached block also remembers its token ids, so that a prompt which leaves a cached prefix in
+the middle of a block can still reuse that block's leading tokens (`longest_partial`): the
+caller copies those slots into a fresh block of its own, since the cached block is immutable.
+
 Eviction is leaf first, whatever the policy: a cached block whose child is still cached is
 not a candidate (it waits, "parked"), because a lookup walks a prompt's keys from the start
 and stops at the first miss, so evicting a parent would strand all its descendants.
@@ -16,6 +20,7 @@ and stops at the first miss, so evicting a parent would strand all its descendan
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ember.kv.eviction import Candidate, make_policy
@@ -35,6 +40,7 @@ class _Meta:
     key: int | None = None
     parent_key: int | None = None
     depth: int = 0
+    token_ids: tuple[int, ...] = ()
     hits: int = 0
     released: int = 0  # logical time its last user let it go
 
@@ -49,7 +55,7 @@ class BlockPool:
         self._empty: deque[int] = deque(range(num_blocks))
         self._idle = make_policy(policy)           # cached leaves with no user
         self._parked: set[int] = set()             # cached, no user, but a child is cached
-        self._children: dict[int, int] = {}        # key -> number of cached children
+        self._children: dict[int, set[int]] = {}   # key -> its cached children (block ids)
         self._by_key: dict[int, int] = {}
         self._clock = 0
         self.num_evictions = 0
@@ -114,7 +120,7 @@ class BlockPool:
 
     def _make_candidate(self, block_id: int) -> None:
         meta = self._meta[block_id]
-        if self._children.get(meta.key, 0):
+        if self._children.get(meta.key):
             self._parked.add(block_id)
         else:
             self._idle.insert(block_id, Candidate(meta.hits, meta.depth, meta.released))
@@ -135,18 +141,35 @@ class BlockPool:
             self._ref_counts[block_id] += 1
             self._meta[block_id].hits += 1
 
+    def longest_partial(self, parent_key: int, token_ids: list[int]) -> tuple[int, int]:
+        """The cached child of `parent_key` whose tokens start with the longest run of
+        `token_ids`: (block id, length of the run), or (-1, 0) when none shares a token."""
+        best, best_len = -1, 0
+        for block_id in self._children.get(parent_key, ()):
+            cached = self._meta[block_id].token_ids
+            n = 0
+            for a, b in zip(cached, token_ids):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = block_id, n
+        return best, best_len
+
     def cache(self, block_id: int, key: int, parent_key: int | None, depth: int,
-              num_tokens: int) -> None:
-        """Record that `block_id` holds the prefix `key`. If another block already does (two
-        requests computed the same prefix at once), the first stays the cached one."""
+              token_ids: Sequence[int]) -> None:
+        """Record that `block_id` holds the prefix `key`, its last tokens being `token_ids`.
+        If another block already does (two requests computed the same prefix at once), the
+        first stays the cached one."""
         meta = self._meta[block_id]
         if meta.key is not None or key in self._by_key:
             return
         meta.key, meta.parent_key, meta.depth, meta.hits = key, parent_key, depth, 0
+        meta.token_ids = tuple(token_ids)
         self._by_key[key] = block_id
         if parent_key is not None:
-            self._children[parent_key] = self._children.get(parent_key, 0) + 1
-        self._log("stored", key, parent_key, num_tokens)
+            self._children.setdefault(parent_key, set()).add(block_id)
+        self._log("stored", key, parent_key, len(meta.token_ids))
 
     def _uncache(self, block_id: int) -> None:
         meta = self._meta[block_id]
@@ -155,10 +178,14 @@ class BlockPool:
         self._log("removed", meta.key)
         self._meta[block_id] = _Meta()
         parent = meta.parent_key
-        if parent is not None and parent in self._children:
-            self._children[parent] -= 1
+        siblings = self._children.get(parent) if parent is not None else None
+        if siblings is not None:
+            siblings.discard(block_id)
+            if siblings:
+                return
+            del self._children[parent]
             parent_block = self._by_key.get(parent)
-            if self._children[parent] == 0 and parent_block in self._parked:
+            if parent_block in self._parked:
                 self._parked.remove(parent_block)  # now a leaf: a candidate again
                 self._make_candidate(parent_block)
 

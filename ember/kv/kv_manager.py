@@ -2,20 +2,47 @@
 scheduler sees.
 
 Token i of a request lives in block `table[i // block_size]`, slot `i % block_size`. A new
-request first reuses the longest run of cached blocks that matches its prompt (whole blocks,
-and never its last token: that one is recomputed so the step has logits to sample from).
-Blocks whose tokens are all computed are cached as soon as they fill, generated tokens too,
-so the next turn of a conversation finds the previous answer cached.
+request first reuses the longest run of cached blocks that matches its prompt, never its last
+token: that one is recomputed so the step has logits to sample from. Where the match ends
+inside a block (a shared system prompt seldom fills whole blocks), the leading tokens of the
+cached block that continues it are copied into the request's own next block, so only the
+tokens after the shared prefix are computed; the copies ride in the step's plan and the runner
+makes them before it writes any KV. Blocks whose tokens are all computed are cached as soon as
+they fill, generated tokens too, and a request's last, partly filled block is cached when it
+finishes (keyed by its parent and the tokens it holds, found only by partial matching), so the
+next turn of a conversation finds the whole previous answer cached.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from ember.kv.block_pool import BlockPool
-from ember.kv.prefix_cache import extend_keys
+from ember.kv.prefix_cache import block_key, extend_keys
 from ember.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """What the cache holds of a prompt: whole cached blocks, then maybe the leading
+    `partial_tokens` of `partial_block` (copied, not shared)."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    partial_block: int = -1
+    partial_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy the first `num_tokens` slots of block `src` into block `dst`."""
+
+    src: int
+    dst: int
+    num_tokens: int
 
 
 class KVCacheManager:
@@ -27,6 +54,7 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._keys: dict[str, list[int]] = {}       # chained keys of each request's full blocks
         self._num_cached: dict[str, int] = {}       # how many of its blocks are in the cache
+        self._copies: list[BlockCopy] = []          # for the step being planned
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -55,33 +83,40 @@ class KVCacheManager:
         keys = self._keys.setdefault(request.request_id, [])
         return extend_keys(keys, request.all_token_ids, self.block_size, request.cache_salt)
 
-    def computed_blocks(self, request: Request) -> list[int]:
-        """The cached blocks that hold the longest prefix of `request` (possibly none).
+    def find_prefix(self, request: Request) -> PrefixHit:
+        """The longest prefix of `request` the cache holds (possibly nothing).
 
         Counts the lookup in the hit statistics; call it once per admission.
         """
         if not self._uses_cache(request):
-            return []
+            return PrefixHit()
         keys = self._request_keys(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size  # the last token is recomputed
+        max_tokens = request.num_tokens - 1  # the last token is recomputed
         hits = []
-        for key in keys[:max_blocks]:
+        for key in keys[:max_tokens // self.block_size]:
             block_id = self.pool.lookup(key)
             if block_id is None:
                 break
             hits.append(block_id)
+        hit = PrefixHit(hits, len(hits) * self.block_size)
+        if hits:  # partial matches hang off a cached parent: the first block has none
+            start = hit.num_tokens
+            tokens = request.all_token_ids[start:min(start + self.block_size, max_tokens)]
+            src, n = self.pool.longest_partial(keys[len(hits) - 1], tokens)
+            if n:
+                hit = PrefixHit(hits, start + n, src, n)
         self.num_queried_tokens += request.num_tokens
-        self.num_hit_tokens += len(hits) * self.block_size
-        return hits
+        self.num_hit_tokens += hit.num_tokens
+        return hit
 
     def allocate_slots(self, request: Request, num_tokens: int,
-                       computed: list[int] | None = None) -> bool:
+                       hit: PrefixHit | None = None) -> bool:
         """Make the request's table cover its first `num_tokens` tokens, starting with the
-        cache hits `computed` for a request that has none yet.
+        cache hit `hit` for a request that has no blocks yet.
 
         Returns False, changing nothing, when the pool has too few free blocks.
         """
-        computed = computed or []
+        computed = hit.blocks if hit is not None else []
         table = self._tables.get(request.request_id, [])
         num_new = cdiv(num_tokens, self.block_size) - len(table) - len(computed)
         idle_hits = sum(1 for b in computed if self.pool.ref_count(b) == 0)
@@ -91,9 +126,20 @@ class KVCacheManager:
             self.pool.touch(computed)
             self._num_cached[request.request_id] = len(computed)
         if computed or num_new > 0:
-            table = table + computed + (self.pool.allocate(num_new) if num_new > 0 else [])
+            new_blocks = self.pool.allocate(num_new) if num_new > 0 else []
+            table = table + computed + new_blocks
             self._tables[request.request_id] = table
+            if hit is not None and hit.partial_tokens:
+                # The source is not held: if this step's allocations evict it, its slots are
+                # only overwritten by this step's forward, which runs after the copies.
+                self._copies.append(BlockCopy(hit.partial_block, new_blocks[0],
+                                              hit.partial_tokens))
         return True
+
+    def take_copies(self) -> list[BlockCopy]:
+        """The block copies the step being planned needs, in order; clears the list."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def cache_full_blocks(self, request: Request) -> None:
         """Cache the request's blocks whose tokens have all been computed."""
@@ -108,15 +154,33 @@ class KVCacheManager:
         keys = self._request_keys(request)
         for i in range(start, num_full):
             self.pool.cache(table[i], keys[i], keys[i - 1] if i else None, depth=i,
-                            num_tokens=self.block_size)
+                            token_ids=request.all_token_ids[i * self.block_size:
+                                                            (i + 1) * self.block_size])
         self._num_cached[rid] = num_full
 
-    def free(self, request_id: str) -> None:
-        """Return all of a request's blocks. Freeing an unknown request does nothing."""
-        table = self._tables.pop(request_id, None)
-        self._keys.pop(request_id, None)
-        self._num_cached.pop(request_id, None)
+    def free(self, request: Request) -> None:
+        """Return all of a request's blocks (finished or preempted). Its last, partly filled
+        block stays cached as a partial block when the blocks before it are cached, so the
+        next turn of a conversation reuses it to the token. Freeing a request that holds no
+        blocks does nothing."""
+        rid = request.request_id
+        table = self._tables.pop(rid, None)
         if table:
+            self._cache_tail(request, table)
             # Tail first: a prompt's last blocks are the least likely to be shared, so under
             # LRU they are evicted before the blocks that start it.
             self.pool.free(table[::-1])
+        self._keys.pop(rid, None)
+        self._num_cached.pop(rid, None)
+
+    def _cache_tail(self, request: Request, table: list[int]) -> None:
+        index, used = divmod(request.num_computed_tokens, self.block_size)
+        if not (self._uses_cache(request) and used and 1 <= index < len(table)
+                and self._num_cached.get(request.request_id) == index):
+            return
+        parent = self._request_keys(request)[index - 1]
+        if self.pool.lookup(parent) is None:
+            return
+        tokens = request.all_token_ids[index * self.block_size:request.num_computed_tokens]
+        self.pool.cache(table[index], block_key(parent, tokens), parent, depth=index,
+                        token_ids=tokens)

@@ -96,6 +96,12 @@ class PagedKV:
             self.data[which].view(kv_heads, num_slots, head_dim).index_copy_(
                 1, slot_mapping, x.transpose(0, 1))
 
+    def copy_slots(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy the first `num_tokens` slots of block `src` (K, V and scales) into `dst`."""
+        self.data[:, :, dst, :num_tokens] = self.data[:, :, src, :num_tokens]
+        if self.scale is not None:
+            self.scale[:, :, dst, :num_tokens] = self.scale[:, :, src, :num_tokens]
+
     def gather(self, block_tables: Tensor, dtype: torch.dtype) -> Tensor:
         """K and V of block_tables [G, max_blocks] -> [2, kv_heads, G, max_blocks * block_size,
         head_dim] in `dtype` (the model's, or float32 for small attention)."""

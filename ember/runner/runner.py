@@ -27,6 +27,7 @@ class ModelRunner:
 
         Returns the requests that sample this step and their logits [S, vocab] float32.
         """
+        self._copy_blocks(plan)
         inputs = prepare_inputs(plan, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         if not inputs.sampling_requests:
@@ -37,9 +38,16 @@ class ModelRunner:
     def forward_all(self, plan: SchedulerOutput) -> tuple[ModelInputs, Tensor]:
         """Like forward(), but logits [T, vocab] float32 for every new token of the step (for
         scoring text); rows follow the flat batch of `prepare_inputs`."""
+        self._copy_blocks(plan)
         inputs = prepare_inputs(plan, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         return inputs, self.model.compute_logits(hidden)
+
+    def _copy_blocks(self, plan: SchedulerOutput) -> None:
+        """Partial prefix-cache hits: copy cached slots into the requests' own blocks."""
+        for copy in plan.block_copies:
+            for cache in self.kv_caches:
+                cache.copy_slots(copy.src, copy.dst, copy.num_tokens)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:

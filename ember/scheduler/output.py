@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ember.kv.kv_manager import BlockCopy
 from ember.request import Request, SampledLogprob
 
 
@@ -26,6 +27,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     finished_request_ids: frozenset[str] = frozenset()  # freed since the last step
+    block_copies: list[BlockCopy] = field(default_factory=list)  # made, in order, before
+                                                                 # the step writes any KV
 
     @property
     def num_batched_tokens(self) -> int:

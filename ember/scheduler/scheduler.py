@@ -20,7 +20,7 @@ import time
 
 from ember.config import SchedulerConfig
 from ember.errors import ContextTooLong, InvalidRequest
-from ember.kv.kv_manager import KVCacheManager, cdiv
+from ember.kv.kv_manager import KVCacheManager, PrefixHit, cdiv
 from ember.request import FinishReason, Request, RequestStatus
 from ember.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -103,7 +103,7 @@ class Scheduler:
         if not self._short_of_memory:
             self._admit_waiting(scheduled, budget)
         freed, self._freed_ids = frozenset(self._freed_ids), set()
-        return SchedulerOutput(scheduled, freed)
+        return SchedulerOutput(scheduled, freed, self.kv.take_copies())
 
     def _next_waiting(self) -> Request | None:
         if not self.waiting:
@@ -139,11 +139,11 @@ class Scheduler:
             request = self._next_waiting()
             if request is None:
                 return
-            computed = self.kv.computed_blocks(request) if request.num_computed_tokens == 0 \
-                else []
-            num_hit = len(computed) * self.kv.block_size
+            hit = self.kv.find_prefix(request) if request.num_computed_tokens == 0 \
+                else PrefixHit()
+            num_hit = hit.num_tokens
             num_new = min(request.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(request, num_hit + num_new, computed):
+            if not self.kv.allocate_slots(request, num_hit + num_new, hit):
                 return
             self.waiting.remove(request)
             if request.first_scheduled_time is None:
@@ -171,7 +171,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV (cached blocks stay cached), keep the tokens,
         wait again with the same priority and arrival, so it resumes first among its peers."""
-        self.kv.free(request.request_id)
+        self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -222,7 +222,7 @@ class Scheduler:
         return None
 
     def _retire(self, request: Request, reason: FinishReason) -> None:
-        self.kv.free(request.request_id)
+        self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._freed_ids.add(request.request_id)

@@ -5,8 +5,10 @@
 
 An event is {"seq", "type": "stored" | "removed", "block_hash", "parent_block_hash",
 "num_tokens"}. Hashes are the chained 64-bit keys of ember/kv/prefix_cache.py, stable across
-processes, so a router can tell which replica holds a prompt's prefix. "dropped": true means
-events older than the log's window were lost; resynchronise from scratch.
+processes, so a router can tell which replica holds a prompt's prefix. A stored block with
+fewer than "block_size" tokens is a finished request's partly filled last block: its hash is
+that of its parent and its tokens, and it is reused by partial matching only. "dropped": true
+means events older than the log's window were lost; resynchronise from scratch.
 """
 from __future__ import annotations
 

@@ -78,9 +78,25 @@ def test_prefix_cache_never_changes_greedy_tokens(tiny_llama_dir):
     on = LLM(str(folder), dtype="float32", block_size=16)
     assert_same(want, run_alone(on, prompts, GREEDY))
     kv = on.engine.scheduler.kv
-    # 16-token blocks, never the last token: 62-token prompts hit 3 blocks (48 tokens), the
-    # 60-token prompt 3, the 33-token one 2: 3 * 48 + 48 + 32 + 48
-    assert kv.num_hit_tokens == 272
+    # 16-token blocks, never the last token; past the whole blocks, the longest run of a
+    # cached block's leading tokens. The first prompt caches [0, 48) and [48, 64) (its last
+    # 14 prompt tokens, then 2 generated); the other 62-token prompts reuse 48 + 12 (they
+    # differ at token 60), the 60-token prompt 48 + 11, the 33-token one 2 blocks:
+    # 3 * 60 + 59 + 32 + 59
+    assert kv.num_hit_tokens == 330
     batched = LLM(str(folder), dtype="float32", block_size=4, max_num_batched_tokens=24)
     assert_same(want, [o.outputs[0].token_ids for o in batched.generate(prompts, GREEDY)])
     assert batched.engine.scheduler.kv.num_hit_tokens > 0
+
+
+def test_partial_block_copies_carry_int8_kv_scales(tiny_llama_dir):
+    """int8 KV with the cache on equals int8 KV with it off: a copied slot is the same bytes
+    and scales (prompts share 37 tokens, so every hit ends inside a 16-token block)."""
+    folder, _ = tiny_llama_dir
+    shared = list(range(400, 437))
+    prompts = [shared + [11 * i + 3, 5] for i in range(3)]
+    options = dict(dtype="float32", kv_cache_dtype="int8", block_size=16)
+    want = run_alone(LLM(str(folder), enable_prefix_caching=False, **options), prompts, GREEDY)
+    on = LLM(str(folder), **options)
+    assert_same(want, run_alone(on, prompts, GREEDY))
+    assert on.engine.scheduler.kv.num_hit_tokens == 2 * 37

@@ -1,7 +1,8 @@
 """The prefix cache, salts, priorities and KV events through the HTTP API.
 
-Reference: the cache rules (whole 16-token blocks, never the last prompt token) and the chained
-keys of ember/kv/prefix_cache.py computed here from the server's own /tokenize.
+Reference: the cache rules (16-token blocks, never the last prompt token, a finished request's
+partly filled last block kept) and the chained keys of ember/kv/prefix_cache.py computed here
+from the server's own /tokenize.
 """
 from __future__ import annotations
 
@@ -24,8 +25,11 @@ def complete(server, **body) -> dict:
     return r.json()
 
 
-def expected_hit(num_prompt_tokens: int, block_size: int = 16) -> int:
-    return (num_prompt_tokens - 1) // block_size * block_size
+def expected_hit(num_prompt_tokens: int) -> int:
+    """A repeat of a prompt longer than a block: the first request's blocks are cached, its
+    partly filled last one too once it finished, so the repeat reuses all but its last token
+    (recomputed for logits)."""
+    return num_prompt_tokens - 1
 
 
 def test_cached_tokens_are_reported_like_openai(server):
@@ -89,7 +93,11 @@ def test_kv_events_name_the_blocks_a_prompt_stored(server):
     keys = extend_keys([], ids, 16)
     page = httpx.get(server.url + "/kv/events", params={"after": last}).json()
     stored = [e for e in page["events"] if e["type"] == "stored"]
+    *stored, tail = stored                    # the partly filled last block, when it finished
     assert [e["block_hash"] for e in stored] == keys
+    assert [e["num_tokens"] for e in stored] == [16] * len(keys)
+    assert tail["parent_block_hash"] == keys[-1]
+    assert tail["num_tokens"] == len(ids) - 16 * len(keys)  # max_tokens=1: the prompt's tail
     assert stored[1]["parent_block_hash"] == keys[0] and stored[0]["parent_block_hash"] is None
     assert page["block_size"] == 16 and page["dropped"] is False
     with httpx.stream("GET", server.url + "/kv/events/stream", params={"after": last},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ember.kv.block_pool import BlockPool
-from ember.kv.kv_manager import KVCacheManager
+from ember.kv.kv_manager import BlockCopy, KVCacheManager, PrefixHit
 from ember.kv.prefix_cache import block_key, extend_keys
 from ember.request import Request, SamplingParams
 
@@ -23,7 +23,7 @@ def test_pool_hands_out_blocks_in_order_and_reuses_the_oldest_freed_first():
 def test_shared_blocks_return_only_when_the_last_reference_goes():
     pool = BlockPool(2)
     [a] = pool.allocate(1)
-    pool.cache(a, key=7, parent_key=None, depth=0, num_tokens=16)
+    pool.cache(a, key=7, parent_key=None, depth=0, token_ids=range(16))
     pool.touch([a])
     pool.free([a])
     assert pool.ref_count(a) == 1 and pool.num_free_blocks == 1
@@ -47,7 +47,7 @@ def cached_pool(policy: str, depths: list[int]) -> tuple[BlockPool, list[int]]:
     pool = BlockPool(len(depths) + 1, policy)
     blocks = pool.allocate(len(depths))
     for i, (b, depth) in enumerate(zip(blocks, depths)):
-        pool.cache(b, 100 + i, None, depth, 16)
+        pool.cache(b, 100 + i, None, depth, range(16))
     for b in blocks:
         pool.free([b])
     return pool, blocks
@@ -85,7 +85,7 @@ def test_cost_policy_keeps_expensive_prefixes_and_ages_out_old_ones():
     assert pool.allocate(1) == [blocks[0]]       # worth 1; L becomes 1
     pool.free([blocks[0]])                        # uncached now: it goes back as empty
     [a] = pool.allocate(1)
-    pool.cache(a, 200, None, 0, 16)
+    pool.cache(a, 200, None, 0, range(16))
     pool.free([a])                                # worth 1 + 1 * 1 = 2, released last
     # blocks[2] (worth 2, released earlier) ties with a (worth 2): the older release goes
     assert [pool.allocate(1)[0] for _ in range(3)] == [blocks[2], a, blocks[1]]
@@ -94,10 +94,10 @@ def test_cost_policy_keeps_expensive_prefixes_and_ages_out_old_ones():
 def test_events_log_stored_and_removed_keys_in_order():
     pool = BlockPool(1, max_events=3)
     [a] = pool.allocate(1)
-    pool.cache(a, 11, None, 0, 16)
+    pool.cache(a, 11, None, 0, range(16))
     pool.free([a])
     [b] = pool.allocate(1)                        # evicts key 11
-    pool.cache(b, 12, 11, 1, 16)
+    pool.cache(b, 12, 11, 1, range(16))
     events, dropped = pool.events_after(-1)
     assert [(e.seq, e.kind, e.block_key) for e in events] == [
         (0, "stored", 11), (1, "removed", 11), (2, "stored", 12)]
@@ -117,11 +117,11 @@ def make_request(rid: str, tokens: list[int], salt: str | None = None,
 
 def run_prefill(kv: KVCacheManager, request: Request) -> list[int]:
     """Admit like the scheduler does: reuse hits, allocate the rest, compute, cache."""
-    computed = kv.computed_blocks(request)
-    assert kv.allocate_slots(request, request.num_tokens, computed)
+    hit = kv.find_prefix(request)
+    assert kv.allocate_slots(request, request.num_tokens, hit)
     request.num_computed_tokens = request.num_tokens
     kv.cache_full_blocks(request)
-    return computed
+    return hit.blocks
 
 
 def test_a_shared_prefix_is_reused_in_whole_blocks():
@@ -140,7 +140,61 @@ def test_a_full_hit_still_recomputes_the_last_token():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     run_prefill(kv, make_request("a", list(range(8))))
     again = make_request("b", list(range(8)))
-    assert len(kv.computed_blocks(again)) == 1         # 7 tokens at most: one whole block
+    hit = kv.find_prefix(again)                        # 7 tokens at most: one whole block,
+    assert len(hit.blocks) == 1                        # then 3 of the next one, copied
+    assert (hit.num_tokens, hit.partial_tokens) == (7, 3)
+
+
+def test_a_prefix_ending_inside_a_block_copies_that_blocks_leading_tokens():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    run_prefill(kv, make_request("a", list(range(10))))  # caches [0-3] and [4-7]
+    a_table = kv.block_table("a")
+    assert kv.take_copies() == []
+    b = make_request("b", [0, 1, 2, 3, 4, 5, 60, 61, 62])
+    assert run_prefill(kv, b) == a_table[:1]
+    b_table = kv.block_table("b")
+    assert b_table[1] not in a_table                   # its own block: cached ones never change
+    assert kv.take_copies() == [BlockCopy(src=a_table[1], dst=b_table[1], num_tokens=2)]
+    assert kv.take_copies() == []                      # handed over once
+    assert (kv.num_queried_tokens, kv.num_hit_tokens) == (19, 6)
+    # the closest of several cached continuations wins; none sharing a token means no copy
+    c = make_request("c", [0, 1, 2, 3, 4, 5, 60, 70, 71])
+    hit = kv.find_prefix(c)
+    assert (hit.partial_block, hit.partial_tokens) == (b_table[1], 3)
+    d = make_request("d", [0, 1, 2, 3, 99, 5, 6])
+    assert kv.find_prefix(d) == PrefixHit(a_table[:1], 4)
+
+
+def test_a_finished_requests_last_partial_block_is_reused_to_the_token():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = make_request("a", list(range(10)))              # [0-3] [4-7] cached, [8, 9] not yet
+    run_prefill(kv, a)
+    *full, tail = kv.block_table("a")
+    assert kv.pool.num_cached_blocks == 2
+    kv.free(a)
+    assert kv.pool.num_cached_blocks == 3 and kv.pool.ref_count(tail) == 0
+    turn2 = make_request("b", list(range(10)) + [20, 21])
+    hit = kv.find_prefix(turn2)
+    assert hit == PrefixHit(full, 10, tail, 2)
+    assert kv.allocate_slots(turn2, turn2.num_tokens, hit)
+    assert kv.take_copies() == [BlockCopy(tail, kv.block_table("b")[2], 2)]
+    # no tail is kept for a request that opted out, nor for one shorter than a block
+    for request in (make_request("c", [5] * 6, prefix_cache=False), make_request("d", [6, 7])):
+        run_prefill(kv, request)
+        before = kv.pool.num_cached_blocks
+        kv.free(request)
+        assert kv.pool.num_cached_blocks == before
+
+
+def test_partial_matches_follow_evictions():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_request("a", list(range(8)))
+    run_prefill(kv, a)
+    kv.free(a)
+    kv.allocate_slots(make_request("x", [9]), 4)       # the empty block
+    kv.allocate_slots(make_request("y", [9]), 4)       # evicts the leaf [4-7]
+    hit = kv.find_prefix(make_request("b", [0, 1, 2, 3, 4, 5, 6]))
+    assert (hit.num_tokens, hit.partial_tokens) == (4, 0)
 
 
 def test_salted_requests_never_share_a_block():
@@ -186,9 +240,9 @@ def test_tables_grow_and_refuse_without_side_effects():
     assert kv.allocate_slots(a, 9) and kv.block_table("a") == [0, 1, 2]
     assert not kv.allocate_slots(b, 5)
     assert kv.block_table("b") == [] and kv.num_free_blocks == 1
-    kv.free("a")
+    kv.free(a)
     assert kv.num_free_blocks == 4
-    kv.free("unknown")
+    kv.free(make_request("unknown", [1]))
 
 
 def test_keys_chain_and_depend_on_the_salt():
@@ -204,9 +258,9 @@ def test_eviction_is_leaf_first_whatever_the_policy(policy):
     parent would strand the child (lookups stop at the first miss)."""
     pool = BlockPool(4, policy)
     parent, child, other = pool.allocate(3)
-    pool.cache(parent, 1, None, 0, 16)
-    pool.cache(child, 2, 1, 1, 16)
-    pool.cache(other, 3, None, 0, 16)
+    pool.cache(parent, 1, None, 0, range(16))
+    pool.cache(child, 2, 1, 1, range(16))
+    pool.cache(other, 3, None, 0, range(16))
     pool.free([parent])              # released first: LRU's first choice if it were a leaf
     pool.free([other])
     pool.free([child])

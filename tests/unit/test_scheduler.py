@@ -227,10 +227,14 @@ def test_a_cached_prefix_is_skipped():
     plan = step(sched)
     assert (plan.scheduled[0].start, plan.num_new_tokens) == (32, {"b": 8})
     assert b.num_cached_tokens == 32
-    c = make_request("c", 32, prompt=shared)             # a full hit: the last block recomputed
-    sched.add(c)
+    assert plan.block_copies == []                       # b's hit ends on a block boundary
+    c = make_request("c", 32, prompt=shared)             # a full hit: the last token recomputed,
+    sched.add(c)                                         # the 15 before it copied
     plan = step(sched)
-    assert plan.num_new_tokens["c"] == 16 and c.num_cached_tokens == 16
+    assert plan.num_new_tokens["c"] == 1 and c.num_cached_tokens == 31
+    [copy] = plan.block_copies
+    assert (copy.dst, copy.num_tokens) == (sched.kv.block_table("c")[1], 15)
+    assert copy.src not in sched.kv.block_table("c")
 
 
 def test_priority_orders_the_queue():
