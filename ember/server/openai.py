@@ -32,6 +32,7 @@ from ember.server.protocol import (ChatCompletionRequest, CompletionRequest, Det
 from ember.server.state import ServerState, read_json_body, server_state
 from ember.server.tools import (ToolCallParser, check_tools, render_for_plain_template,
                                 tool_constraint)
+from ember.tokenizer.answers import AnswerTokens
 from ember.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -65,8 +66,9 @@ class Generation:
 
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
                  params: SamplingParams, options: RequestOptions,
-                 grammar: object | None = None) -> None:
+                 grammar: object | None = None, answers: AnswerTokens | None = None) -> None:
         self.n = params.n
+        self.answers = answers  # chat answers to remember by their text once they finish
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self.tracker: RequestTracker = state.metrics.tracker()
         self.streams: list[RequestStream] = []
@@ -92,6 +94,10 @@ class Generation:
             self.choices[index].add(item)
             self.tracker.on_output(len(item.token_ids))
             yield index, item
+        if self.answers is not None:
+            for choice in self.choices:
+                if choice.finish_reason in ("stop", "length"):
+                    self.answers.remember(choice.text, choice.token_ids)
         self.tracker.on_finish([c.finish_reason or "abort" for c in self.choices],
                                self.num_prompt_tokens, self._queue_times)
 
@@ -337,7 +343,9 @@ def chat_prompt(state: ServerState, messages: list, add_generation_prompt: bool,
     else:
         text = template.render(render_for_plain_template(template_messages, functions),
                                add_generation_prompt)
-    return state.engine.tokenizer.encode(text, add_special_tokens=False)
+    answers = [m["content"] for m in template_messages
+               if m["role"] == "assistant" and m["content"] and not m.get("tool_calls")]
+    return state.answers().encode(text, answers)
 
 
 @dataclass
@@ -393,7 +401,8 @@ async def create_chat_completion(request: Request) -> Response:
                          body.tools if functions else None, functions)
     params = body.sampling_params(body.max_new_tokens(), body.num_logprobs(), constraint)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = Generation(state, request_id, [prompt], params, body.request_options(), grammar)
+    gen = Generation(state, request_id, [prompt], params, body.request_options(), grammar,
+                     answers=None if functions else state.answers())
     base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": state.model_name}
     views = [ChatChoice(ToolCallParser() if functions else None) for _ in range(params.n)]

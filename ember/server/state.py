@@ -14,6 +14,7 @@ from ember.engine.async_engine import AsyncEngine
 from ember.server.errors import NotFound, PayloadTooLarge, Unauthorized, Unavailable
 from ember.server.metrics import ServerMetrics
 from ember.server.protocol import parse_body
+from ember.tokenizer.answers import AnswerTokens
 from ember.tokenizer.chat import ChatTemplate
 
 M = TypeVar("M", bound=BaseModel)
@@ -28,6 +29,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     _chat_template: ChatTemplate | None = None
+    _answers: AnswerTokens | None = None
 
     def check_model(self, model: str | None) -> None:
         """`model` is a served name, never a path; None means the one model served."""
@@ -40,6 +42,12 @@ class ServerState:
             tok = self.engine.tokenizer
             self._chat_template = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
         return self._chat_template
+
+    def answers(self) -> AnswerTokens:
+        """Earlier chat answers' generated token ids (tokenizer/answers.py)."""
+        if self._answers is None:
+            self._answers = AnswerTokens(self.engine.tokenizer)
+        return self._answers
 
     def max_model_len(self) -> int | None:
         core = self.engine.core

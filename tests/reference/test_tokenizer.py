@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ember.errors import InvalidRequest, ModelLoadError, UnsupportedModel
+from ember.tokenizer.answers import AnswerTokens
 from ember.tokenizer.chat import ChatTemplate
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.gguf import GGUFFile
@@ -129,3 +130,33 @@ def test_hf_folder_without_tokenizer_json_is_a_clear_error(tmp_path):
 def test_unsupported_gguf_vocabulary_is_a_clear_error():
     with pytest.raises(UnsupportedModel, match="'llama' is not supported.*Hugging Face folder"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+
+
+def test_chat_answers_keep_the_ids_the_model_generated(ember_tokenizer):
+    """A previous answer in a later prompt keeps its generated ids, even where re-encoding its
+    text would split it otherwise; the text around it is encoded as usual."""
+    tok = ember_tokenizer
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    generated = enc("hel") + enc("lo") + enc(" ") * 3          # not how "hello   " encodes
+    text = tok.decode(generated, skip_special_tokens=False)
+    assert text == "hello   " and enc(text) != generated
+    answers = AnswerTokens(tok, capacity=2)
+    answers.remember(text, generated + sorted(tok.eos_token_ids))  # the end-of-turn token goes
+    head = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    tail = "<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n"
+    prompt = head + text + tail
+    ids = answers.encode(prompt, [text])
+    assert ids == enc(head) + generated + enc(tail)
+    assert tok.decode(ids, skip_special_tokens=False) == prompt
+    # an answer the template did not render verbatim, or never remembered: plain encoding
+    assert answers.encode(head + "hello" + tail, [text]) == enc(head + "hello" + tail)
+    assert answers.encode(prompt, ["other"]) == enc(prompt)
+    # ids that do not spell their text are not kept; the oldest answer goes past capacity
+    answers.remember("something else", generated)
+    assert len(answers) == 1
+    answers.remember("a b", enc("a") + enc(" b"))
+    answers.remember("c d", enc("c") + enc(" d"))
+    assert len(answers) == 2 and answers.encode(prompt, [text]) == enc(prompt)

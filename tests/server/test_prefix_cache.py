@@ -147,3 +147,23 @@ def test_priority_preempts_over_http(tiny_llama_dir):
             complete(live, prompt="x", priority="high")
     finally:
         live.close()
+
+
+def test_a_chat_answer_stays_cached_when_its_text_would_encode_otherwise(server):
+    """The model is made to answer with four single-space tokens, which re-encode as one
+    four-space token; the next turn still reuses the answer's KV (all of it but the last
+    token, sampled and never fed back)."""
+    space = httpx.post(server.url + "/tokenize", json={"prompt": " ",
+                                                       "add_special_tokens": False})
+    [space_id] = space.json()["tokens"]
+    turn1 = [{"role": "user", "content": LONG + "Say nothing."}]
+    first = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": turn1, "max_tokens": 4, "logit_bias": {str(space_id): 100}}).json()
+    answer = first["choices"][0]["message"]["content"]
+    assert answer == "    " and first["usage"]["completion_tokens"] == 4
+    turn2 = turn1 + [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": "And now?"}]
+    second = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": turn2, "max_tokens": 1}).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == first["usage"]["prompt_tokens"] + 4 - 1
