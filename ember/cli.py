@@ -31,6 +31,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weight-only packed weights for decode (auto: the model file's own "
                         "precision: a Q4 GGUF runs int4, a Q8 one int8, float files none)")
+    g.add_argument("--kernels", default="auto", choices=["auto", "torch"],
+                   help="auto: compiled CPU kernels for norms and decode attention (built "
+                        "once with the C++ compiler, ~20 s, then cached); torch: the plain "
+                        "PyTorch path")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
@@ -69,7 +73,8 @@ def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device, max_model_len=args.max_model_len,
+        model=args.model, dtype=args.dtype, quantization=args.quantization,
+        kernels=args.kernels, device=args.device, max_model_len=args.max_model_len,
         seed=args.engine_seed,
         cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                           enable_prefix_caching=not args.no_prefix_caching,

@@ -17,6 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu", "cost")
 KV_CACHE_DTYPES = ("auto", "int8")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats (ember/quant/packed.py)
+KERNELS = ("auto", "torch")  # compiled CPU kernels where they build, or the torch path alone
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"            # auto: bfloat16 where the CPU has bf16 dot products, or a GPU
     quantization: str = "auto"     # weights: auto (the file's own precision), none, int8, int4
+    kernels: str = "auto"          # auto: compiled CPU kernels where they build; torch: none
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
@@ -149,6 +151,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization={self.quantization!r} is not supported; choose "
                               f"one of {', '.join(QUANTIZATIONS)}")
+        if self.kernels not in KERNELS:
+            raise ConfigError(f"kernels={self.kernels!r} is not supported; choose one of "
+                              f"{', '.join(KERNELS)}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len={self.max_model_len} must be positive, or None "
                               "for the model's own context length")

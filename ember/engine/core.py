@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ember.config import EngineConfig, ModelConfig
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
+from ember.kernels import load_kernels
 from ember.kv.kv_manager import KVCacheManager
 from ember.request import FinishReason, Request, RequestOptions, SamplingParams
 from ember.runner.kv_tensors import GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks
@@ -72,6 +73,7 @@ class EngineCore:
                                                  self.dtype, config.device)
         model = apply_quantization(load_model(files, self.model_config, self.dtype,
                                               config.device), self.quantization)
+        model.use_kernels(load_kernels(config.kernels, config.device))
         block_size = config.cache.block_size
         num_blocks = plan_num_blocks(self.model_config, config.cache, self.dtype)
         kv_dtype = config.cache.kv_cache_dtype

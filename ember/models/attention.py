@@ -16,7 +16,9 @@ A step's new tokens form one flat batch. Requests are attended in two ways:
                  their context gathered through block tables, under one boolean mask
 
 The runner (runner/inputs.py) forms the groups and builds their masks once per step. This is
-the plain torch path, the reference on CPU and CUDA alike.
+the plain torch path, the reference on CPU and CUDA alike. With compiled CPU kernels
+(ember/kernels), a group whose members each bring one new token (decodes) attends in one
+kernel call that reads the blocks in place, with no gathered copy of the context.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ember.kernels import CpuKernels
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class AttentionGroup:
                   key 0 only, so that no row is fully masked)
     bias          the mask as float32 0 / -inf, for the matmul path (few queries per member)
     out_rows      [num valid] long: rows[valid], where the outputs go
+    seq_lens      [G] long: each member's context after this step (its new tokens included)
     whole_batch   the group is the step's whole flat batch, rows 0..T-1 in order, no padding
                   (every step that only decodes): queries and outputs need no indexing
     """
@@ -58,6 +63,7 @@ class AttentionGroup:
     mask: Tensor
     bias: Tensor
     out_rows: Tensor
+    seq_lens: Tensor
     whole_batch: bool = False
 
 
@@ -133,14 +139,15 @@ def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: PagedKV,
-                    meta: AttentionMetadata, scale: float) -> Tensor:
+                    meta: AttentionMetadata, scale: float,
+                    kernels: CpuKernels | None = None) -> Tensor:
     """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads, head_dim].
 
     Writes k and v into the cache, then attends each new token over its request's context.
     """
     kv_cache.write(k, v, meta.slot_mapping)
-    if not meta.fresh and len(meta.groups) == 1 and meta.groups[0].whole_batch:
-        return _group_attention(q, kv_cache, meta.groups[0], scale)  # e.g. all decodes
+    if not meta.fresh:
+        return attend_cached(q, kv_cache, meta, scale, kernels)
     out = torch.empty_like(q)
     for chunk in meta.fresh:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
@@ -150,16 +157,33 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: PagedKV,
             v[rows].transpose(0, 1)[None], is_causal=True, scale=scale,
             enable_gqa=True)[0].transpose(0, 1)
     for group in meta.groups:
-        out[group.out_rows] = _group_attention(q, kv_cache, group, scale)
+        out[group.out_rows] = _group_attention(q, kv_cache, group, scale, kernels)
     return out
 
 
-def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup,
-                     scale: float) -> Tensor:
+def attend_cached(q: Tensor, kv_cache: PagedKV, meta: AttentionMetadata, scale: float,
+                  kernels: CpuKernels | None = None) -> Tensor:
+    """Attention for a step without fresh chunks, whose new k and v are already in the cache:
+    q [T, heads, head_dim] -> [T, heads, head_dim]."""
+    if len(meta.groups) == 1 and meta.groups[0].whole_batch:
+        return _group_attention(q, kv_cache, meta.groups[0], scale, kernels)  # all decodes
+    out = torch.empty_like(q)
+    for group in meta.groups:
+        out[group.out_rows] = _group_attention(q, kv_cache, group, scale, kernels)
+    return out
+
+
+def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup, scale: float,
+                     kernels: CpuKernels | None = None) -> Tensor:
     """Returns [num valid rows, heads, head_dim], in the order of rows[valid]."""
     members, max_blocks = group.block_tables.shape
     context = max_blocks * kv_cache.block_size
     max_n = group.rows.shape[1]
+    if (max_n == 1 and kernels is not None and kv_cache.scale is None
+            and kv_cache.data.dtype == q.dtype):
+        queries = q if group.whole_batch else q[group.rows[:, 0]]
+        return kernels.decode_attention(queries, kv_cache.data, group.block_tables,
+                                        group.seq_lens, scale)
     if group.whole_batch:  # the rows are 0..T-1 in order: no gather of queries
         queries = q.view(members, max_n, *q.shape[1:])
     else:

@@ -8,6 +8,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ember.config import RopeScaling
+from ember.kernels import CpuKernels
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled CPU kernels take
 
 
 class RMSNorm(nn.Module):
@@ -15,10 +18,23 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernels: CpuKernels | None = None  # compiled CPU kernels, if the engine has them
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x [T, hidden]; one fused kernel (it accumulates low-precision inputs in float32)."""
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """x [T, hidden] -> rms_norm(x) * weight (float32 accumulation).
+
+        With `residual`, the residual add comes first: returns (rms_norm(x + residual) * weight,
+        x + residual); a compiled kernel does both in one pass, writing the sum into
+        `residual`'s storage.
+        """
+        if self.kernels is not None and x.dtype == self.weight.dtype \
+                and x.dtype in KERNEL_DTYPES and x.is_contiguous():
+            out = self.kernels.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        residual = residual + x
+        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> Tensor:
@@ -71,7 +87,12 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.kernels: CpuKernels | None = None  # compiled CPU kernels, if the engine has them
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and gate_up.dtype in KERNEL_DTYPES \
+                and gate_up.is_contiguous():
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -8,8 +8,10 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ember.config import ModelConfig
-from ember.models.attention import AttentionMetadata, PagedKV, paged_attention
-from ember.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
+from ember.kernels import CpuKernels
+from ember.models.attention import AttentionMetadata, PagedKV, attend_cached, paged_attention
+from ember.models.layers import (KERNEL_DTYPES, RMSNorm, SwiGLU, apply_rope, rope_cos_sin,
+                                 rope_inv_freq)
 
 
 class LlamaAttention(nn.Module):
@@ -22,20 +24,34 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.kernels: CpuKernels | None = None  # compiled CPU kernels, if the engine has them
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: PagedKV,
                 meta: AttentionMetadata) -> Tensor:
         """x [T, hidden] -> [T, hidden]."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self._fused_path(qkv, kv_cache, meta):  # decodes: rotate and write in one kernel
+            q = self.kernels.rope_write(qkv, cos, sin, kv_cache.data, meta.slot_mapping,
+                                        self.num_heads, self.num_kv_heads)
+            out = attend_cached(q, kv_cache, meta, self.scale, self.kernels)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
         # q and k rotate together: one pass over [T, heads + kv_heads, head_dim]
         qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads,
                                                      self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _fused_path(self, qkv: Tensor, kv_cache: PagedKV, meta: AttentionMetadata) -> bool:
+        """Whether the compiled kernels take this step: no fresh prompt chunk (those attend
+        over their own k and v, which the fused kernel does not hand back), no bias, a cache
+        in the activations' dtype."""
+        return (self.kernels is not None and not meta.fresh and self.qkv_proj.bias is None
+                and kv_cache.scale is None and qkv.dtype == kv_cache.data.dtype
+                and qkv.dtype in KERNEL_DTYPES and qkv.is_contiguous())
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -46,10 +62,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: PagedKV,
-                meta: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor,
+                kv_cache: PagedKV, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """(x, residual) -> (this layer's output, the residual stream before it). The stream
+        is x + residual, kept apart so that each add fuses into the norm that follows it;
+        the first layer gets residual None."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -78,9 +102,16 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] long -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
+
+    def use_kernels(self, kernels: CpuKernels | None) -> None:
+        """Run the norms and decode attention on compiled CPU kernels (None: torch only)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaAttention, SwiGLU)):
+                module.kernels = kernels
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""

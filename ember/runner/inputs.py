@@ -99,7 +99,8 @@ def build_group(members: list[_Member], block_size: int, device: torch.device,
     bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
     return AttentionGroup(rows.to(device), valid.to(device), tables.to(device),
                           mask[:, None].to(device), bias[:, None].to(device),
-                          rows[valid].to(device), _is_whole_batch(rows, valid, num_rows))
+                          rows[valid].to(device), seq_lens.view(-1).to(device),
+                          _is_whole_batch(rows, valid, num_rows))
 
 
 def _is_whole_batch(rows: Tensor, valid: Tensor, num_rows: int) -> bool:

@@ -18,6 +18,8 @@ FORBIDDEN = {
     "ember.scheduler": {"torch", "ember.runner", "ember.engine", "ember.models"},
     "ember.tokenizer": {"torch", "ember.weights", "ember.models", "ember.runner", "ember.engine"},
     "ember.quant": {"ember.models", "ember.weights", "ember.runner", "ember.engine"},
+    "ember.kernels": {"ember.models", "ember.weights", "ember.runner", "ember.engine",
+                      "ember.scheduler", "ember.kv", "ember.server"},
     "ember.models": {"ember.weights", "ember.runner", "ember.engine", "ember.scheduler"},
     "ember.weights": {"ember.runner", "ember.engine", "ember.scheduler", "ember.tokenizer"},
     "ember.sampling": {"ember.runner", "ember.engine", "ember.models", "ember.scheduler"},

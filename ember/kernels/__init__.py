@@ -1,0 +1,105 @@
+"""Compiled CPU kernels for the small ops that dominate a decode step in eager PyTorch.
+
+`cpu_ops.cpp` holds RMSNorm with the residual add fused in, RoPE fused with the KV-cache write,
+SwiGLU's activation, and attention of one new token per request read in place from the paged
+KV cache (no gathered copy). They are built with the
+machine's C++ compiler the first time an engine needs them (about 20 s; `-march=native`, so
+the build is keyed by the CPU's flags) and cached by torch.utils.cpp_extension under
+$TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). The torch code in ember/models is
+the reference and the fallback: `--kernels torch` uses it alone, and `auto` falls back to it,
+with a warning, where the kernels cannot be built.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The compiled ops, with the argument conventions of the torch code they replace."""
+
+    ops: ModuleType
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float,
+                 residual: Tensor | None = None) -> Tensor:
+        """rms_norm(x) * weight; with `residual`, first residual += x (in place) and the sum
+        is normalised. x [T, hidden] contiguous, everything in one dtype."""
+        return self.ops.rms_norm(x, residual, weight, eps)
+
+    def rope_write(self, qkv: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, slots: Tensor,
+                   heads: int, kv_heads: int) -> Tensor:
+        """qkv [T, (heads + 2 kv_heads) * d] -> q [T, heads, d] after RoPE; k (rotated) and v
+        are written into kv [2, kv_heads, blocks, block_size, d] at `slots` [T]."""
+        return self.ops.rope_write(qkv, cos, sin, kv, slots, heads, kv_heads)
+
+    def silu_and_mul(self, x: Tensor) -> Tensor:
+        """x [T, 2n] -> silu(x[:, :n]) * x[:, n:]."""
+        return self.ops.silu_and_mul(x)
+
+    def decode_attention(self, q: Tensor, kv: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                         scale: float) -> Tensor:
+        """q [B, heads, d], kv [2, kv_heads, blocks, block_size, d] -> [B, heads, d]."""
+        return self.ops.decode_attention(q, kv, block_tables, seq_lens, scale)
+
+
+def _cpu_key() -> str:
+    """The build depends on the CPU (-march=native): key it by the CPU's feature flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:10]
+
+
+def build_cpu_ops(verbose: bool = False) -> ModuleType:
+    """Compile (or load the cached build of) cpu_ops.cpp. Raises on a failed build."""
+    from torch.utils.cpp_extension import load
+    _put_ninja_on_path()
+    return load(name=f"ember_cpu_ops_{_cpu_key()}", sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=verbose)
+
+
+def _put_ninja_on_path() -> None:
+    """torch's extension build runs `ninja` from PATH; the ninja package (a dependency) puts
+    it beside this Python, which is not on PATH when a venv's python runs unactivated."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # the build then fails, saying that ninja is required
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def load_kernels(choice: str, device: str) -> CpuKernels | None:
+    """The kernels to run with (`choice` is EngineConfig.kernels): compiled CPU ones, or
+    None for the torch path."""
+    if choice == "torch" or torch.device(device).type != "cpu":
+        return None
+    try:
+        return CpuKernels(build_cpu_ops())
+    except Exception as e:  # noqa: BLE001 (no compiler, no headers: the torch path still runs)
+        log.warning("the compiled CPU kernels could not be built (%s: %s); running the "
+                    "slower torch path. Install a C++ compiler (g++) and the Python headers, "
+                    "or pass --kernels torch to skip the attempt", type(e).__name__,
+                    str(e).splitlines()[0] if str(e) else "")
+        return None

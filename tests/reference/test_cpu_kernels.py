@@ -1,0 +1,139 @@
+"""The compiled CPU kernels (ember/kernels) against the torch code they replace.
+
+Reference: ember's torch path (F.rms_norm, apply_rope + PagedKV.write, F.silu, the gathered
+matmul attention), itself checked against transformers elsewhere; then whole engines with and
+without the kernels.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ember import LLM
+from ember.kernels import CpuKernels, build_cpu_ops, load_kernels
+from ember.models.attention import PagedKV, _matmul_attention
+from ember.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
+from ember.request import SamplingParams
+from tests.conftest import assert_greedy_close
+
+# float32: the same maths in another order (fused multiply-adds); bfloat16: rounding steps
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    return CpuKernels(build_cpu_ops())  # a failed build is a failure here, not a skip
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_the_residual_add(kernels, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 576, generator=g).to(dtype)
+    residual = torch.randn(5, 576, generator=g).to(dtype)
+    weight = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    close(kernels.rms_norm(x, weight, 1e-5), F.rms_norm(x, (576,), weight, 1e-5), dtype)
+    summed = residual + x
+    stream = residual.clone()
+    out = kernels.rms_norm(x, weight, 1e-5, stream)
+    assert torch.equal(stream, summed)          # the add is written in place, rounded alike
+    close(out, F.rms_norm(summed, (576,), weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_rope_write_rotates_q_and_k_and_fills_the_cache(kernels, dtype, head_dim):
+    heads, kv_heads, tokens, blocks, block_size = 6, 2, 7, 5, 4
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    positions = torch.tensor([0, 3, 9, 17, 4, 5, 30])
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(head_dim, 10000.0, None), dtype)
+    slots = torch.tensor([3, 0, 19, 7, 8, 12, 1])
+    got_cache = PagedKV(torch.zeros(2, kv_heads, blocks, block_size, head_dim, dtype=dtype))
+    q = kernels.rope_write(qkv, cos, sin, got_cache.data, slots, heads, kv_heads)
+
+    want_cache = PagedKV(torch.zeros_like(got_cache.data))
+    x = qkv.view(tokens, heads + 2 * kv_heads, head_dim)
+    qk = apply_rope(x[:, :heads + kv_heads].float(), cos.float(), sin.float())
+    want_cache.write(qk[:, heads:].to(dtype), x[:, heads + kv_heads:], slots)
+    close(q, qk[:, :heads], dtype)
+    close(got_cache.data, want_cache.data, dtype)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.rope_write(qkv, cos, sin, got_cache.data, slots + 100, heads, kv_heads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(kernels, dtype):
+    x = torch.randn(3, 2 * 100, generator=torch.Generator().manual_seed(2)).to(dtype) * 4
+    gate, up = x.float().chunk(2, dim=-1)
+    close(kernels.silu_and_mul(x), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 48])   # unrolled sizes, and any other
+def test_decode_attention_reads_the_paged_cache_in_place(kernels, dtype, head_dim):
+    """Requests of different lengths over scattered blocks, grouped query heads (3 per KV
+    head), against gathering the context and attending with the torch matmul path."""
+    heads, kv_heads, block_size, num_blocks = 9, 3, 16, 40
+    g = torch.Generator().manual_seed(3)
+    cache = PagedKV(torch.randn(2, kv_heads, num_blocks, block_size, head_dim,
+                                generator=g).to(dtype))
+    seq_lens = torch.tensor([1, 16, 17, 150, 37])
+    width = -(-int(seq_lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width]
+                          for _ in seq_lens])
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    keys = torch.arange(width * block_size)
+    bias = torch.zeros(len(seq_lens), 1, 1, width * block_size)
+    bias.masked_fill_(keys[None, None, None, :] >= seq_lens[:, None, None, None],
+                      float("-inf"))
+    k, v = cache.gather(tables, torch.float32)
+    want = _matmul_attention(q.float()[:, None], k, v, bias, scale)[:, 0]
+    close(kernels.decode_attention(q, cache.data, tables, seq_lens, scale), want, dtype)
+    strided = torch.cat([q, q], dim=1)[:, :heads]          # q as the model hands it over
+    close(kernels.decode_attention(strided, cache.data, tables, seq_lens, scale), want, dtype)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        kernels.decode_attention(q, cache.data, tables, seq_lens + width * block_size, scale)
+
+
+def test_the_torch_path_is_chosen_or_fallen_back_to(monkeypatch, caplog):
+    assert load_kernels("torch", "cpu") is None
+    assert load_kernels("auto", "cuda") is None
+
+    def no_compiler(**_):
+        raise OSError("g++: not found")
+    monkeypatch.setattr("ember.kernels.build_cpu_ops", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="ember.kernels"):
+        assert load_kernels("auto", "cpu") is None
+    assert "g++: not found" in caplog.text and "--kernels torch" in caplog.text
+
+
+PROMPTS = [[1, 9038, 2501, 263] * k for k in (1, 5, 12)] + [[1, 415, 3413, 3441] * 30]
+
+
+def test_tiny_llama_float32_greedy_tokens_equal_with_and_without_kernels(tiny_llama_dir):
+    folder, _ = tiny_llama_dir
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for choice in ("torch", "auto"):
+        llm = LLM(str(folder), dtype="float32", kernels=choice, max_num_batched_tokens=64)
+        assert (llm.engine.runner.model.model.norm.kernels is None) == (choice == "torch")
+        outputs[choice] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert outputs["auto"] == outputs["torch"]
+
+
+def test_smollm_bfloat16_kernels_agree_by_the_closeness_rule(smollm_path):
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    prompts = [[1, 504, 3458, 282, 4649, 314]] + PROMPTS[1:]
+    outputs = {choice: LLM(str(smollm_path), dtype="bfloat16", quantization="none",
+                           kernels=choice).generate(prompts, params)
+               for choice in ("torch", "auto")}
+    assert_greedy_close(outputs["torch"], outputs["auto"])
