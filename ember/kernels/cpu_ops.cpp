@@ -246,10 +246,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor 
               "head sizes do not match (or head_dim > 256)");
   TORCH_CHECK(block_tables.size(0) == members && seq_lens.size(0) == members,
               "one block table and one length per request");
-  if (members > 0) {
-    const int64_t longest = seq_lens.max().item<int64_t>();
-    TORCH_CHECK(seq_lens.min().item<int64_t>() >= 1 &&
-                    longest <= block_tables.size(1) * block_size,
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t m = 0; m < members; ++m) {  // a loop, not min()/max(): two ops cost more
+    TORCH_CHECK(lens[m] >= 1 && lens[m] <= block_tables.size(1) * block_size,
                 "seq_lens must be in [1, max_blocks * block_size]");
   }
   auto out = torch::empty({members, heads, d}, q.options());
@@ -290,9 +289,9 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
                   slots.numel() == tokens,
               "slots must be [T] contiguous int64");
   const int64_t num_slots = kv.size(2) * kv.size(3);
-  if (tokens > 0) {
-    TORCH_CHECK(slots.min().item<int64_t>() >= 0 && slots.max().item<int64_t>() < num_slots,
-                "a slot is outside the cache");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "a slot is outside the cache");
   }
   auto q = torch::empty({tokens, heads, d}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_write", [&] {
