@@ -64,6 +64,23 @@ void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t row
 
 constexpr int64_t kMaxHeadDim = 256;
 
+// fn(t, row) for each of a request's first `len` cached tokens, walking its block table block
+// by block (no division per token); `row` holds the token's d values in float32.
+template <typename T, typename Fn>
+inline void for_each_cached_row(const T* base, const int64_t* table, int64_t len,
+                                int64_t block_size, int64_t d, float* row, Fn&& fn) {
+  const int64_t block_stride = block_size * d;
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const T* block = base + table[t0 / block_size] * block_stride;
+    const int64_t n = std::min(block_size, len - t0);
+    for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) row[i] = load(block[j * d + i]);
+      fn(t0 + j, row);
+    }
+  }
+}
+
 // D > 0: the head size known at compile time (64, 128: the loops unroll); 0: any, from `dim`.
 template <typename T, int64_t D>
 void decode_attention_impl(const T* q, int64_t q_stride_m, int64_t q_stride_h, const T* kv,
@@ -89,23 +106,16 @@ void decode_attention_impl(const T* q, int64_t q_stride_m, int64_t q_stride_h, c
         for (int64_t i = 0; i < d; ++i) qf[p * d + i] = load(qr[i]) * scale;
       }
       scores.resize(per_kv * len);
-      // scores[p, t] = q_p . k_t, block by block (no division per token)
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const T* kblock = kbase + table[t0 / block_size] * block_stride;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          const T* k = kblock + j * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) row[i] = load(k[i]);
-          for (int64_t p = 0; p < per_kv; ++p) {
-            const float* qp = qf.data() + p * d;
-            float s = 0.f;
+      // scores[p, t] = q_p . k_t
+      for_each_cached_row(kbase, table, len, block_size, d, row, [&](int64_t t, const float* k) {
+        for (int64_t p = 0; p < per_kv; ++p) {
+          const float* qp = qf.data() + p * d;
+          float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t i = 0; i < d; ++i) s += qp[i] * row[i];
-            scores[p * len + t0 + j] = s;
-          }
+          for (int64_t i = 0; i < d; ++i) s += qp[i] * k[i];
+          scores[p * len + t] = s;
         }
-      }
+      });
       for (int64_t p = 0; p < per_kv; ++p) {  // softmax in place
         float* sp = scores.data() + p * len;
         float mx = -INFINITY;
@@ -120,21 +130,14 @@ void decode_attention_impl(const T* q, int64_t q_stride_m, int64_t q_stride_h, c
         for (int64_t t = 0; t < len; ++t) sp[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const T* vblock = vbase + table[t0 / block_size] * block_stride;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          const T* v = vblock + j * d;
+      for_each_cached_row(vbase, table, len, block_size, d, row, [&](int64_t t, const float* v) {
+        for (int64_t p = 0; p < per_kv; ++p) {
+          const float w = scores[p * len + t];
+          float* ap = acc.data() + p * d;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) row[i] = load(v[i]);
-          for (int64_t p = 0; p < per_kv; ++p) {
-            const float w = scores[p * len + t0 + j];
-            float* ap = acc.data() + p * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) ap[i] += w * row[i];
-          }
+          for (int64_t i = 0; i < d; ++i) ap[i] += w * v[i];
         }
-      }
+      });
       for (int64_t p = 0; p < per_kv; ++p) {
         T* o = out + (m * heads + h * per_kv + p) * d;
         for (int64_t i = 0; i < d; ++i) o[i] = store<T>(acc[p * d + i]);
@@ -186,9 +189,12 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
       const T* gate = x + r * 2 * n;
       const T* up = gate + n;
       T* o = out + r * n;
-      for (int64_t i = 0; i < n; ++i) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {  // silu(g) = g * sigmoid(g), e = exp(-|g|) <= 1
         const float g = load(gate[i]);
-        o[i] = store<T>(g / (1.f + std::exp(-g)) * load(up[i]));
+        const float e = exp_nonpositive(-std::fabs(g));
+        const float sigmoid = (g >= 0.f ? 1.f : e) / (1.f + e);
+        o[i] = store<T>(g * sigmoid * load(up[i]));
       }
     }
   });

@@ -55,8 +55,11 @@ def test_packed_matmul_equals_the_dequantized_weights(method, rows):
 def test_big_batches_take_the_dense_weight_and_small_ones_the_packed():
     linear = _linear(64, 64)
     packed = PackedLinear(linear, "int4", max_packed_rows=4)
+    assert packed.prepacked == torch.backends.mkldnn.is_available()  # oneDNN's layout
     x = torch.randn(9, 64).bfloat16()
     assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight))
+    plain = PackedLinear(linear, "int4", max_packed_rows=4, prepack_dense=False)
+    assert not plain.prepacked and torch.equal(plain(x), packed(x))
     small = torch.randn(4, 64).bfloat16()
     assert not torch.equal(packed(small), torch.nn.functional.linear(small, linear.weight))
     with packed_everywhere(packed):
