@@ -1,4 +1,5 @@
-"""Markdown table of benchmarks/standard.sh results (the medians `ember bench peers` wrote).
+"""Markdown table of benchmarks/standard.sh results (the medians `ember bench peers` wrote),
+one pair of columns per peer.
 
     .venv/bin/python benchmarks/standard_table.py results/standard
 """
@@ -26,20 +27,23 @@ def get(summary: dict, path: tuple[str, ...]) -> float | None:
 
 
 def main(folder: str) -> None:
-    print("| workload | figure | ember | " + " | ".join(["peer", "ember / peer"]) + " |")
-    print("|---|---|---:|---:|---:|")
-    for stem, title in ROWS:
-        path = Path(folder) / f"{stem}.json"
-        if not path.exists():
-            continue
-        medians = json.loads(path.read_text())["median"]
-        peer = next(name for name in medians if name != "ember")
+    files = [(stem, title, Path(folder) / f"{stem}.json") for stem, title in ROWS]
+    files = [(stem, title, json.loads(path.read_text())["median"])
+             for stem, title, path in files if path.exists()]
+    if not files:
+        raise SystemExit(f"no benchmarks/standard.sh results in {folder}")
+    peers = [name for name in files[0][2] if name != "ember"]
+    print("| workload | figure | ember | " +
+          " | ".join(f"{p} | ember / {p}" for p in peers) + " |")
+    print("|---|---|---:|" + "---:|---:|" * len(peers))
+    for stem, title, medians in files:
         for label, key, scale in FIGURES:
-            mine, theirs = get(medians["ember"], key), get(medians[peer], key)
-            if not mine or not theirs or (stem.startswith("b") and "TPOT" in label):
+            mine = get(medians["ember"], key)
+            theirs = [get(medians.get(p), key) for p in peers]
+            if not mine or not all(theirs) or (stem.startswith("b") and "TPOT" in label):
                 continue
-            print(f"| {title} | {label} | {mine * scale:.1f} | {theirs * scale:.1f} | "
-                  f"{mine / theirs:.2f} |")
+            cells = " | ".join(f"{t * scale:.1f} | {mine / t:.2f}" for t in theirs)
+            print(f"| {title} | {label} | {mine * scale:.1f} | {cells} |")
             title = ""
 
 
