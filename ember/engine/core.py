@@ -73,7 +73,8 @@ class EngineCore:
                                                  self.dtype, config.device)
         model = apply_quantization(load_model(files, self.model_config, self.dtype,
                                               config.device), self.quantization)
-        model.use_kernels(load_kernels(config.kernels, config.device))
+        kernels = load_kernels(config.kernels, config.device)
+        model.use_kernels(kernels)
         block_size = config.cache.block_size
         num_blocks = plan_num_blocks(self.model_config, config.cache, self.dtype)
         kv_dtype = config.cache.kv_cache_dtype
@@ -81,9 +82,10 @@ class EngineCore:
                                     kv_bytes_per_token(self.model_config, self.dtype, kv_dtype),
                                     kv_dtype if kv_dtype != "auto" else
                                     str(self.dtype).removeprefix("torch."))
-        log.info("loaded %s (%s, %s, weights %s, on %s); %s", self.model_path.name,
+        log.info("loaded %s (%s, %s, weights %s, %s kernels, on %s); %s", self.model_path.name,
                  self.model_config.architecture, str(self.dtype).removeprefix("torch."),
-                 self.quantization, config.device, self.cache_info.describe())
+                 self.quantization, "compiled CPU" if kernels is not None else "torch",
+                 config.device, self.cache_info.describe())
         kv_caches = allocate_kv_caches(self.model_config, num_blocks, block_size, self.dtype,
                                        config.device, kv_dtype)
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
