@@ -20,6 +20,13 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats (ember/quant/
 KERNELS = ("auto", "torch")  # compiled CPU kernels where they build, or the torch path alone
 
 
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise ConfigError naming the choices if `value` is not one of them."""
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not supported; choose one of "
+                          f"{', '.join(choices)}")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling: 'linear' (positions / factor) or 'llama3' (Llama 3.1 bands)."""
@@ -98,12 +105,8 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"   # auto (the model's dtype) or int8
 
     def __post_init__(self) -> None:
-        if self.eviction_policy not in EVICTION_POLICIES:
-            raise ConfigError(f"eviction_policy={self.eviction_policy!r} is unknown; choose "
-                              f"one of {', '.join(EVICTION_POLICIES)}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; "
-                              f"choose one of {', '.join(KV_CACHE_DTYPES)}")
+        check_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size={self.block_size} must be a positive power of two; "
                               "16 is a good default")
@@ -145,15 +148,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r} is not supported; choose one of "
-                              f"{', '.join(DTYPES)}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ConfigError(f"quantization={self.quantization!r} is not supported; choose "
-                              f"one of {', '.join(QUANTIZATIONS)}")
-        if self.kernels not in KERNELS:
-            raise ConfigError(f"kernels={self.kernels!r} is not supported; choose one of "
-                              f"{', '.join(KERNELS)}")
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("quantization", self.quantization, QUANTIZATIONS)
+        check_choice("kernels", self.kernels, KERNELS)
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len={self.max_model_len} must be positive, or None "
                               "for the model's own context length")
