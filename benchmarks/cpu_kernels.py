@@ -1,0 +1,92 @@
+"""The compiled CPU kernels (ember/kernels) beside the torch code they replace, per call.
+
+    .venv/bin/python benchmarks/cpu_kernels.py --out results/cpu_kernels.json
+
+bfloat16, torch's threads, SmolLM2-135M's shapes (hidden 576, 9 query / 3 KV heads of 64),
+16-token blocks scattered over a 2000-block cache. Best of 3 timings of many calls each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ember.kernels import CpuKernels, build_cpu_ops
+from ember.models.attention import PagedKV, _matmul_attention
+
+DTYPE, HIDDEN, HEADS, KV_HEADS, D, BLOCK, BLOCKS = torch.bfloat16, 576, 9, 3, 64, 16, 2000
+
+
+def per_call_us(fn, calls: int) -> float:
+    for _ in range(20):
+        fn()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def norms(kernels: CpuKernels) -> dict[str, dict[str, float]]:
+    x, residual = torch.randn(1, HIDDEN, dtype=DTYPE), torch.randn(1, HIDDEN, dtype=DTYPE)
+    weight = torch.rand(HIDDEN, dtype=DTYPE) + 0.5
+    return {
+        "rms_norm [1, 576]": {
+            "torch_us": per_call_us(lambda: F.rms_norm(x, (HIDDEN,), weight, 1e-5), 3000),
+            "kernel_us": per_call_us(lambda: kernels.rms_norm(x, weight, 1e-5), 3000)},
+        "residual add + rms_norm [1, 576]": {
+            "torch_us": per_call_us(lambda: F.rms_norm(x + residual, (HIDDEN,), weight, 1e-5),
+                                    3000),
+            "kernel_us": per_call_us(lambda: kernels.rms_norm(x, weight, 1e-5, residual),
+                                     3000)}}
+
+
+def decode_attention(kernels: CpuKernels, members: int, context: int) -> dict[str, float]:
+    """The torch path (gather the context through the block tables, two matmuls) against
+    the kernel reading the blocks in place."""
+    g = torch.Generator().manual_seed(0)
+    cache = PagedKV(torch.randn(2, KV_HEADS, BLOCKS, BLOCK, D, generator=g).to(DTYPE))
+    width = -(-context // BLOCK)
+    tables = torch.stack([torch.randperm(BLOCKS, generator=g)[:width] for _ in range(members)])
+    seq_lens = torch.full((members,), context, dtype=torch.long)
+    bias = torch.zeros(members, 1, 1, width * BLOCK)
+    bias[..., context:] = float("-inf")
+    q = torch.randn(members, HEADS, D, generator=g).to(DTYPE)
+    small = members * width * BLOCK <= 1024  # the torch path's float32 choice for small groups
+
+    def torch_path() -> torch.Tensor:
+        k, v = cache.gather(tables, torch.float32 if small else DTYPE)
+        return _matmul_attention(q[:, None], k, v, bias, D ** -0.5)
+
+    calls = 3000 if members == 1 else 200
+    return {"torch_us": per_call_us(torch_path, calls),
+            "kernel_us": per_call_us(lambda: kernels.decode_attention(
+                q, cache.data, tables, seq_lens, D ** -0.5), calls)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="results/cpu_kernels.json")
+    args = parser.parse_args()
+    kernels = CpuKernels(build_cpu_ops())
+    results = norms(kernels)
+    for members, context in ((1, 180), (1, 1000), (32, 300)):
+        results[f"decode attention, {members} x {context} tokens"] = decode_attention(
+            kernels, members, context)
+    print(f"{'op':40}{'torch us':>12}{'kernel us':>12}")
+    for name, r in results.items():
+        print(f"{name:40}{r['torch_us']:12.1f}{r['kernel_us']:12.1f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"threads": torch.get_num_threads(),
+                                          "dtype": str(DTYPE), "ops": results}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
