@@ -34,6 +34,8 @@ def test_errors_carry_http_status_and_openai_type():
     (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs"),
     (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (lambda: EngineConfig(dtype="float8"), "float32, bfloat16"),
+    (lambda: EngineConfig(kernels="triton"), "kernels='triton' .*auto, torch"),
+    (lambda: CacheConfig(eviction_policy="fifo"), "lru, lfu, cost"),
     (lambda: EngineConfig(max_model_len=0), "max_model_len"),
     (lambda: EngineConfig.from_options(kv_cache_gb=1), "did you mean kv_cache_gib"),
     (lambda: EngineConfig.from_options(zzz=1), "known options"),
