@@ -1,8 +1,9 @@
 """Compiled CPU kernels for the small ops that dominate a decode step in eager PyTorch.
 
 `cpu_ops.cpp` holds RMSNorm with the residual add fused in, RoPE fused with the KV-cache write,
-SwiGLU's activation, and attention of one new token per request read in place from the paged
-KV cache (no gathered copy). They are built with the
+SwiGLU's activation, attention of one new token per request read in place from the paged
+KV cache (no gathered copy), and, on CPUs with AVX-512 BF16, flash attention of a prompt chunk
+over its paged context on bfloat16 dot products. They are built with the
 machine's C++ compiler the first time an engine needs them (about 20 s; `-march=native`, so
 the build is keyed by the CPU's flags) and cached by torch.utils.cpp_extension under
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). The torch code in ember/models is
@@ -54,6 +55,21 @@ class CpuKernels:
                          scale: float) -> Tensor:
         """q [B, heads, d], kv [2, kv_heads, blocks, block_size, d] -> [B, heads, d]."""
         return self.ops.decode_attention(q, kv, block_tables, seq_lens, scale)
+
+    def can_prefill(self, kv: Tensor) -> bool:
+        """Whether prefill_attention runs on this cache: a bfloat16 one with head_dim 64 or
+        128, on a CPU with AVX-512 BF16 (the build says)."""
+        return (kv.dtype == torch.bfloat16 and kv.shape[-1] in PREFILL_HEAD_DIMS
+                and self.ops.has_prefill_attention())
+
+    def prefill_attention(self, q: Tensor, kv: Tensor, block_table: Tensor, seq_len: int,
+                          scale: float) -> Tensor:
+        """q [n, heads, d]: the last n of a request's seq_len cached tokens (written first);
+        they attend causally over its context, block_table [blocks] -> [n, heads, d]."""
+        return self.ops.prefill_attention(q, kv, block_table, seq_len, scale)
+
+
+PREFILL_HEAD_DIMS = (64, 128)
 
 
 def _cpu_key() -> str:

@@ -6,10 +6,17 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define EMBER_BF16_DOT 1  // prefill attention on bfloat16 dot products (vdpbf16ps)
+#endif
 
 namespace {
 
@@ -146,12 +153,270 @@ void decode_attention_impl(const T* q, int64_t q_stride_m, int64_t q_stride_h, c
   });
 }
 
+#ifdef EMBER_BF16_DOT
+// Prefill attention: the new tokens of one request (a prompt chunk) attend causally over its
+// context in the paged cache, flash-attention style: for a tile of query rows, key blocks of
+// 64 are scored, soft-maxed online (running max and sum in float32) and applied to V, so no
+// score matrix is ever stored. The two products run on AVX-512 BF16 dot products, each
+// instruction summing pairs of bfloat16 products into 16 float32 lanes; for that the context's
+// K and V are first copied out of their blocks into pair-interleaved ("VNNI") layouts:
+//   K: per 16 keys, per pair of dims t: [key 0 dims 2t, 2t+1 | key 1 ... | key 15 ...]
+//   V: per pair of keys u: [dim 0 of keys 2u, 2u+1 | dim 1 ... | dim D-1 ...]
+// The query heads that share a KV head are the rows of one tile (row = token * G + member),
+// so each packed K and V block serves G heads at once.
+namespace prefill {
+
+constexpr int64_t kKeyBlock = 64;  // keys scored per step: 4 vectors of 16 lanes
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+inline __m512bh pair_of(const uint16_t* p) {  // broadcast two bfloat16 values to all lanes
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return as_bh(_mm512_set1_epi32(v));
+}
+
+// exp_nonpositive on 16 lanes (same series; scalef builds 2^n)
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+
+// Copy one KV head's first `len` keys (K or V, by `base`) out of their blocks, zero-padded to
+// `len_pad` (a multiple of kKeyBlock), into the layouts above.
+void pack_keys(const uint16_t* base, const int64_t* table, int64_t len, int64_t len_pad,
+               int64_t block_size, int64_t d, uint16_t* dst) {
+  const int64_t pairs = d / 2;
+  for (int64_t j = 0; j < len_pad; ++j) {
+    uint32_t* col = reinterpret_cast<uint32_t*>(dst + (j / 16) * d * 16) + j % 16;
+    if (j < len) {
+      const uint16_t* k = base + (table[j / block_size] * block_size + j % block_size) * d;
+      for (int64_t t = 0; t < pairs; ++t) std::memcpy(col + t * 16, k + 2 * t, 4);
+    } else {
+      for (int64_t t = 0; t < pairs; ++t) col[t * 16] = 0;
+    }
+  }
+}
+
+void pack_values(const uint16_t* base, const int64_t* table, int64_t len, int64_t len_pad,
+                 int64_t block_size, int64_t d, uint16_t* dst) {
+  for (int64_t j = 0; j < len_pad; ++j) {
+    uint16_t* out = dst + (j / 2) * 2 * d + j % 2;
+    if (j < len) {
+      const uint16_t* v = base + (table[j / block_size] * block_size + j % block_size) * d;
+      for (int64_t i = 0; i < d; ++i) out[2 * i] = v[i];
+    } else {
+      for (int64_t i = 0; i < d; ++i) out[2 * i] = 0;
+    }
+  }
+}
+
+// s[r][c] = q_r . key (16 c + lane) for 64 packed keys. Its own function, with the sums in
+// locals: GCC otherwise keeps the caller's array in memory and stores it on every pass.
+template <int R, int D>
+__attribute__((always_inline)) inline void score_block(const uint16_t* q, const uint16_t* kb,
+                                                       __m512 (&s)[R][4]) {
+  __m512 a[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int t = 0; t < D / 2; ++t) {
+    __m512bh k[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) k[c] = as_bh(_mm512_loadu_si512(kb + c * D * 16 + t * 32));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qr = pair_of(q + r * D + 2 * t);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], qr, k[c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) s[r][c] = a[r][c];
+}
+
+// R query rows (q: [R][D] bfloat16) over packed K/V; row r sees keys [0, visible[r]).
+// Writes the normalised outputs, float32, to o [R][D].
+template <int R, int D>
+void attend_rows(const uint16_t* q, const int64_t* visible, const uint16_t* kp,
+                 const uint16_t* vp, float scale, float* o) {
+  constexpr int DV = D / 16;
+  float m[R], l[R], corr[R];
+  alignas(64) uint16_t probs[R][kKeyBlock];
+  int64_t kmax = 0, kmin = visible[0];
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    kmax = std::max(kmax, visible[r]);
+    kmin = std::min(kmin, visible[r]);
+  }
+  std::fill(o, o + R * D, 0.f);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t k0 = 0; k0 < kmax; k0 += kKeyBlock) {
+    __m512 s[R][4];
+    score_block<R, D>(q, kp + (k0 / 16) * D * 16, s);
+    const bool masked = k0 + kKeyBlock > kmin;
+    for (int r = 0; r < R; ++r) {
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int c = 0; c < 4; ++c) {
+        s[r][c] = _mm512_mul_ps(s[r][c], _mm512_set1_ps(scale));
+        if (masked) {  // keys at or past visible[r] are hidden
+          const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(k0 + 16 * c));
+          const __mmask16 hide =
+              _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(visible[r])));
+          s[r][c] = _mm512_mask_mov_ps(s[r][c], hide, _mm512_set1_ps(-INFINITY));
+        }
+        mx = _mm512_max_ps(mx, s[r][c]);
+      }
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
+      corr[r] = std::exp(m[r] - m_new);
+      m[r] = m_new;
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        s[r][c] = exp_nonpositive16(_mm512_sub_ps(s[r][c], _mm512_set1_ps(m_new)));
+        sum = _mm512_add_ps(sum, s[r][c]);
+      }
+      l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
+      _mm512_store_si512(probs[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[r][1], s[r][0])));
+      _mm512_store_si512(probs[r] + 32,
+                         reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[r][3], s[r][2])));
+    }
+    __m512 acc[R][DV];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < DV; ++i)
+        acc[r][i] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * i), _mm512_set1_ps(corr[r]));
+    const uint16_t* vb = vp + k0 * D;  // k0 / 2 pairs of 2 * D values
+    const int pairs = static_cast<int>(std::min<int64_t>(kKeyBlock, kmax - k0) + 1) / 2;
+    for (int u = 0; u < pairs; ++u) {
+      __m512bh v[DV];
+      for (int i = 0; i < DV; ++i) v[i] = as_bh(_mm512_loadu_si512(vb + u * 2 * D + 32 * i));
+      for (int r = 0; r < R; ++r) {
+        const __m512bh p = pair_of(probs[r] + 2 * u);
+        for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], p, v[i]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < DV; ++i) _mm512_storeu_ps(o + r * D + 16 * i, acc[r][i]);
+  }
+  for (int r = 0; r < R; ++r) {
+    const float inv = 1.f / l[r];
+    for (int i = 0; i < D; ++i) o[r * D + i] *= inv;
+  }
+}
+
+template <int D>
+constexpr int kTileRows = D == 64 ? 6 : 3;  // S and O accumulators: 24 of the 32 registers
+
+template <int D, int R = kTileRows<D>>
+void attend_tile(int rows, const uint16_t* q, const int64_t* visible, const uint16_t* kp,
+                 const uint16_t* vp, float scale, float* o) {
+  if constexpr (R > 1) {
+    if (rows < R) return attend_tile<D, R - 1>(rows, q, visible, kp, vp, scale, o);
+  }
+  attend_rows<R, D>(q, visible, kp, vp, scale, o);
+}
+
+// q [n, heads, D] (row stride q_stride), kv [2, kv_heads, blocks, block_size, D]; the n new
+// tokens are the last n of the request's seq_len.
+template <int D>
+void prefill_attention_impl(const uint16_t* q, int64_t q_stride, const uint16_t* kv,
+                            const int64_t* table, int64_t seq_len, uint16_t* out, int64_t n,
+                            int64_t heads, int64_t kv_heads, int64_t num_blocks,
+                            int64_t block_size, float scale) {
+  constexpr int R = kTileRows<D>;
+  const int64_t per_kv = heads / kv_heads;
+  const int64_t len_pad = (seq_len + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  const int64_t head_stride = num_blocks * block_size * D;
+  std::vector<uint16_t> kp(kv_heads * len_pad * D), vp(kv_heads * len_pad * D);
+  at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / 2;
+      const uint16_t* base = kv + (task % 2) * kv_heads * head_stride + h * head_stride;
+      if (task % 2 == 0) {
+        pack_keys(base, table, seq_len, len_pad, block_size, D, kp.data() + h * len_pad * D);
+      } else {
+        pack_values(base, table, seq_len, len_pad, block_size, D, vp.data() + h * len_pad * D);
+      }
+    }
+  });
+  const int64_t rows = n * per_kv;  // per KV head: row = token * per_kv + member
+  constexpr int64_t kTilesPerTask = 4;
+  const int64_t tiles = (rows + R - 1) / R;
+  const int64_t tasks_per_head = (tiles + kTilesPerTask - 1) / kTilesPerTask;
+  const int64_t tasks = kv_heads * tasks_per_head;
+  // the last tiles see the most keys: hand tasks out from the end, as threads come free
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t task = tasks - 1; task >= 0; --task) {
+    const int64_t h = task % kv_heads, first = (task / kv_heads) * kTilesPerTask;
+    alignas(64) uint16_t qt[R * D];
+    alignas(64) float ot[R * D];
+    int64_t visible[R];
+    for (int64_t tile = first; tile < std::min(tiles, first + kTilesPerTask); ++tile) {
+      const int64_t r0 = tile * R;
+      const int count = static_cast<int>(std::min<int64_t>(R, rows - r0));
+      for (int r = 0; r < count; ++r) {
+        const int64_t token = (r0 + r) / per_kv, head = h * per_kv + (r0 + r) % per_kv;
+        std::memcpy(qt + r * D, q + token * q_stride + head * D, D * sizeof(uint16_t));
+        visible[r] = seq_len - n + token + 1;
+      }
+      attend_tile<D>(count, qt, visible, kp.data() + h * len_pad * D,
+                     vp.data() + h * len_pad * D, scale, ot);
+      for (int r = 0; r < count; ++r) {
+        const int64_t token = (r0 + r) / per_kv, head = h * per_kv + (r0 + r) % per_kv;
+        uint16_t* dst = out + (token * heads + head) * D;
+        for (int i = 0; i < D; i += 16) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
+                                  _mm512_loadu_ps(ot + r * D + i))));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace prefill
+#endif  // EMBER_BF16_DOT
+
+#ifdef EMBER_BF16_DOT
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {  // round to nearest even, as c10 does
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+}
+#endif
+
 // Rotate one head in place of `out`: out = x * cos + roll(x, d / 2) * sin, with sin's first
 // half negated by the caller (ember/models/layers.py rope_cos_sin).
 template <typename T>
 inline void rope_head(const T* x, const T* cos, const T* sin, T* out, int64_t d) {
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i0 = 0;
+#ifdef EMBER_BF16_DOT
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    for (; i0 + 16 <= half; i0 += 16) {
+      const __m512 lo = load16(x + i0), hi = load16(x + i0 + half);
+      store16(out + i0, _mm512_fmadd_ps(hi, load16(sin + i0), _mm512_mul_ps(lo, load16(cos + i0))));
+      store16(out + i0 + half, _mm512_fmadd_ps(lo, load16(sin + i0 + half),
+                                               _mm512_mul_ps(hi, load16(cos + i0 + half))));
+    }
+  }
+#endif
+  for (int64_t i = i0; i < half; ++i) {
     out[i] = store<T>(load(x[i]) * load(cos[i]) + load(x[i + half]) * load(sin[i]));
     out[i + half] = store<T>(load(x[i + half]) * load(cos[i + half]) +
                              load(x[i]) * load(sin[i + half]));
@@ -182,6 +447,7 @@ void rope_write_impl(const T* qkv, const T* cos, const T* sin, T* kv, const int6
   });
 }
 
+
 template <typename T>
 void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
@@ -189,8 +455,22 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
       const T* gate = x + r * 2 * n;
       const T* up = gate + n;
       T* o = out + r * n;
+      int64_t i0 = 0;
+#ifdef EMBER_BF16_DOT  // 16 lanes at a time (the compiler leaves the loop below scalar)
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+      for (; i0 + 16 <= n; i0 += 16) {
+        const __m512 g = load16(gate + i0);
+        const __m512 e = prefill::exp_nonpositive16(
+            _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+        const __m512 num = _mm512_mask_blend_ps(
+            _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, _mm512_set1_ps(1.f));
+        const __m512 sigmoid = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        store16(o + i0, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), load16(up + i0)));
+      }
+      }
+#endif
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {  // silu(g) = g * sigmoid(g), e = exp(-|g|) <= 1
+      for (int64_t i = i0; i < n; ++i) {  // silu(g) = g * sigmoid(g), e = exp(-|g|) <= 1
         const float g = load(gate[i]);
         const float e = exp_nonpositive(-std::fabs(g));
         const float sigmoid = (g >= 0.f ? 1.f : e) / (1.f + e);
@@ -199,6 +479,8 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
     }
   });
 }
+
+
 
 void check_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
@@ -321,9 +603,63 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
+
+bool has_prefill_attention() {
+#ifdef EMBER_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
+// prefill_attention(q [n, heads, d] bfloat16 (rows may be strided), kv [2, kv_heads, blocks,
+// block_size, d] bfloat16, block_table [>= ceil(seq_len / block_size)] int64, seq_len, scale)
+// -> [n, heads, d]: the request's n new tokens, the last n of its seq_len cached tokens (write
+// them first), attend causally over its context. d is 64 or 128; only with AVX-512 BF16.
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
+                                int64_t seq_len, double scale) {
+  TORCH_CHECK(has_prefill_attention(), "prefill_attention needs a CPU with AVX-512 BF16");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 &&
+                  q.stride(1) == q.size(2),
+              "q must be [n, heads, d] on the CPU, each row's heads contiguous");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv.scalar_type() == at::kBFloat16,
+              "prefill_attention runs on bfloat16 q and kv");
+  TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous(), "kv must be a contiguous 5-D cache");
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kv_heads = kv.size(1), num_blocks = kv.size(2), block_size = kv.size(3);
+  TORCH_CHECK(kv.size(4) == d && heads % kv_heads == 0 && (d == 64 || d == 128),
+              "head sizes do not match (or head_dim is not 64 or 128)");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
+                  block_table.dim() == 1,
+              "block_table must be [blocks] contiguous int64");
+  TORCH_CHECK(seq_len >= n && n >= 1 && seq_len <= block_table.size(0) * block_size,
+              "seq_len must cover the new tokens and fit the block table");
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < (seq_len + block_size - 1) / block_size; ++b) {
+    TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "a block id is outside the cache");
+  }
+  auto out = torch::empty({n, heads, d}, q.options());
+#ifdef EMBER_BF16_DOT
+  auto run = [&](auto impl) {
+    impl(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), q.stride(0),
+         reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>()), table, seq_len,
+         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, heads, kv_heads,
+         num_blocks, block_size, static_cast<float>(scale));
+  };
+  if (d == 64) {
+    run(prefill::prefill_attention_impl<64>);
+  } else {
+    run(prefill::prefill_attention_impl<128>);
+  }
+#endif
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, "RoPE on q and k, k and v written into the paged cache");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU's activation: silu(gate) * up");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after a fused residual add");
   m.def("decode_attention", &decode_attention, "one query per request over the paged cache");
+  m.def("has_prefill_attention", &has_prefill_attention, "whether prefill_attention is built");
+  m.def("prefill_attention", &prefill_attention, "a prompt chunk over its paged context");
 }

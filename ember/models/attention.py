@@ -18,7 +18,9 @@ A step's new tokens form one flat batch. Requests are attended in two ways:
 The runner (runner/inputs.py) forms the groups and builds their masks once per step. This is
 the plain torch path, the reference on CPU and CUDA alike. With compiled CPU kernels
 (ember/kernels), a group whose members each bring one new token (decodes) attends in one
-kernel call that reads the blocks in place, with no gathered copy of the context.
+kernel call that reads the blocks in place, with no gathered copy of the context; and where
+the CPU has AVX-512 BF16 and the cache is bfloat16, every prompt chunk (fresh or continued)
+attends in a flash-attention kernel over its blocks (kernels.can_prefill).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class FreshChunk:
 
     token_start: int   # row of its first new token in the flat batch
     num_tokens: int
+    block_table: Tensor | None = None  # [blocks] long: where its k and v go (for kernels)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class AttentionGroup:
     seq_lens      [G] long: each member's context after this step (its new tokens included)
     whole_batch   the group is the step's whole flat batch, rows 0..T-1 in order, no padding
                   (every step that only decodes): queries and outputs need no indexing
+    lone          (first row, seq_len) when the group has one member (a continued prompt
+                  chunk): its rows are contiguous, for the prefill kernel
     """
 
     rows: Tensor
@@ -65,6 +70,7 @@ class AttentionGroup:
     out_rows: Tensor
     seq_lens: Tensor
     whole_batch: bool = False
+    lone: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: PagedKV,
     Writes k and v into the cache, then attends each new token over its request's context.
     """
     kv_cache.write(k, v, meta.slot_mapping)
-    if not meta.fresh:
+    if not meta.fresh or _prefill_kernel(kernels, q, kv_cache):
         return attend_cached(q, kv_cache, meta, scale, kernels)
     out = torch.empty_like(q)
     for chunk in meta.fresh:
@@ -163,14 +169,25 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: PagedKV,
 
 def attend_cached(q: Tensor, kv_cache: PagedKV, meta: AttentionMetadata, scale: float,
                   kernels: CpuKernels | None = None) -> Tensor:
-    """Attention for a step without fresh chunks, whose new k and v are already in the cache:
-    q [T, heads, head_dim] -> [T, heads, head_dim]."""
-    if len(meta.groups) == 1 and meta.groups[0].whole_batch:
+    """Attention for a step whose new k and v are already in the cache (fresh chunks only
+    with the prefill kernel): q [T, heads, head_dim] -> [T, heads, head_dim]."""
+    if not meta.fresh and len(meta.groups) == 1 and meta.groups[0].whole_batch:
         return _group_attention(q, kv_cache, meta.groups[0], scale, kernels)  # all decodes
     out = torch.empty_like(q)
+    for chunk in meta.fresh:
+        assert kernels is not None and chunk.block_table is not None
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        out[rows] = kernels.prefill_attention(q[rows], kv_cache.data, chunk.block_table,
+                                              chunk.num_tokens, scale)
     for group in meta.groups:
         out[group.out_rows] = _group_attention(q, kv_cache, group, scale, kernels)
     return out
+
+
+def _prefill_kernel(kernels: CpuKernels | None, q: Tensor, kv_cache: PagedKV) -> bool:
+    """Whether prompt chunks attend in the compiled prefill kernel (bfloat16 cache)."""
+    return (kernels is not None and kv_cache.scale is None
+            and q.dtype == kv_cache.data.dtype and kernels.can_prefill(kv_cache.data))
 
 
 def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup, scale: float,
@@ -179,6 +196,10 @@ def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup, scale:
     members, max_blocks = group.block_tables.shape
     context = max_blocks * kv_cache.block_size
     max_n = group.rows.shape[1]
+    if group.lone is not None and max_n > 1 and _prefill_kernel(kernels, q, kv_cache):
+        row, seq_len = group.lone
+        return kernels.prefill_attention(q[row:row + max_n], kv_cache.data,
+                                         group.block_tables[0], seq_len, scale)
     if (max_n == 1 and kernels is not None and kv_cache.scale is None
             and kv_cache.data.dtype == q.dtype):
         queries = q if group.whole_batch else q[group.rows[:, 0]]

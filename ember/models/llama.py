@@ -46,12 +46,15 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def _fused_path(self, qkv: Tensor, kv_cache: PagedKV, meta: AttentionMetadata) -> bool:
-        """Whether the compiled kernels take this step: no fresh prompt chunk (those attend
-        over their own k and v, which the fused kernel does not hand back), no bias, a cache
-        in the activations' dtype."""
-        return (self.kernels is not None and not meta.fresh and self.qkv_proj.bias is None
+        """Whether the compiled kernels take this step: no bias, a cache in the activations'
+        dtype, and no fresh prompt chunk unless the prefill kernel attends it from the cache
+        (the torch path attends a fresh chunk over its own k and v, which the fused kernel
+        does not hand back)."""
+        kernels = self.kernels
+        return (kernels is not None and self.qkv_proj.bias is None
                 and kv_cache.scale is None and qkv.dtype == kv_cache.data.dtype
-                and qkv.dtype in KERNEL_DTYPES and qkv.is_contiguous())
+                and qkv.dtype in KERNEL_DTYPES and qkv.is_contiguous()
+                and (not meta.fresh or kernels.can_prefill(kv_cache.data)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -97,10 +97,11 @@ def build_group(members: list[_Member], block_size: int, device: torch.device,
                            [0] * (width - cdiv(m.seq_len, block_size)) for m in members],
                           dtype=torch.long)
     bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+    lone = (members[0].row, members[0].seq_len) if len(members) == 1 else None
     return AttentionGroup(rows.to(device), valid.to(device), tables.to(device),
                           mask[:, None].to(device), bias[:, None].to(device),
                           rows[valid].to(device), seq_lens.view(-1).to(device),
-                          _is_whole_batch(rows, valid, num_rows))
+                          _is_whole_batch(rows, valid, num_rows), lone)
 
 
 def _is_whole_batch(rows: Tensor, valid: Tensor, num_rows: int) -> bool:
@@ -122,7 +123,9 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device)
         positions.extend(range(item.start, item.end))
         slots.extend(_slots(item, block_size))
         if item.start == 0 and item.num_new_tokens > 1:
-            fresh.append(FreshChunk(row, item.num_new_tokens))
+            table = item.block_ids[:cdiv(item.end, block_size)]
+            fresh.append(FreshChunk(row, item.num_new_tokens,
+                                    torch.tensor(table, dtype=torch.long, device=device)))
         else:
             members.append(_Member(row, item.num_new_tokens, item.end, item.block_ids))
         if item.samples:

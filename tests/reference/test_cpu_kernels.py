@@ -104,6 +104,41 @@ def test_decode_attention_reads_the_paged_cache_in_place(kernels, dtype, head_di
         kernels.decode_attention(q, cache.data, tables, seq_lens + width * block_size, scale)
 
 
+@pytest.mark.parametrize(("head_dim", "new", "seq_len"), [
+    (64, 1, 1), (64, 7, 7), (64, 130, 130),       # fresh prompt chunks (one block, many)
+    (64, 50, 181), (64, 200, 331),                 # continued chunks after earlier context
+    (128, 33, 97), (128, 64, 64)])
+def test_prefill_attention_is_causal_attention_over_the_paged_context(kernels, head_dim, new,
+                                                                      seq_len):
+    """A request's last `new` tokens over its scattered blocks (3 query heads per KV head),
+    against gathering the context and attending with the torch matmul path in float32."""
+    if not kernels.ops.has_prefill_attention():
+        pytest.skip("this CPU has no AVX-512 BF16: prompt chunks take the torch path")
+    heads, kv_heads, block_size, num_blocks = 9, 3, 16, 40
+    g = torch.Generator().manual_seed(4)
+    cache = PagedKV(torch.randn(2, kv_heads, num_blocks, block_size, head_dim,
+                                generator=g).to(torch.bfloat16))
+    width = -(-seq_len // block_size)
+    table = torch.randperm(num_blocks, generator=g)[:width + 1]   # longer than needed
+    q = torch.randn(new, heads, head_dim, generator=g).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    keys = torch.arange(width * block_size)
+    queries = torch.arange(seq_len - new, seq_len)
+    bias = torch.zeros(1, 1, new, width * block_size)
+    bias.masked_fill_((keys[None, :] > queries[:, None])[None, None], float("-inf"))
+    k, v = cache.gather(table[None, :width], torch.float32)
+    want = _matmul_attention(q.float()[None], k, v, bias, scale)[0]
+    got = kernels.prefill_attention(q, cache.data, table, seq_len, scale)
+    close(got, want, torch.bfloat16)
+    strided = torch.cat([q, q], dim=1)[:, :heads]          # rows as the model hands them over
+    assert torch.equal(kernels.prefill_attention(strided, cache.data, table, seq_len, scale),
+                       got)
+    with pytest.raises(RuntimeError, match="seq_len"):
+        kernels.prefill_attention(q, cache.data, table, (width + 2) * block_size, scale)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.prefill_attention(q.float(), cache.data, table, seq_len, scale)
+
+
 def test_the_torch_path_is_chosen_or_fallen_back_to(monkeypatch, caplog):
     assert load_kernels("torch", "cpu") is None
     assert load_kernels("auto", "cuda") is None
@@ -130,10 +165,14 @@ def test_tiny_llama_float32_greedy_tokens_equal_with_and_without_kernels(tiny_ll
     assert outputs["auto"] == outputs["torch"]
 
 
-def test_smollm_bfloat16_kernels_agree_by_the_closeness_rule(smollm_path):
+@pytest.mark.parametrize("chunk", [None, 32])   # whole prompts; prompts cut into chunks
+def test_smollm_bfloat16_kernels_agree_by_the_closeness_rule(smollm_path, chunk):
+    """bfloat16 with and without the kernels (decode and, with AVX-512 BF16, prefill
+    attention, fresh and continued chunks)."""
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     prompts = [[1, 504, 3458, 282, 4649, 314]] + PROMPTS[1:]
+    options = {} if chunk is None else {"max_num_batched_tokens": chunk}
     outputs = {choice: LLM(str(smollm_path), dtype="bfloat16", quantization="none",
-                           kernels=choice).generate(prompts, params)
+                           kernels=choice, **options).generate(prompts, params)
                for choice in ("torch", "auto")}
     assert_greedy_close(outputs["torch"], outputs["auto"])
