@@ -154,19 +154,8 @@ void decode_attention_impl(const T* q, int64_t q_stride_m, int64_t q_stride_h, c
 }
 
 #ifdef EMBER_BF16_DOT
-// Prefill attention: the new tokens of one request (a prompt chunk) attend causally over its
-// context in the paged cache, flash-attention style: for a tile of query rows, key blocks of
-// 64 are scored, soft-maxed online (running max and sum in float32) and applied to V, so no
-// score matrix is ever stored. The two products run on AVX-512 BF16 dot products, each
-// instruction summing pairs of bfloat16 products into 16 float32 lanes; for that the context's
-// K and V are first copied out of their blocks into pair-interleaved ("VNNI") layouts:
-//   K: per 16 keys, per pair of dims t: [key 0 dims 2t, 2t+1 | key 1 ... | key 15 ...]
-//   V: per pair of keys u: [dim 0 of keys 2u, 2u+1 | dim 1 ... | dim D-1 ...]
-// The query heads that share a KV head are the rows of one tile (row = token * G + member),
-// so each packed K and V block serves G heads at once.
-namespace prefill {
-
-constexpr int64_t kKeyBlock = 64;  // keys scored per step: 4 vectors of 16 lanes
+// AVX-512 helpers: 16 float32 lanes; bfloat16 pairs for the dot-product instruction.
+namespace simd {
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 inline __m512bh pair_of(const uint16_t* p) {  // broadcast two bfloat16 values to all lanes
@@ -188,6 +177,54 @@ inline __m512 exp_nonpositive16(__m512 x) {
   }
   return _mm512_scalef_ps(p, n);
 }
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {  // round to nearest even, as c10 does
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+}
+
+// Lane i of the result is the sum of v[i]'s 16 lanes.
+inline __m512 sum16(__m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                       _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+}  // namespace simd
+
+// Prefill attention: the new tokens of one request (a prompt chunk) attend causally over its
+// context in the paged cache, flash-attention style: for a tile of query rows, key blocks of
+// 64 are scored, soft-maxed online (running max and sum in float32) and applied to V, so no
+// score matrix is ever stored. The two products run on AVX-512 BF16 dot products, each
+// instruction summing pairs of bfloat16 products into 16 float32 lanes; for that the context's
+// K and V are first copied out of their blocks into pair-interleaved ("VNNI") layouts:
+//   K: per 16 keys, per pair of dims t: [key 0 dims 2t, 2t+1 | key 1 ... | key 15 ...]
+//   V: per pair of keys u: [dim 0 of keys 2u, 2u+1 | dim 1 ... | dim D-1 ...]
+// The query heads that share a KV head are the rows of one tile (row = token * G + member),
+// so each packed K and V block serves G heads at once.
+namespace prefill {
+
+using namespace simd;
+
+constexpr int64_t kKeyBlock = 64;  // keys scored per step: 4 vectors of 16 lanes
 
 // Copy one KV head's first `len` keys (K or V, by `base`) out of their blocks, zero-padded to
 // `len_pad` (a multiple of kKeyBlock), into the layouts above.
@@ -385,20 +422,137 @@ void prefill_attention_impl(const uint16_t* q, int64_t q_stride, const uint16_t*
 }
 
 }  // namespace prefill
-#endif  // EMBER_BF16_DOT
 
-#ifdef EMBER_BF16_DOT
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+// Decode attention on bfloat16 dot products: one new token per request, its G query heads per
+// KV head over the request's cached keys, read in place from their blocks. Each score is two
+// (D = 64) dot-product instructions on a key row as stored, whose 16 partial sums per key are
+// then folded, 16 keys at once, into one vector of 16 scores (sum16). Softmax in float32; the
+// weighted sum of V rows in float32 FMAs.
+namespace decode {
+
+using namespace simd;
+
+// Pointers to a request's cached rows (K or V of one head), in order, walking its blocks.
+struct RowWalk {
+  const uint16_t* base;
+  const int64_t* table;
+  int64_t block_size, d;
+  const uint16_t* row(int64_t j) const {
+    return base + (table[j / block_size] * block_size + j % block_size) * d;
+  }
+};
+
+// out[r] (float32, [G][D]) = softmax(scale * q_r . K) V over the first len cached tokens.
+template <int D>
+void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, int64_t len,
+                 float scale, float* scores, float* out) {
+  constexpr int P = D / 32;  // 32 bfloat16 (16 pairs) per instruction
+  const int64_t len16 = (len + 15) / 16 * 16;
+  for (int64_t j0 = 0; j0 < len16; j0 += 16) {
+    const uint16_t* rows[16];
+    for (int jj = 0; jj < 16; ++jj) rows[jj] = keys.row(std::min(j0 + jj, len - 1));
+    for (int r = 0; r < G; ++r) {
+      __m512bh qv[P];
+      for (int i = 0; i < P; ++i) qv[i] = as_bh(_mm512_loadu_si512(q[r] + 32 * i));
+      __m512 dots[16];
+#pragma GCC unroll 16
+      for (int jj = 0; jj < 16; ++jj) {
+        __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int i = 0; i < P; ++i) {
+          acc = _mm512_dpbf16_ps(acc, qv[i], as_bh(_mm512_loadu_si512(rows[jj] + 32 * i)));
+        }
+        dots[jj] = acc;
+      }
+      _mm512_storeu_ps(scores + r * len16 + j0,
+                       _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale)));
+    }
+  }
+  for (int r = 0; r < G; ++r) {  // softmax; the padded tail (repeats of the last key) is zeroed
+    float* sr = scores + r * len16;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < len16; j += 16) {
+      const __mmask16 real = j + 16 <= len ? 0xFFFF : (1u << (len - j)) - 1;
+      mx = _mm512_mask_max_ps(mx, real, mx, _mm512_loadu_ps(sr + j));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len16; j += 16) {
+      const __mmask16 real = j + 16 <= len ? 0xFFFF : (1u << (len - j)) - 1;
+      const __m512 e = _mm512_maskz_mov_ps(
+          real, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m)));
+      _mm512_storeu_ps(sr + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    for (int64_t j = 0; j < len16; j += 16) {
+      _mm512_storeu_ps(sr + j, _mm512_mul_ps(_mm512_loadu_ps(sr + j), inv));
+    }
+  }
+  constexpr int DV = D / 16;
+  constexpr int R = D == 64 ? 4 : 2;  // 16 accumulators
+  const int64_t len16_ = len16;
+  for (int r0 = 0; r0 < G; r0 += R) {
+    const int rows = std::min(R, G - r0);
+    __m512 acc[R][DV];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; ++j) {
+      const uint16_t* v = values.row(j);
+      __m512 vf[DV];
+      for (int i = 0; i < DV; ++i) {
+        vf[i] = load16(reinterpret_cast<const c10::BFloat16*>(v) + 16 * i);
+      }
+      for (int r = 0; r < R; ++r) {
+        if (r < rows) {
+          const __m512 w = _mm512_set1_ps(scores[(r0 + r) * len16_ + j]);
+          for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_fmadd_ps(w, vf[i], acc[r][i]);
+        }
+      }
+    }
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < DV; ++i) _mm512_storeu_ps(out + (r0 + r) * D + 16 * i, acc[r][i]);
+  }
 }
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(c10::BFloat16* p, __m512 x) {  // round to nearest even, as c10 does
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+
+template <int D>
+void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stride_h,
+                           const uint16_t* kv, const int64_t* block_tables,
+                           const int64_t* seq_lens, uint16_t* out, int64_t members,
+                           int64_t heads, int64_t kv_heads, int64_t num_blocks,
+                           int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t per_kv = heads / kv_heads;
+  const int64_t head_stride = num_blocks * block_size * D;
+  const int64_t v_offset = kv_heads * head_stride;  // K then V
+  at::parallel_for(0, members * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(per_kv * D);
+    std::vector<const uint16_t*> qrows(per_kv);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t m = task / kv_heads, h = task % kv_heads;
+      const int64_t len = seq_lens[m];
+      const int64_t* table = block_tables + m * max_blocks;
+      const uint16_t* kbase = kv + h * head_stride;
+      for (int64_t p = 0; p < per_kv; ++p) {
+        qrows[p] = q + m * q_stride_m + (h * per_kv + p) * q_stride_h;
+      }
+      scores.resize(per_kv * ((len + 15) / 16 * 16));
+      decode_head<D>(qrows.data(), static_cast<int>(per_kv),
+                     RowWalk{kbase, table, block_size, D},
+                     RowWalk{kbase + v_offset, table, block_size, D}, len, scale,
+                     scores.data(), acc.data());
+      for (int64_t p = 0; p < per_kv; ++p) {
+        uint16_t* o = out + (m * heads + h * per_kv + p) * D;
+        for (int i = 0; i < D; i += 16) {
+          store16(reinterpret_cast<c10::BFloat16*>(o + i),
+                  _mm512_loadu_ps(acc.data() + p * D + i));
+        }
+      }
+    }
+  });
 }
-#endif
+
+}  // namespace decode
+#endif  // EMBER_BF16_DOT
 
 // Rotate one head in place of `out`: out = x * cos + roll(x, d / 2) * sin, with sin's first
 // half negated by the caller (ember/models/layers.py rope_cos_sin).
@@ -409,8 +563,10 @@ inline void rope_head(const T* x, const T* cos, const T* sin, T* out, int64_t d)
 #ifdef EMBER_BF16_DOT
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     for (; i0 + 16 <= half; i0 += 16) {
+      using simd::load16, simd::store16;
       const __m512 lo = load16(x + i0), hi = load16(x + i0 + half);
-      store16(out + i0, _mm512_fmadd_ps(hi, load16(sin + i0), _mm512_mul_ps(lo, load16(cos + i0))));
+      store16(out + i0,
+              _mm512_fmadd_ps(hi, load16(sin + i0), _mm512_mul_ps(lo, load16(cos + i0))));
       store16(out + i0 + half, _mm512_fmadd_ps(lo, load16(sin + i0 + half),
                                                _mm512_mul_ps(hi, load16(cos + i0 + half))));
     }
@@ -459,13 +615,13 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
 #ifdef EMBER_BF16_DOT  // 16 lanes at a time (the compiler leaves the loop below scalar)
       if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
       for (; i0 + 16 <= n; i0 += 16) {
-        const __m512 g = load16(gate + i0);
-        const __m512 e = prefill::exp_nonpositive16(
+        const __m512 g = simd::load16(gate + i0);
+        const __m512 e = simd::exp_nonpositive16(
             _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
         const __m512 num = _mm512_mask_blend_ps(
             _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, _mm512_set1_ps(1.f));
         const __m512 sigmoid = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-        store16(o + i0, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), load16(up + i0)));
+        simd::store16(o + i0, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), simd::load16(up + i0)));
       }
       }
 #endif
@@ -540,6 +696,23 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor 
                 "seq_lens must be in [1, max_blocks * block_size]");
   }
   auto out = torch::empty({members, heads, d}, q.options());
+#ifdef EMBER_BF16_DOT
+  if (q.scalar_type() == at::kBFloat16 && (d == 64 || d == 128) && q.stride(1) == d) {
+    auto run = [&](auto impl) {
+      impl(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), q.stride(0),
+           q.stride(1), reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>()),
+           block_tables.data_ptr<int64_t>(), lens,
+           reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), members, heads,
+           kv_heads, num_blocks, block_size, block_tables.size(1), static_cast<float>(scale));
+    };
+    if (d == 64) {
+      run(decode::decode_attention_bf16<64>);
+    } else {
+      run(decode::decode_attention_bf16<128>);
+    }
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), kv.data_ptr<scalar_t>(),
