@@ -19,7 +19,7 @@ from ember.scheduler.scheduler import Scheduler
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.gguf import GGUFFile
 from ember.weights.loader import (ModelFiles, apply_quantization, load_model, open_model_files,
-                                  resolve_dtype, resolve_quantization)
+                                  release_load_memory, resolve_dtype, resolve_quantization)
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class EngineCore:
                                               config.device), self.quantization)
         kernels = load_kernels(config.kernels, config.device)
         model.use_kernels(kernels)
+        release_load_memory()
         block_size = config.cache.block_size
         num_blocks = plan_num_blocks(self.model_config, config.cache, self.dtype)
         kv_dtype = config.cache.kv_cache_dtype
