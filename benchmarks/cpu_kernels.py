@@ -2,8 +2,10 @@
 
     .venv/bin/python benchmarks/cpu_kernels.py --out results/cpu_kernels.json
 
-bfloat16, torch's threads, SmolLM2-135M's shapes (hidden 576, 9 query / 3 KV heads of 64),
-16-token blocks scattered over a 2000-block cache. Best of 3 timings of many calls each.
+bfloat16, torch's threads, SmolLM2-135M's shapes (hidden 576, 9 query / 3 KV heads of 64,
+intermediate 1536), 16-token blocks scattered over a 2000-block cache. Best of 3 timings of
+many calls each. The cache is small enough to stay in the CPU's caches: in a real step at
+batch 32 the decode kernel reads its K and V from DRAM and is bound by that bandwidth.
 """
 from __future__ import annotations
 
@@ -70,6 +72,41 @@ def decode_attention(kernels: CpuKernels, members: int, context: int) -> dict[st
                 q, cache.data, tables, seq_lens, D ** -0.5), calls)}
 
 
+def prefill_attention(kernels: CpuKernels, new: int, context: int) -> dict[str, float]:
+    """A prompt chunk of `new` tokens, the last of `context`: the torch path (PyTorch's CPU
+    SDPA on the chunk's own k and v when it is the whole context, i.e. a fresh chunk; on the
+    gathered context under a causal mask otherwise) against the kernel over the blocks."""
+    g = torch.Generator().manual_seed(1)
+    cache = PagedKV(torch.randn(2, KV_HEADS, BLOCKS, BLOCK, D, generator=g).to(DTYPE))
+    width = -(-context // BLOCK)
+    table = torch.randperm(BLOCKS, generator=g)[:width]
+    q = torch.randn(new, HEADS, D, generator=g).to(DTYPE)
+    keys, values = cache.gather(table[None], DTYPE)
+    keys, values = keys[:, 0, :context][None], values[:, 0, :context][None]
+    mask = torch.arange(context)[None, :] <= torch.arange(context - new, context)[:, None]
+    queries = q.transpose(0, 1)[None]
+
+    def torch_path() -> torch.Tensor:
+        if new == context:
+            return F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
+                                                  scale=D ** -0.5, enable_gqa=True)
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
+                                              scale=D ** -0.5, enable_gqa=True)
+
+    return {"torch_us": per_call_us(torch_path, 20),
+            "kernel_us": per_call_us(lambda: kernels.prefill_attention(
+                q, cache.data, table, context, D ** -0.5), 20)}
+
+
+def elementwise(kernels: CpuKernels, tokens: int) -> dict[str, dict[str, float]]:
+    """SwiGLU's activation over a prefill chunk's rows."""
+    x = torch.randn(tokens, 2 * 1536, dtype=DTYPE)
+    gate, up = x[:, :1536], x[:, 1536:]
+    return {f"silu * up [{tokens}, 1536]": {
+        "torch_us": per_call_us(lambda: F.silu(gate) * up, 50),
+        "kernel_us": per_call_us(lambda: kernels.silu_and_mul(x), 50)}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="results/cpu_kernels.json")
@@ -79,6 +116,11 @@ def main() -> None:
     for members, context in ((1, 180), (1, 1000), (32, 300)):
         results[f"decode attention, {members} x {context} tokens"] = decode_attention(
             kernels, members, context)
+    if kernels.ops.has_prefill_attention():
+        for new, context in ((512, 512), (512, 1024), (64, 1024)):
+            results[f"prefill attention, {new} of {context} tokens"] = prefill_attention(
+                kernels, new, context)
+    results.update(elementwise(kernels, 512))
     print(f"{'op':40}{'torch us':>12}{'kernel us':>12}")
     for name, r in results.items():
         print(f"{name:40}{r['torch_us']:12.1f}{r['kernel_us']:12.1f}")
