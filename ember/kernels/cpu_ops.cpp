@@ -829,10 +829,16 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rope_write", &rope_write, "RoPE on q and k, k and v written into the paged cache");
-  m.def("silu_and_mul", &silu_and_mul, "SwiGLU's activation: silu(gate) * up");
-  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after a fused residual add");
-  m.def("decode_attention", &decode_attention, "one query per request over the paged cache");
+  // the GIL is released while a kernel runs, as torch's own ops do, so that the server's
+  // event loop can serve HTTP meanwhile (the engine steps in a thread of its own)
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("rope_write", &rope_write, "RoPE on q and k, k and v written into the paged cache",
+        no_gil);
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU's activation: silu(gate) * up", no_gil);
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after a fused residual add", no_gil);
+  m.def("decode_attention", &decode_attention, "one query per request over the paged cache",
+        no_gil);
   m.def("has_prefill_attention", &has_prefill_attention, "whether prefill_attention is built");
-  m.def("prefill_attention", &prefill_attention, "a prompt chunk over its paged context");
+  m.def("prefill_attention", &prefill_attention, "a prompt chunk over its paged context",
+        no_gil);
 }
