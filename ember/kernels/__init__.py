@@ -12,6 +12,7 @@ with a warning, where the kernels cannot be built.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -56,11 +57,15 @@ class CpuKernels:
         """q [B, heads, d], kv [2, kv_heads, blocks, block_size, d] -> [B, heads, d]."""
         return self.ops.decode_attention(q, kv, block_tables, seq_lens, scale)
 
+    @functools.cached_property
+    def _has_prefill(self) -> bool:
+        return self.ops.has_prefill_attention()   # the build says, once (asked every layer)
+
     def can_prefill(self, kv: Tensor) -> bool:
         """Whether prefill_attention runs on this cache: a bfloat16 one with head_dim 64 or
-        128, on a CPU with AVX-512 BF16 (the build says)."""
+        128, on a CPU with AVX-512 BF16."""
         return (kv.dtype == torch.bfloat16 and kv.shape[-1] in PREFILL_HEAD_DIMS
-                and self.ops.has_prefill_attention())
+                and self._has_prefill)
 
     def prefill_attention(self, q: Tensor, kv: Tensor, block_table: Tensor, seq_len: int,
                           scale: float) -> Tensor:

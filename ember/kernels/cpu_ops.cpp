@@ -1,7 +1,8 @@
-// CPU kernels for the decode-heavy parts of a step that eager PyTorch runs as many small ops:
+// CPU kernels for the parts of a step that eager PyTorch runs as many small ops or slowly:
 // RMSNorm (with the residual add fused in), RoPE fused with the KV-cache write, SwiGLU's
-// activation, and attention of one new token per request over the paged KV cache, read in
-// place through the block table (no gathered copy).
+// activation, attention of one new token per request over the paged KV cache, read in place
+// through the block table (no gathered copy), and, with AVX-512 BF16, flash attention of a
+// prompt chunk over its paged context.
 // Float32 and bfloat16; math in float32. The torch code in ember/models is the reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -15,7 +16,7 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#define EMBER_BF16_DOT 1  // prefill attention on bfloat16 dot products (vdpbf16ps)
+#define EMBER_BF16_DOT 1  // attention on bfloat16 dot products (vdpbf16ps), 16-lane loops
 #endif
 
 namespace {
@@ -208,6 +209,21 @@ inline __m512 sum16(__m512 v[16]) {
                        _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
+// The first n of 16 lanes.
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// Pointers to a request's cached rows (K or V of one head), in order, walking its blocks.
+struct RowWalk {
+  const uint16_t* base;
+  const int64_t* table;
+  int64_t block_size, d;
+  const uint16_t* row(int64_t j) const {
+    return base + (table[j / block_size] * block_size + j % block_size) * d;
+  }
+};
+
 }  // namespace simd
 
 // Prefill attention: the new tokens of one request (a prompt chunk) attend causally over its
@@ -226,15 +242,14 @@ using namespace simd;
 
 constexpr int64_t kKeyBlock = 64;  // keys scored per step: 4 vectors of 16 lanes
 
-// Copy one KV head's first `len` keys (K or V, by `base`) out of their blocks, zero-padded to
-// `len_pad` (a multiple of kKeyBlock), into the layouts above.
-void pack_keys(const uint16_t* base, const int64_t* table, int64_t len, int64_t len_pad,
-               int64_t block_size, int64_t d, uint16_t* dst) {
-  const int64_t pairs = d / 2;
+// Copy one KV head's first `len` keys (K or V, as `rows` walks) out of their blocks,
+// zero-padded to `len_pad` (a multiple of kKeyBlock), into the layouts above.
+void pack_keys(RowWalk rows, int64_t len, int64_t len_pad, uint16_t* dst) {
+  const int64_t d = rows.d, pairs = d / 2;
   for (int64_t j = 0; j < len_pad; ++j) {
     uint32_t* col = reinterpret_cast<uint32_t*>(dst + (j / 16) * d * 16) + j % 16;
     if (j < len) {
-      const uint16_t* k = base + (table[j / block_size] * block_size + j % block_size) * d;
+      const uint16_t* k = rows.row(j);
       for (int64_t t = 0; t < pairs; ++t) std::memcpy(col + t * 16, k + 2 * t, 4);
     } else {
       for (int64_t t = 0; t < pairs; ++t) col[t * 16] = 0;
@@ -242,12 +257,12 @@ void pack_keys(const uint16_t* base, const int64_t* table, int64_t len, int64_t 
   }
 }
 
-void pack_values(const uint16_t* base, const int64_t* table, int64_t len, int64_t len_pad,
-                 int64_t block_size, int64_t d, uint16_t* dst) {
+void pack_values(RowWalk rows, int64_t len, int64_t len_pad, uint16_t* dst) {
+  const int64_t d = rows.d;
   for (int64_t j = 0; j < len_pad; ++j) {
     uint16_t* out = dst + (j / 2) * 2 * d + j % 2;
     if (j < len) {
-      const uint16_t* v = base + (table[j / block_size] * block_size + j % block_size) * d;
+      const uint16_t* v = rows.row(j);
       for (int64_t i = 0; i < d; ++i) out[2 * i] = v[i];
     } else {
       for (int64_t i = 0; i < d; ++i) out[2 * i] = 0;
@@ -324,7 +339,8 @@ void attend_rows(const uint16_t* q, const int64_t* visible, const uint16_t* kp,
         sum = _mm512_add_ps(sum, s[r][c]);
       }
       l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
-      _mm512_store_si512(probs[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[r][1], s[r][0])));
+      _mm512_store_si512(probs[r],
+                         reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[r][1], s[r][0])));
       _mm512_store_si512(probs[r] + 32,
                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[r][3], s[r][2])));
     }
@@ -378,11 +394,12 @@ void prefill_attention_impl(const uint16_t* q, int64_t q_stride, const uint16_t*
   at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / 2;
-      const uint16_t* base = kv + (task % 2) * kv_heads * head_stride + h * head_stride;
+      const RowWalk rows{kv + (task % 2) * kv_heads * head_stride + h * head_stride, table,
+                         block_size, D};
       if (task % 2 == 0) {
-        pack_keys(base, table, seq_len, len_pad, block_size, D, kp.data() + h * len_pad * D);
+        pack_keys(rows, seq_len, len_pad, kp.data() + h * len_pad * D);
       } else {
-        pack_values(base, table, seq_len, len_pad, block_size, D, vp.data() + h * len_pad * D);
+        pack_values(rows, seq_len, len_pad, vp.data() + h * len_pad * D);
       }
     }
   });
@@ -410,12 +427,8 @@ void prefill_attention_impl(const uint16_t* q, int64_t q_stride, const uint16_t*
                      vp.data() + h * len_pad * D, scale, ot);
       for (int r = 0; r < count; ++r) {
         const int64_t token = (r0 + r) / per_kv, head = h * per_kv + (r0 + r) % per_kv;
-        uint16_t* dst = out + (token * heads + head) * D;
-        for (int i = 0; i < D; i += 16) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
-                                  _mm512_loadu_ps(ot + r * D + i))));
-        }
+        auto* dst = reinterpret_cast<c10::BFloat16*>(out + (token * heads + head) * D);
+        for (int i = 0; i < D; i += 16) store16(dst + i, _mm512_loadu_ps(ot + r * D + i));
       }
     }
   }
@@ -431,16 +444,6 @@ void prefill_attention_impl(const uint16_t* q, int64_t q_stride, const uint16_t*
 namespace decode {
 
 using namespace simd;
-
-// Pointers to a request's cached rows (K or V of one head), in order, walking its blocks.
-struct RowWalk {
-  const uint16_t* base;
-  const int64_t* table;
-  int64_t block_size, d;
-  const uint16_t* row(int64_t j) const {
-    return base + (table[j / block_size] * block_size + j % block_size) * d;
-  }
-};
 
 // out[r] (float32, [G][D]) = softmax(scale * q_r . K) V over the first len cached tokens.
 template <int D>
@@ -472,15 +475,13 @@ void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, 
     float* sr = scores + r * len16;
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < len16; j += 16) {
-      const __mmask16 real = j + 16 <= len ? 0xFFFF : (1u << (len - j)) - 1;
-      mx = _mm512_mask_max_ps(mx, real, mx, _mm512_loadu_ps(sr + j));
+      mx = _mm512_mask_max_ps(mx, first_lanes(len - j), mx, _mm512_loadu_ps(sr + j));
     }
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < len16; j += 16) {
-      const __mmask16 real = j + 16 <= len ? 0xFFFF : (1u << (len - j)) - 1;
       const __m512 e = _mm512_maskz_mov_ps(
-          real, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m)));
+          first_lanes(len - j), exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m)));
       _mm512_storeu_ps(sr + j, e);
       sum = _mm512_add_ps(sum, e);
     }
@@ -491,7 +492,6 @@ void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, 
   }
   constexpr int DV = D / 16;
   constexpr int R = D == 64 ? 4 : 2;  // 16 accumulators
-  const int64_t len16_ = len16;
   for (int r0 = 0; r0 < G; r0 += R) {
     const int rows = std::min(R, G - r0);
     __m512 acc[R][DV];
@@ -505,7 +505,7 @@ void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, 
       }
       for (int r = 0; r < R; ++r) {
         if (r < rows) {
-          const __m512 w = _mm512_set1_ps(scores[(r0 + r) * len16_ + j]);
+          const __m512 w = _mm512_set1_ps(scores[(r0 + r) * len16 + j]);
           for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_fmadd_ps(w, vf[i], acc[r][i]);
         }
       }
@@ -562,8 +562,8 @@ inline void rope_head(const T* x, const T* cos, const T* sin, T* out, int64_t d)
   int64_t i0 = 0;
 #ifdef EMBER_BF16_DOT
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    using simd::load16, simd::store16;
     for (; i0 + 16 <= half; i0 += 16) {
-      using simd::load16, simd::store16;
       const __m512 lo = load16(x + i0), hi = load16(x + i0 + half);
       store16(out + i0,
               _mm512_fmadd_ps(hi, load16(sin + i0), _mm512_mul_ps(lo, load16(cos + i0))));
@@ -603,7 +603,6 @@ void rope_write_impl(const T* qkv, const T* cos, const T* sin, T* kv, const int6
   });
 }
 
-
 template <typename T>
 void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
@@ -614,15 +613,16 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
       int64_t i0 = 0;
 #ifdef EMBER_BF16_DOT  // 16 lanes at a time (the compiler leaves the loop below scalar)
       if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-      for (; i0 + 16 <= n; i0 += 16) {
-        const __m512 g = simd::load16(gate + i0);
-        const __m512 e = simd::exp_nonpositive16(
-            _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-        const __m512 num = _mm512_mask_blend_ps(
-            _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, _mm512_set1_ps(1.f));
-        const __m512 sigmoid = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-        simd::store16(o + i0, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), simd::load16(up + i0)));
-      }
+        using simd::load16, simd::store16;
+        for (; i0 + 16 <= n; i0 += 16) {
+          const __m512 g = load16(gate + i0);
+          const __m512 e = simd::exp_nonpositive16(
+              _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+          const __m512 num = _mm512_mask_blend_ps(
+              _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, _mm512_set1_ps(1.f));
+          const __m512 sigmoid = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+          store16(o + i0, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), load16(up + i0)));
+        }
       }
 #endif
 #pragma omp simd
@@ -635,8 +635,6 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
     }
   });
 }
-
-
 
 void check_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
@@ -775,7 +773,6 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   });
   return out;
 }
-
 
 bool has_prefill_attention() {
 #ifdef EMBER_BF16_DOT

@@ -152,7 +152,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: PagedKV,
     Writes k and v into the cache, then attends each new token over its request's context.
     """
     kv_cache.write(k, v, meta.slot_mapping)
-    if not meta.fresh or _prefill_kernel(kernels, q, kv_cache):
+    if not meta.fresh or prefill_in_kernel(kernels, q.dtype, kv_cache):
         return attend_cached(q, kv_cache, meta, scale, kernels)
     out = torch.empty_like(q)
     for chunk in meta.fresh:
@@ -184,10 +184,12 @@ def attend_cached(q: Tensor, kv_cache: PagedKV, meta: AttentionMetadata, scale: 
     return out
 
 
-def _prefill_kernel(kernels: CpuKernels | None, q: Tensor, kv_cache: PagedKV) -> bool:
-    """Whether prompt chunks attend in the compiled prefill kernel (bfloat16 cache)."""
+def prefill_in_kernel(kernels: CpuKernels | None, dtype: torch.dtype, kv_cache: PagedKV
+                      ) -> bool:
+    """Whether prompt chunks with activations of `dtype` attend in the compiled prefill
+    kernel, reading the cache (a bfloat16 one, not int8)."""
     return (kernels is not None and kv_cache.scale is None
-            and q.dtype == kv_cache.data.dtype and kernels.can_prefill(kv_cache.data))
+            and dtype == kv_cache.data.dtype and kernels.can_prefill(kv_cache.data))
 
 
 def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup, scale: float,
@@ -196,7 +198,7 @@ def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup, scale:
     members, max_blocks = group.block_tables.shape
     context = max_blocks * kv_cache.block_size
     max_n = group.rows.shape[1]
-    if group.lone is not None and max_n > 1 and _prefill_kernel(kernels, q, kv_cache):
+    if group.lone is not None and max_n > 1 and prefill_in_kernel(kernels, q.dtype, kv_cache):
         row, seq_len = group.lone
         return kernels.prefill_attention(q[row:row + max_n], kv_cache.data,
                                          group.block_tables[0], seq_len, scale)

@@ -9,7 +9,8 @@ from torch import Tensor, nn
 
 from ember.config import ModelConfig
 from ember.kernels import CpuKernels
-from ember.models.attention import AttentionMetadata, PagedKV, attend_cached, paged_attention
+from ember.models.attention import (AttentionMetadata, PagedKV, attend_cached, paged_attention,
+                                    prefill_in_kernel)
 from ember.models.layers import (KERNEL_DTYPES, RMSNorm, SwiGLU, apply_rope, rope_cos_sin,
                                  rope_inv_freq)
 
@@ -50,11 +51,10 @@ class LlamaAttention(nn.Module):
         dtype, and no fresh prompt chunk unless the prefill kernel attends it from the cache
         (the torch path attends a fresh chunk over its own k and v, which the fused kernel
         does not hand back)."""
-        kernels = self.kernels
-        return (kernels is not None and self.qkv_proj.bias is None
+        return (self.kernels is not None and self.qkv_proj.bias is None
                 and kv_cache.scale is None and qkv.dtype == kv_cache.data.dtype
                 and qkv.dtype in KERNEL_DTYPES and qkv.is_contiguous()
-                and (not meta.fresh or kernels.can_prefill(kv_cache.data)))
+                and (not meta.fresh or prefill_in_kernel(self.kernels, qkv.dtype, kv_cache)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -178,8 +178,9 @@ def _check_names(model: LlamaForCausalLM, state: dict[str, torch.Tensor],
 
 def release_load_memory() -> None:
     """Hand the memory that loading freed (dequantized float32 copies, GGUF buffers) back to
-    the OS. glibc keeps freed blocks in its heap for reuse: after a load ~200 MB of them would
-    stay resident for the server's life. Elsewhere than glibc this does nothing."""
+    the OS. glibc keeps freed blocks in its heap for reuse: after a load they would stay
+    resident for the server's life (an idle `ember serve`: 2.40 GB resident without this,
+    1.94 GB with it). Elsewhere than glibc this does nothing."""
     gc.collect()
     name = ctypes.util.find_library("c")
     try:
