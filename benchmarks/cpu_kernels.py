@@ -19,8 +19,10 @@ import torch.nn.functional as F
 
 from ember.kernels import CpuKernels, build_cpu_ops
 from ember.models.attention import PagedKV, _matmul_attention
+from ember.quant.packed import KernelInt8Linear, PackedLinear
 
 DTYPE, HIDDEN, HEADS, KV_HEADS, D, BLOCK, BLOCKS = torch.bfloat16, 576, 9, 3, 64, 16, 2000
+VOCAB = 49152
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -107,6 +109,19 @@ def elementwise(kernels: CpuKernels, tokens: int) -> dict[str, dict[str, float]]
         "kernel_us": per_call_us(lambda: kernels.silu_and_mul(x), 50)}}
 
 
+def output_projection(kernels: CpuKernels, rows: int) -> dict[str, float]:
+    """The int8 output projection [rows, 576] -> [rows, 49152] logits: without the kernel,
+    PackedLinear (torch's packed int8 kernel up to 8 rows, the bfloat16 table above, which
+    oneDNN reorders on each call as it is the embedding too); with it, int8_linear."""
+    linear = torch.nn.Linear(HIDDEN, VOCAB, bias=False).to(DTYPE)
+    packed = PackedLinear(linear, "int8", prepack_dense=False)
+    kernel = KernelInt8Linear(linear, kernels)
+    x = torch.randn(rows, HIDDEN, dtype=DTYPE)
+    calls = 200 if rows == 1 else 30
+    return {"torch_us": per_call_us(lambda: packed(x).float(), calls),
+            "kernel_us": per_call_us(lambda: kernel(x), calls)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="results/cpu_kernels.json")
@@ -116,11 +131,14 @@ def main() -> None:
     for members, context in ((1, 180), (1, 1000), (32, 300)):
         results[f"decode attention, {members} x {context} tokens"] = decode_attention(
             kernels, members, context)
-    if kernels.ops.has_prefill_attention():
+    if kernels.has_bf16_dot:
         for new, context in ((512, 512), (512, 1024), (64, 1024)):
             results[f"prefill attention, {new} of {context} tokens"] = prefill_attention(
                 kernels, new, context)
     results.update(elementwise(kernels, 512))
+    if kernels.has_bf16_dot:
+        for rows in (1, 8, 32):
+            results[f"int8 output projection, {rows} rows"] = output_projection(kernels, rows)
     print(f"{'op':40}{'torch us':>12}{'kernel us':>12}")
     for name, r in results.items():
         print(f"{name:40}{r['torch_us']:12.1f}{r['kernel_us']:12.1f}")

@@ -24,6 +24,7 @@ from typing import Any
 from ember.config import EngineConfig
 from ember.constraint import Constraint
 from ember.engine.core import EngineCore
+from ember.engine.memory import return_free_memory
 from ember.engine.output import SequenceText
 from ember.errors import EmberError, EngineDead, Overloaded, RequestFailed
 from ember.request import CompletionOutput, FinishReason, RequestOptions, SamplingParams
@@ -215,12 +216,17 @@ class AsyncEngine:
             self.state = EngineState.READY
             self._publish_stats(stepped=False)
             self._loaded.set()
+            worked = False  # since the engine was last idle
             while self._handle_inbox():
                 if not self.core.has_unfinished():
+                    if worked:  # a burst ended: its freed activations go back to the OS
+                        return_free_memory()  # (~5 ms; a request arriving meanwhile waits)
+                        worked = False
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
                 self._step()
+                worked = True
         except BaseException as e:  # noqa: BLE001 - any crash ends the engine, loudly
             log.exception("engine loop crashed")
             self.error = e

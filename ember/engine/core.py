@@ -4,10 +4,12 @@
 """
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
 from ember.config import EngineConfig, ModelConfig
+from ember.engine.memory import return_free_memory
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kernels import load_kernels
 from ember.kv.kv_manager import KVCacheManager
@@ -19,7 +21,7 @@ from ember.scheduler.scheduler import Scheduler
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.gguf import GGUFFile
 from ember.weights.loader import (ModelFiles, apply_quantization, load_model, open_model_files,
-                                  release_load_memory, resolve_dtype, resolve_quantization)
+                                  resolve_dtype, resolve_quantization)
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +73,13 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         self.quantization = resolve_quantization(config.quantization, files, self.model_config,
                                                  self.dtype, config.device)
-        model = apply_quantization(load_model(files, self.model_config, self.dtype,
-                                              config.device), self.quantization)
         kernels = load_kernels(config.kernels, config.device)
+        model = apply_quantization(load_model(files, self.model_config, self.dtype,
+                                              config.device), self.quantization, kernels)
         model.use_kernels(kernels)
-        release_load_memory()
+        del files  # the file's metadata (~170 MB of Python objects for a GGUF) goes now,
+        gc.collect()  # before the KV cache is allocated: loading peaks lower
+        return_free_memory()
         block_size = config.cache.block_size
         num_blocks = plan_num_blocks(self.model_config, config.cache, self.dtype)
         kv_dtype = config.cache.kv_cache_dtype

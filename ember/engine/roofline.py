@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ember.quant.packed import PACKED_MAX_ROWS, PackedLinear
+from ember.quant.packed import PACKED_MAX_ROWS, KernelInt8Linear, PackedLinear
 from ember.request import RequestOptions, SamplingParams
 
 GIB = 1 << 30
@@ -88,6 +88,9 @@ def model_cost(model: torch.nn.Module, kv_bytes_per_token: int) -> ModelCost:
         if isinstance(module, PackedLinear):
             decode += module.packed_bytes()
             dense += module.in_features * module.out_features * 2
+            params += module.in_features * module.out_features
+        elif isinstance(module, KernelInt8Linear):  # int8 at every batch size
+            decode, dense = decode + module.packed_bytes(), dense + module.packed_bytes()
             params += module.in_features * module.out_features
         elif isinstance(module, torch.nn.Linear):
             size = module.weight.numel() * module.weight.element_size()

@@ -3,7 +3,7 @@
 `cpu_ops.cpp` holds RMSNorm with the residual add fused in, RoPE fused with the KV-cache write,
 SwiGLU's activation, attention of one new token per request read in place from the paged
 KV cache (no gathered copy), and, on CPUs with AVX-512 BF16, flash attention of a prompt chunk
-over its paged context on bfloat16 dot products. They are built with the
+over its paged context and the int8 output projection, both on bfloat16 dot products. They are built with the
 machine's C++ compiler the first time an engine needs them (about 20 s; `-march=native`, so
 the build is keyed by the CPU's flags) and cached by torch.utils.cpp_extension under
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). The torch code in ember/models is
@@ -58,14 +58,15 @@ class CpuKernels:
         return self.ops.decode_attention(q, kv, block_tables, seq_lens, scale)
 
     @functools.cached_property
-    def _has_prefill(self) -> bool:
+    def has_bf16_dot(self) -> bool:
+        """Whether the build has the AVX-512 BF16 kernels (prefill attention, int8 linear)."""
         return self.ops.has_prefill_attention()   # the build says, once (asked every layer)
 
     def can_prefill(self, kv: Tensor) -> bool:
         """Whether prefill_attention runs on this cache: a bfloat16 one with head_dim 64 or
         128, on a CPU with AVX-512 BF16."""
         return (kv.dtype == torch.bfloat16 and kv.shape[-1] in PREFILL_HEAD_DIMS
-                and self._has_prefill)
+                and self.has_bf16_dot)
 
     def prefill_attention(self, q: Tensor, kv: Tensor, block_table: Tensor, seq_len: int,
                           scale: float) -> Tensor:
@@ -74,7 +75,24 @@ class CpuKernels:
         return self.ops.prefill_attention(q, kv, block_table, seq_len, scale)
 
 
+    def int8_linear(self, x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
+        """x [m, k] bfloat16 -> x w^T [m, n] float32, w[r] = q[r] * scales[r] with q int8 in
+        16-row panels: packed [n / 16, k / 2, 16, 2] (pack_int8_panels)."""
+        return self.ops.int8_linear(x, packed, scales)
+
+    def int8_rows(self, ids: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
+        """Rows `ids` [t] of that weight -> [t, k] bfloat16 (an embedding lookup)."""
+        return self.ops.int8_rows(ids, packed, scales)
+
+
 PREFILL_HEAD_DIMS = (64, 128)
+
+
+def pack_int8_panels(q: Tensor) -> Tensor:
+    """int8 [n, k] (n % 16 == 0, k % 4 == 0) -> [n / 16, k / 2, 16, 2], the layout of
+    int8_linear: per 16 rows, each pair of inputs of all 16 rows together."""
+    n, k = q.shape
+    return q.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def _cpu_key() -> str:

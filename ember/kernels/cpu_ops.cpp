@@ -2,7 +2,8 @@
 // RMSNorm (with the residual add fused in), RoPE fused with the KV-cache write, SwiGLU's
 // activation, attention of one new token per request over the paged KV cache, read in place
 // through the block table (no gathered copy), and, with AVX-512 BF16, flash attention of a
-// prompt chunk over its paged context.
+// prompt chunk over its paged context and the int8 output projection (and its rows, for a
+// tied embedding).
 // Float32 and bfloat16; math in float32. The torch code in ember/models is the reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
@@ -552,6 +554,154 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
 }
 
 }  // namespace decode
+
+// int8 weights, one float32 scale per output row (w[n, k] = q[n, k] * scale[n]), stored in
+// panels of 16 rows pair-interleaved for the dot-product instruction ("VNNI"):
+//   packed[p, t, i, j] = q[16 p + i, 2 t + j]   ([N / 16, K / 2, 16, 2] int8)
+// int8 values are exact in bfloat16, so converting 32 of them (two pairs of 8 rows, widened to
+// float32, packed to bfloat16) yields the dot-product operand for 16 rows x 2 inputs as is.
+// The output projection runs on it at every batch size (bfloat16 weights would be twice the
+// bytes, and the tied embedding's rows are read from it too, so no bfloat16 copy is kept).
+namespace int8w {
+
+constexpr int kPanel = 16;   // output rows per panel
+constexpr int kDirectRows = 8;  // rows per tile when operands are widened as they are used,
+constexpr int kDirectMax = 16;  // up to this many rows (measured faster than buffering them)
+constexpr int kGroup = 4;       // beyond: panels widened together (64 outputs)
+constexpr int kTileRows = 6;    // input rows per register tile (6 x 4 accumulators)
+
+// Operand t of a panel (its 16 rows x inputs 2t, 2t + 1) as bfloat16.
+inline __m512bh widen(const int8_t* panel, int64_t t) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + t * 32))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + t * 32 + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// A panel's K / 2 operands as bfloat16, into `dst` (reused by every tile of input rows).
+inline void widen_panel(const int8_t* panel, int64_t pairs, __m512i* dst) {
+  for (int64_t t = 0; t < pairs; ++t) dst[t] = reinterpret_cast<__m512i>(widen(panel, t));
+}
+
+// Few input rows (decode): widen each operand as it is used, no buffer between.
+template <int R>
+void panel_rows_direct(const uint16_t* x, int64_t x_stride, const int8_t* panel, int64_t pairs,
+                       __m512 scale, float* out, int64_t out_stride) {
+  __m512 acc[2][R];
+  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < pairs; t += 2) {  // two chains in flight (pairs is even: k % 4)
+    const __m512bh b0 = widen(panel, t), b1 = widen(panel, t + 1);
+    for (int r = 0; r < R; ++r) {
+      acc[0][r] = _mm512_dpbf16_ps(acc[0][r], simd::pair_of(x + r * x_stride + 2 * t), b0);
+      acc[1][r] = _mm512_dpbf16_ps(acc[1][r], simd::pair_of(x + r * x_stride + 2 * t + 2), b1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * out_stride,
+                     _mm512_mul_ps(_mm512_add_ps(acc[0][r], acc[1][r]), scale));
+  }
+}
+
+inline void direct_rows(int rows, const uint16_t* x, int64_t x_stride, const int8_t* panel,
+                        int64_t pairs, __m512 scale, float* out, int64_t out_stride) {
+  switch (rows) {  // 1 .. kDirectRows
+    case 1: panel_rows_direct<1>(x, x_stride, panel, pairs, scale, out, out_stride); break;
+    case 2: panel_rows_direct<2>(x, x_stride, panel, pairs, scale, out, out_stride); break;
+    case 3: panel_rows_direct<3>(x, x_stride, panel, pairs, scale, out, out_stride); break;
+    case 4: panel_rows_direct<4>(x, x_stride, panel, pairs, scale, out, out_stride); break;
+    case 5: panel_rows_direct<5>(x, x_stride, panel, pairs, scale, out, out_stride); break;
+    case 6: panel_rows_direct<6>(x, x_stride, panel, pairs, scale, out, out_stride); break;
+    case 7: panel_rows_direct<7>(x, x_stride, panel, pairs, scale, out, out_stride); break;
+    default: panel_rows_direct<8>(x, x_stride, panel, pairs, scale, out, out_stride); break;
+  }
+}
+
+// out[r, 0:16 P] = scale * x[r] . w for R input rows against P widened panels (the register
+// tile: R x P accumulators; per operand pair, P operand loads and R broadcasts feed R x P
+// dot products).
+template <int R, int P>
+void tile(const uint16_t* x, int64_t x_stride, const __m512i* w, int64_t pairs,
+          const float* scales, float* out, int64_t out_stride) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  for (int64_t t = 0; t < pairs; ++t) {
+    __m512bh b[P];
+    for (int j = 0; j < P; ++j) b[j] = simd::as_bh(w[j * pairs + t]);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = simd::pair_of(x + r * x_stride + 2 * t);
+      for (int j = 0; j < P; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+    }
+  }
+  for (int j = 0; j < P; ++j) {
+    const __m512 scale = _mm512_loadu_ps(scales + j * kPanel);
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(out + r * out_stride + j * kPanel, _mm512_mul_ps(acc[r][j], scale));
+    }
+  }
+}
+
+// All m input rows against P widened panels: tiles of kTileRows rows, then the rest.
+template <int P>
+void rows_against(const uint16_t* x, int64_t m, int64_t x_stride, const __m512i* w,
+                  int64_t pairs, const float* scales, float* out, int64_t n) {
+  int64_t r = 0;
+  for (; r + kTileRows <= m; r += kTileRows) {
+    tile<kTileRows, P>(x + r * x_stride, x_stride, w, pairs, scales, out + r * n, n);
+  }
+  const uint16_t* xr = x + r * x_stride;
+  float* o = out + r * n;
+  switch (m - r) {  // 0 .. kTileRows - 1 left
+    case 1: tile<1, P>(xr, x_stride, w, pairs, scales, o, n); break;
+    case 2: tile<2, P>(xr, x_stride, w, pairs, scales, o, n); break;
+    case 3: tile<3, P>(xr, x_stride, w, pairs, scales, o, n); break;
+    case 4: tile<4, P>(xr, x_stride, w, pairs, scales, o, n); break;
+    case 5: tile<5, P>(xr, x_stride, w, pairs, scales, o, n); break;
+    default: break;
+  }
+}
+
+void matmul(const uint16_t* x, int64_t m, int64_t x_stride, const int8_t* packed,
+            const float* scales, int64_t n, int64_t k, float* out) {
+  const int64_t pairs = k / 2, panels = n / kPanel;
+  if (m <= kDirectMax) {
+    at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        for (int64_t r = 0; r < m; r += kDirectRows) {
+          direct_rows(static_cast<int>(std::min<int64_t>(kDirectRows, m - r)),
+                      x + r * x_stride, x_stride, packed + p * pairs * 32, pairs,
+                      _mm512_loadu_ps(scales + p * kPanel), out + r * n + p * kPanel, n);
+        }
+      }
+    });
+    return;
+  }
+  // more rows: widen kGroup panels at a time into a buffer (72 KB at k = 576, in L2) and run
+  // every row against it, so each weight is widened once per call
+  const int64_t groups = (panels + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> w(kGroup * pairs);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p0 = g * kGroup, count = std::min<int64_t>(kGroup, panels - p0);
+      for (int64_t j = 0; j < count; ++j) {
+        widen_panel(packed + (p0 + j) * pairs * 32, pairs, w.data() + j * pairs);
+      }
+      if (count == kGroup) {
+        rows_against<kGroup>(x, m, x_stride, w.data(), pairs, scales + p0 * kPanel,
+                             out + p0 * kPanel, n);
+      } else {
+        for (int64_t j = 0; j < count; ++j) {
+          rows_against<1>(x, m, x_stride, w.data() + j * pairs, pairs,
+                          scales + (p0 + j) * kPanel, out + (p0 + j) * kPanel, n);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace int8w
 #endif  // EMBER_BF16_DOT
 
 // Rotate one head in place of `out`: out = x * cos + roll(x, d / 2) * sin, with sin's first
@@ -825,6 +975,66 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor
   return out;
 }
 
+// int8_linear(x [m, k] bfloat16 (rows may be strided), packed [n / 16, k / 2, 16, 2] int8,
+// scales [n] float32) -> [m, n] float32 = x w^T with w[r, c] = q[r, c] * scales[r] (the
+// layout is int8w's above). Only with AVX-512 BF16.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales) {
+  TORCH_CHECK(has_prefill_attention(), "int8_linear needs a CPU with AVX-512 BF16");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
+                  x.scalar_type() == at::kBFloat16,
+              "x must be [m, k] bfloat16 on the CPU with contiguous rows");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == 16 &&
+                  packed.size(3) == 2 && packed.is_contiguous(),
+              "packed must be contiguous [n / 16, k / 2, 16, 2] int8");
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
+  TORCH_CHECK(packed.size(1) * 2 == k, "x has ", k, " inputs, the weight ", packed.size(1) * 2);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == n,
+              "scales must be [n] contiguous float32");
+  auto out = torch::empty({m, n}, x.options().dtype(at::kFloat));
+#ifdef EMBER_BF16_DOT
+  if (m > 0) {
+    int8w::matmul(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), m, x.stride(0),
+                   packed.data_ptr<int8_t>(), scales.data_ptr<float>(), n, k,
+                   out.data_ptr<float>());
+  }
+#endif
+  return out;
+}
+
+// int8_rows(ids [t] int64, packed, scales) -> [t, k] bfloat16: rows ids of w (as above), e.g.
+// a tied embedding read from its output projection's int8 weight.
+torch::Tensor int8_rows(torch::Tensor ids, torch::Tensor packed, torch::Tensor scales) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
+              "ids must be [t] contiguous int64");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == 16 &&
+                  packed.size(3) == 2 && packed.is_contiguous(),
+              "packed must be contiguous [n / 16, k / 2, 16, 2] int8");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == packed.size(0) * 16,
+              "scales must be [n] float32");
+  const int64_t t = ids.size(0), pairs = packed.size(1), n = packed.size(0) * 16;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < n, "token id ", id[i], " is outside the vocabulary (",
+                n, ")");
+  }
+  auto out = torch::empty({t, 2 * pairs}, scales.options().dtype(at::kBFloat16));
+  const int8_t* q = packed.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  auto* o = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, t, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int8_t* row = q + (id[i] / 16) * pairs * 32 + (id[i] % 16) * 2;
+      const float scale = s[id[i]];
+      for (int64_t c = 0; c < pairs; ++c) {
+        o[i * 2 * pairs + 2 * c] = static_cast<float>(row[c * 32]) * scale;
+        o[i * 2 * pairs + 2 * c + 1] = static_cast<float>(row[c * 32 + 1]) * scale;
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs, as torch's own ops do, so that the server's
   // event loop can serve HTTP meanwhile (the engine steps in a thread of its own)
@@ -838,4 +1048,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_prefill_attention", &has_prefill_attention, "whether prefill_attention is built");
   m.def("prefill_attention", &prefill_attention, "a prompt chunk over its paged context",
         no_gil);
+  m.def("int8_linear", &int8_linear, "x w^T with w int8 in 16-row VNNI panels", no_gil);
+  m.def("int8_rows", &int8_rows, "rows of an int8 weight in 16-row VNNI panels", no_gil);
 }

@@ -39,7 +39,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> Tensor:
     """Inverse frequencies [head_dim / 2] float32, with linear or Llama 3.1 scaling."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    # on the CPU even under a meta-device context (meta ops import torch._dynamo)
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / theta ** (steps / head_dim)
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":

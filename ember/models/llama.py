@@ -5,6 +5,7 @@ Parameter names follow transformers, except that q/k/v and gate/up are fused
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from ember.config import ModelConfig
@@ -82,7 +83,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # no random init: the weights come from the model file (and nn.Embedding's normal_
+        # on the meta device imports torch._dynamo and triton: ~140 MB resident for nothing)
+        empty = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=empty)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ember.errors import ConfigError
+from ember.kernels import CpuKernels, pack_int8_panels
 
 GROUP = 32
 METHODS = ("int8", "int4")
@@ -118,6 +119,50 @@ class PackedLinear(nn.Module):
                 f"dense={'kept' if self.weight is not None else 'dropped'}")
 
 
+class KernelInt8Linear(nn.Module):
+    """y = x W^T in float32, W int8 with a float32 scale per output row, on the AVX-512 BF16
+    kernel (int8_linear) at every batch size: the output projection, where it beats both the
+    packed int8 kernel (2x at 1 row) and bfloat16 (at 8-64 rows, counting the reorder oneDNN
+    does on a weight it cannot keep blocked), so no bfloat16 copy is kept for it."""
+
+    def __init__(self, linear: nn.Linear, kernels: CpuKernels) -> None:
+        super().__init__()
+        q, scale = quantize_int8(linear.weight.detach())
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.kernels = kernels
+        self.register_buffer("packed", pack_int8_panels(q))
+        self.register_buffer("scales", scale.float())
+
+    @staticmethod
+    def fits(linear: nn.Linear, kernels: CpuKernels | None) -> bool:
+        n, k = linear.weight.shape
+        return (kernels is not None and kernels.has_bf16_dot and linear.bias is None
+                and n % 16 == 0 and k % 4 == 0)
+
+    def packed_bytes(self) -> int:
+        return self.packed.numel() + self.scales.numel() * self.scales.element_size()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.kernels.int8_linear(x.contiguous(), self.packed, self.scales)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int8 panels"
+
+
+class Int8Embedding(nn.Module):
+    """A tied embedding read from its output projection's int8 weight: the bfloat16 table
+    (57 MB on the default model) is not kept."""
+
+    def __init__(self, head: KernelInt8Linear) -> None:
+        super().__init__()
+        self.kernels = head.kernels
+        self.register_buffer("packed", head.packed)   # the same tensors, shared
+        self.register_buffer("scales", head.scales)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.kernels.int8_rows(input_ids.contiguous(), self.packed, self.scales)
+
+
 def prepack_for_onednn(weight: Tensor) -> tuple[Tensor, bool]:
     """(weight reordered for oneDNN's CPU matmul, True), or (weight, False) where that is not
     available (not a CPU, not bfloat16, a build without oneDNN)."""
@@ -155,11 +200,15 @@ def check_method(method: str, dtype: torch.dtype, device: str,
 
 
 def quantize_linears(model: nn.Module, method: str, lm_head_method: str,
-                     keep_dense: bool = True) -> None:
+                     keep_dense: bool = True, kernels: CpuKernels | None = None) -> None:
     """Swap every nn.Linear for a PackedLinear, in place: `method` for the decoder layers,
-    `lm_head_method` for the output projection (the most sensitive to rounding)."""
+    `lm_head_method` for the output projection (the most sensitive to rounding). An int8
+    output projection runs on the compiled kernel where it can (KernelInt8Linear)."""
     for parent, name, linear in list(linear_modules(model)):
         head = name == "lm_head"
+        if head and lm_head_method == "int8" and KernelInt8Linear.fits(linear, kernels):
+            setattr(parent, name, KernelInt8Linear(linear, kernels))
+            continue
         # the output projection's dense weight may be the embedding's: reordering it would
         # make a second copy, so it stays as it is
         setattr(parent, name, PackedLinear(linear, lm_head_method if head else method,

@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from ember.constraint import Constraint
 from ember.errors import InvalidRequest
 from ember.tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 _ENGINE_NOISE = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -46,25 +50,46 @@ class Compiled:
 
 
 class Grammars:
-    """Compiles constraints for one tokenizer (thread-safe; results are cached)."""
+    """Compiles constraints for one tokenizer (thread-safe; results are cached).
+
+    The grammar engine and its view of the vocabulary are built on the first constraint:
+    xgrammar imports transformers and triton (~50 MB resident, ~0.5 s), which a server that
+    never sees a constrained request does not need.
+    """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
-        vocab = [tokenizer.backend.id_to_token(i) or "" for i in range(tokenizer.vocab_size)]
-        info = xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
-                                 stop_token_ids=sorted(tokenizer.eos_token_ids))
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
-        self._token_bytes = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
-        self._control_words = _token_words(
-            [i for i, b in enumerate(self._token_bytes) if any(c < 0x20 for c in b)
-             and i not in tokenizer.eos_token_ids], vocab_size)
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._token_bytes: list[bytes] = []
+        self._control_words = torch.empty(0, dtype=torch.int32)
 
     def compile(self, constraint: Constraint) -> Compiled:
-        return Compiled(self._compile(constraint), constraint.kind, self._control_words,
-                        self._token_bytes)
+        compiler = self._ready()
+        return Compiled(self._compile(compiler, constraint), constraint.kind,
+                        self._control_words, self._token_bytes)
 
-    def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
-        c, spec = self._compiler, constraint.spec
+    def _ready(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                tok = self._tokenizer
+                vocab = [tok.backend.id_to_token(i) or "" for i in range(tok.vocab_size)]
+                info = xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_LEVEL,
+                                         vocab_size=self.vocab_size,
+                                         stop_token_ids=sorted(tok.eos_token_ids))
+                self._token_bytes = [tok.token_bytes(i) for i in range(tok.vocab_size)]
+                self._control_words = _token_words(
+                    [i for i, b in enumerate(self._token_bytes) if any(c < 0x20 for c in b)
+                     and i not in tok.eos_token_ids], self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+            return self._compiler
+
+    @staticmethod
+    def _compile(c: xgr.GrammarCompiler, constraint: Constraint) -> xgr.CompiledGrammar:
+        spec = constraint.spec
         try:
             if constraint.kind == "json_schema":
                 return c.compile_json_schema(spec, any_whitespace=False)
@@ -104,6 +129,8 @@ class Matcher:
     """
 
     def __init__(self, compiled: Compiled) -> None:
+        import xgrammar as xgr
+
         self._matcher = xgr.GrammarMatcher(compiled.grammar)
         self._compiled = compiled
         self._always_json = compiled.kind in JSON_KINDS
@@ -132,9 +159,13 @@ class Matcher:
 
 
 def new_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
+    import xgrammar as xgr
+
     return xgr.allocate_token_bitmask(batch, vocab_size)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Ban (set to -inf) every token the rows' grammars do not allow. In place."""
+    import xgrammar as xgr
+
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)

@@ -1,9 +1,6 @@
 """Model files -> a ready LlamaForCausalLM: find the files, rename, fuse, cast, load."""
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import importlib.util
 import re
 from pathlib import Path
@@ -14,7 +11,8 @@ from ember.config import ModelConfig
 from ember.errors import ConfigError, ModelLoadError
 from ember.models.layers import rope_inv_freq
 from ember.models.llama import LlamaForCausalLM
-from ember.quant.packed import check_method, quantize_linears
+from ember.kernels import CpuKernels
+from ember.quant.packed import Int8Embedding, KernelInt8Linear, check_method, quantize_linears
 from ember.weights.gguf import ROPE_FREQS, GGUFFile
 from ember.weights.safetensors import SafetensorsFolder
 
@@ -104,11 +102,15 @@ def resolve_quantization(name: str, files: ModelFiles, config: ModelConfig,
     return name
 
 
-def apply_quantization(model: LlamaForCausalLM, method: str) -> LlamaForCausalLM:
+def apply_quantization(model: LlamaForCausalLM, method: str,
+                       kernels: CpuKernels | None = None) -> LlamaForCausalLM:
     """Pack the linears: `method` in the decoder layers, int8 in the output projection (int4
-    there costs ~5% perplexity on the default model, whose embedding ships as Q8_0)."""
+    there costs ~5% perplexity on the default model, whose embedding ships as Q8_0). With the
+    compiled kernels a tied embedding is then read from the projection's int8 weight."""
     if method != "none":
-        quantize_linears(model, method, lm_head_method="int8")
+        quantize_linears(model, method, lm_head_method="int8", kernels=kernels)
+        if model.config.tie_word_embeddings and isinstance(model.lm_head, KernelInt8Linear):
+            model.model.embed_tokens = Int8Embedding(model.lm_head)
     return model
 
 
@@ -174,18 +176,3 @@ def _check_names(model: LlamaForCausalLM, state: dict[str, torch.Tensor],
         if name in state and tuple(state[name].shape) != tuple(param.shape):
             raise ModelLoadError(f"tensor {name} has shape {tuple(state[name].shape)} but the "
                                  f"config implies {tuple(param.shape)}; the files disagree")
-
-
-def release_load_memory() -> None:
-    """Hand the memory that loading freed (dequantized float32 copies, GGUF buffers) back to
-    the OS. glibc keeps freed blocks in its heap for reuse: after a load they would stay
-    resident for the server's life (an idle `ember serve`: 2.40 GB resident without this,
-    1.94 GB with it). Elsewhere than glibc this does nothing."""
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
-    if trim is not None:
-        trim(0)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ember import LLM
-from ember.kernels import CpuKernels, build_cpu_ops, load_kernels
+from ember.kernels import CpuKernels, build_cpu_ops, load_kernels, pack_int8_panels
 from ember.models.attention import PagedKV, _matmul_attention
 from ember.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
 from ember.request import SamplingParams
@@ -139,6 +139,36 @@ def test_prefill_attention_is_causal_attention_over_the_paged_context(kernels, h
         kernels.prefill_attention(q.float(), cache.data, table, seq_len, scale)
 
 
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 17, 40])   # tiles, and rows left over
+def test_int8_linear_is_the_dequantized_matmul(kernels, m):
+    """x w^T with w = q * scale per row, in float32: the int8 values are exact in bfloat16,
+    so only the order of the float32 sums differs. n = 80: panels in a group of 4 and one
+    left over; rows strided as the model hands them over."""
+    if not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX-512 BF16: the output projection stays PackedLinear")
+    n, k = 80, 96
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) / 64
+    x = torch.randn(m, 2 * k, generator=g).to(torch.bfloat16)[:, :k]
+    want = x.float() @ (q.float() * scales[:, None]).T
+    got = kernels.int8_linear(x, pack_int8_panels(q), scales)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="inputs"):
+        kernels.int8_linear(x[:, :64].contiguous(), pack_int8_panels(q), scales)
+
+
+def test_int8_rows_read_the_panels_back(kernels):
+    g = torch.Generator().manual_seed(6)
+    q = torch.randint(-127, 128, (64, 32), generator=g, dtype=torch.int8)
+    scales = torch.rand(64, generator=g)
+    ids = torch.tensor([0, 17, 63, 17, 5])
+    want = (q[ids].float() * scales[ids, None]).to(torch.bfloat16)
+    assert torch.equal(kernels.int8_rows(ids, pack_int8_panels(q), scales), want)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        kernels.int8_rows(torch.tensor([64]), pack_int8_panels(q), scales)
+
+
 def test_the_torch_path_is_chosen_or_fallen_back_to(monkeypatch, caplog):
     assert load_kernels("torch", "cpu") is None
     assert load_kernels("auto", "cuda") is None
@@ -176,3 +206,24 @@ def test_smollm_bfloat16_kernels_agree_by_the_closeness_rule(smollm_path, chunk)
                            kernels=choice, **options).generate(prompts, params)
                for choice in ("torch", "auto")}
     assert_greedy_close(outputs["torch"], outputs["auto"])
+
+
+def test_smollm_default_weights_agree_with_and_without_kernels(smollm_path):
+    """The shipped format (int4 layers, int8 output projection): with the kernels the output
+    projection runs on int8_linear and the tied embedding is read from its int8 weight (no
+    bfloat16 table kept); without them, torch's packed kernels and the bfloat16 table."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    prompts = [[1, 504, 3458, 282, 4649, 314]] + PROMPTS[1:]
+    engines = {choice: LLM(str(smollm_path), kernels=choice) for choice in ("torch", "auto")}
+    model = engines["auto"].engine.runner.model
+    if kernels_have_bf16_dot(engines["auto"]):
+        assert type(model.model.embed_tokens).__name__ == "Int8Embedding"
+        assert not any(t.dtype == torch.bfloat16 and t.shape[0] == 49152
+                       for t in model.state_dict().values())
+    outputs = {choice: llm.generate(prompts, params) for choice, llm in engines.items()}
+    assert_greedy_close(outputs["torch"], outputs["auto"])
+
+
+def kernels_have_bf16_dot(llm: LLM) -> bool:
+    kernels = llm.engine.runner.model.model.norm.kernels
+    return kernels is not None and kernels.has_bf16_dot

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import ember
@@ -74,3 +76,17 @@ def test_walk_sees_real_imports():
     """Guard against a vacuous pass: the walker does find known imports."""
     assert "torch" in module_imports(PACKAGE / "models" / "llama.py")
     assert "ember.kv.kv_manager" in module_imports(PACKAGE / "scheduler" / "scheduler.py")
+
+
+def test_serving_imports_no_compiler_stack_grammar_engine_or_oracle(smollm_path):
+    """Loading the model and generating imports neither transformers nor torch._dynamo and
+    triton (~140 MB resident for their import alone, pulled in by meta-device ops), nor
+    xgrammar (imported on the first constrained request)."""
+    code = (f"import sys; from ember import LLM, SamplingParams; "
+            f"LLM({str(smollm_path)!r}).generate('Hi', SamplingParams(max_tokens=2)); "
+            "print(sorted(m for m in ('transformers', 'torch._dynamo', 'triton', 'xgrammar') "
+            "if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]"
