@@ -86,7 +86,7 @@ def test_serving_imports_no_compiler_stack_grammar_engine_or_oracle(smollm_path)
             f"LLM({str(smollm_path)!r}).generate('Hi', SamplingParams(max_tokens=2)); "
             "print(sorted(m for m in ('transformers', 'torch._dynamo', 'triton', 'xgrammar') "
             "if m in sys.modules))")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "[]"

@@ -1,0 +1,120 @@
+"""Resident memory of `ember serve`: idle after loading, under load, and idle again.
+
+    .venv/bin/python benchmarks/serve_memory.py --out results/serve_memory.json
+
+Starts `ember serve` (the default model and KV budget unless --serve-args says otherwise),
+reads VmRSS from /proc/PID/status every 0.2 s, and drives it with `ember bench serve`: the
+standard concurrency-32 workload (64 requests, input U(100,400), output U(64,192)), then one
+1024-token prompt. Reports MB (10^6 bytes) and GiB: after loading, the highest sample under
+load, after the burst (the engine hands freed memory back when it goes idle), and VmHWM (the
+peak over the process's life, loading included). Linux only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+VENV_BIN = Path(sys.executable).parent
+GIB = 1 << 30
+
+
+def status_kb(pid: int, field: str) -> int:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"ember serve exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("ember serve did not become ready")
+
+
+class Sampler(threading.Thread):
+    """The highest VmRSS seen while running."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak_kb, self.stop = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.peak_kb = max(self.peak_kb, status_kb(self.pid, "VmRSS"))
+            time.sleep(0.2)
+
+
+def bench(url: str, *args: str) -> None:
+    subprocess.run([str(VENV_BIN / "ember"), "bench", "serve", "--base-url", url, "--seed", "0",
+                    "--extra-body", '{"logit_bias": {"2": -100}}', *args],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
+def figures(kb: int) -> dict[str, float]:
+    return {"mb": round(kb * 1024 / 1e6, 1), "gib": round(kb * 1024 / GIB, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--serve-args", default="", help="extra `ember serve` options")
+    parser.add_argument("--out", default="results/serve_memory.json")
+    args = parser.parse_args()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([str(VENV_BIN / "ember"), "serve", "--port", str(port),
+                             *shlex.split(args.serve_args)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=os.environ.copy())
+    try:
+        wait_ready(url, proc)
+        time.sleep(2)
+        loaded = status_kb(proc.pid, "VmRSS")
+        sampler = Sampler(proc.pid)
+        sampler.start()
+        bench(url, "--input-len", "uniform:100,400", "--output-len", "uniform:64,192",
+              "--num-requests", "64", "--concurrency", "32")
+        bench(url, "--input-len", "fixed:1024", "--output-len", "fixed:1", "--num-requests", "1")
+        sampler.stop.set()
+        sampler.join()
+        time.sleep(3)  # the engine goes idle and hands freed memory back
+        result = {"serve_args": args.serve_args,
+                  "idle_after_load": figures(loaded),
+                  "peak_under_load": figures(sampler.peak_kb),
+                  "idle_after_load_test": figures(status_kb(proc.pid, "VmRSS")),
+                  "vm_hwm": figures(status_kb(proc.pid, "VmHWM"))}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    for name, value in result.items():
+        if isinstance(value, dict):
+            print(f"{name:22} {value['mb']:8.1f} MB  {value['gib']:.3f} GiB")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
