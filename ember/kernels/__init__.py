@@ -80,6 +80,11 @@ class CpuKernels:
         16-row panels: packed [n / 16, k / 2, 16, 2] (pack_int8_panels)."""
         return self.ops.int8_linear(x, packed, scales)
 
+    def int4_linear(self, x: Tensor, q: Tensor, scale_min: Tensor) -> Tensor:
+        """x [m, k] bfloat16 -> x w^T [m, n] bfloat16, w = q * scale + min per group of 32
+        inputs, from pack_int4_panels; for decode-sized m."""
+        return self.ops.int4_linear(x, q, scale_min)
+
     def int8_rows(self, ids: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
         """Rows `ids` [t] of that weight -> [t, k] bfloat16 (an embedding lookup)."""
         return self.ops.int8_rows(ids, packed, scales)
@@ -142,3 +147,17 @@ def load_kernels(choice: str, device: str) -> CpuKernels | None:
                     "or pass --kernels torch to skip the attempt", type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "")
         return None
+
+
+def pack_int4_panels(q: Tensor, scale: Tensor, minimum: Tensor) -> tuple[Tensor, Tensor]:
+    """q [n, k] in 0..15, scale and minimum [n, k / 32] (n % 16 == 0, k % 32 == 0) -> the
+    layout of int4_linear: q [n / 16, k / 32, 8, 32] uint8, each byte two operands' nibbles
+    (operand t: 16 rows x inputs 2t, 2t + 1 of the group, pair-interleaved), and scale_min
+    [n / 16, k / 32, 2, 16] bfloat16."""
+    n, k = q.shape
+    groups = k // 32
+    operands = q.view(n // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
+    operands = operands.reshape(n // 16, groups, 8, 2, 32)
+    packed = (operands[..., 0, :] | (operands[..., 1, :] << 4)).to(torch.uint8).contiguous()
+    per_panel = [t.reshape(n // 16, 16, groups).transpose(1, 2) for t in (scale, minimum)]
+    return packed, torch.stack(per_panel, dim=2).to(torch.bfloat16).contiguous()

@@ -702,6 +702,129 @@ void matmul(const uint16_t* x, int64_t m, int64_t x_stride, const int8_t* packed
 }
 
 }  // namespace int8w
+
+// int4 weights in groups of 32 inputs, w[n, k] = q[n, k] * scale[n, g] + min[n, g] with
+// q in 0..15 and g = k / 32 (GGUF's Q4_1), for decode-sized batches (a few input rows: the
+// step is bound by reading the weights, 4.5 bits each here). Per panel of 16 rows and group:
+//   q: 8 x 32 bytes; byte i of chunk c holds operand 2c's lane i (low nibble) and operand
+//      2c + 1's (high nibble), operand t being rows x inputs 2t, 2t + 1 pair-interleaved;
+//   scale, min: 16 bfloat16 each.
+// A nibble becomes its bfloat16 value by a 16-entry table lookup (exact), the group's sum of
+// x . q is taken on bfloat16 dot products, and scale and min are applied once per group:
+//   y[n] = sum_g scale[n, g] * (x_g . q[n, g]) + min[n, g] * sum(x_g).
+namespace int4w {
+
+constexpr int kPanel = 16, kGroupK = 32;
+
+inline __m512i nibble_table() {  // bfloat16 bits of 0.0, 1.0, ..., 15.0 (twice)
+  alignas(64) static const uint16_t t[32] = {
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  return _mm512_load_si512(t);
+}
+
+// R input rows against P panels (P x 2 chains of dot products per row, so that the
+// instruction's latency is hidden even at one row).
+template <int R, int P>
+void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t groups,
+                 const uint8_t* q, const uint16_t* sm, int64_t panel_q, int64_t panel_sm,
+                 uint16_t* out, int64_t out_stride) {
+  const __m512i table = nibble_table(), low = _mm512_set1_epi16(0x0F);
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 even[R][P], odd[R][P];
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < P; ++j) even[r][j] = odd[r][j] = _mm512_setzero_ps();
+    }
+    for (int c = 0; c < 8; ++c) {
+      for (int j = 0; j < P; ++j) {
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(q + j * panel_q + (g * 8 + c) * 32)));
+        const __m512bh b0 = simd::as_bh(_mm512_permutexvar_epi16(_mm512_and_si512(w, low), table));
+        const __m512bh b1 = simd::as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
+        for (int r = 0; r < R; ++r) {
+          const uint16_t* xr = x + r * x_stride + g * kGroupK + 4 * c;
+          even[r][j] = _mm512_dpbf16_ps(even[r][j], simd::pair_of(xr), b0);
+          odd[r][j] = _mm512_dpbf16_ps(odd[r][j], simd::pair_of(xr + 2), b1);
+        }
+      }
+    }
+    for (int j = 0; j < P; ++j) {
+      const c10::BFloat16* group_sm = reinterpret_cast<const c10::BFloat16*>(
+          sm + j * panel_sm + g * 2 * kPanel);
+      const __m512 scale = simd::load16(group_sm), min = simd::load16(group_sm + kPanel);
+      for (int r = 0; r < R; ++r) {
+        acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(even[r][j], odd[r][j]), scale, acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(min, _mm512_set1_ps(xsum[r * groups + g]), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < P; ++j) {
+      simd::store16(reinterpret_cast<c10::BFloat16*>(out + r * out_stride + j * kPanel),
+                    acc[r][j]);
+    }
+  }
+}
+
+// Rows r0 .. r0 + rows of the output for panels [begin, end).
+template <int R, int P>
+void run_panels(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t groups,
+                const uint8_t* q, const uint16_t* sm, int64_t begin, int64_t end,
+                uint16_t* out, int64_t n) {
+  const int64_t panel_q = groups * 8 * 32, panel_sm = groups * 2 * kPanel;
+  int64_t p = begin;
+  for (; p + P <= end; p += P) {
+    panels_rows<R, P>(x, x_stride, xsum, groups, q + p * panel_q, sm + p * panel_sm, panel_q,
+                      panel_sm, out + p * kPanel, n);
+  }
+  for (; p < end; ++p) {
+    panels_rows<R, 1>(x, x_stride, xsum, groups, q + p * panel_q, sm + p * panel_sm, panel_q,
+                      panel_sm, out + p * kPanel, n);
+  }
+}
+
+void rows_tile(int rows, const uint16_t* x, int64_t x_stride, const float* xsum,
+               int64_t groups, const uint8_t* q, const uint16_t* sm, int64_t begin,
+               int64_t end, uint16_t* out, int64_t n) {
+  switch (rows) {  // 1 .. 8; more panels at once where fewer rows leave registers free
+    case 1: run_panels<1, 4>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
+    case 2: run_panels<2, 3>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
+    case 3: run_panels<3, 2>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
+    case 4: run_panels<4, 2>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
+    case 5: run_panels<5, 1>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
+    case 6: run_panels<6, 1>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
+    case 7: run_panels<7, 1>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
+    default: run_panels<8, 1>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
+  }
+}
+
+void matmul(const uint16_t* x, int64_t m, int64_t x_stride, const uint8_t* q,
+            const uint16_t* sm, int64_t n, int64_t k, uint16_t* out) {
+  const int64_t groups = k / kGroupK, panels = n / kPanel;
+  std::vector<float> xsum(m * groups);  // per row and group: the sum of x (for the minima)
+  for (int64_t r = 0; r < m; ++r) {
+    const c10::BFloat16* xr = reinterpret_cast<const c10::BFloat16*>(x + r * x_stride);
+    for (int64_t g = 0; g < groups; ++g) {
+      xsum[r * groups + g] = _mm512_reduce_add_ps(
+          _mm512_add_ps(simd::load16(xr + g * kGroupK), simd::load16(xr + g * kGroupK + 16)));
+    }
+  }
+  // grain: at least 8 panels (128 outputs) per task, for small matrices too
+  at::parallel_for(0, panels, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < m; r += 8) {
+      rows_tile(static_cast<int>(std::min<int64_t>(8, m - r)), x + r * x_stride, x_stride,
+                xsum.data() + r * groups, groups, q, sm, begin, end, out + r * n, n);
+    }
+  });
+}
+
+}  // namespace int4w
 #endif  // EMBER_BF16_DOT
 
 // Rotate one head in place of `out`: out = x * cos + roll(x, d / 2) * sin, with sin's first
@@ -1002,6 +1125,34 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return out;
 }
 
+// int4_linear(x [m, k] bfloat16 (rows may be strided), q [n / 16, k / 32, 8, 32] uint8,
+// scale_min [n / 16, k / 32, 2, 16] bfloat16) -> [m, n] bfloat16 = x w^T, w as int4w's above.
+// Meant for a few rows (decode); correct for any. Only with AVX-512 BF16.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale_min) {
+  TORCH_CHECK(has_prefill_attention(), "int4_linear needs a CPU with AVX-512 BF16");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
+                  x.scalar_type() == at::kBFloat16,
+              "x must be [m, k] bfloat16 on the CPU with contiguous rows");
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 4 && q.size(2) == 8 &&
+                  q.size(3) == 32 && q.is_contiguous(),
+              "q must be contiguous [n / 16, k / 32, 8, 32] uint8");
+  const int64_t m = x.size(0), k = x.size(1), n = q.size(0) * 16;
+  TORCH_CHECK(q.size(1) * 32 == k, "x has ", k, " inputs, the weight ", q.size(1) * 32);
+  TORCH_CHECK(scale_min.scalar_type() == at::kBFloat16 && scale_min.is_contiguous() &&
+                  scale_min.numel() == n * (k / 32) * 2,
+              "scale_min must be contiguous [n / 16, k / 32, 2, 16] bfloat16");
+  auto out = torch::empty({m, n}, x.options());
+#ifdef EMBER_BF16_DOT
+  if (m > 0) {
+    int4w::matmul(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), m,
+                  x.stride(0), q.data_ptr<uint8_t>(),
+                  reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::BFloat16>()), n, k,
+                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  }
+#endif
+  return out;
+}
+
 // int8_rows(ids [t] int64, packed, scales) -> [t, k] bfloat16: rows ids of w (as above), e.g.
 // a tied embedding read from its output projection's int8 weight.
 torch::Tensor int8_rows(torch::Tensor ids, torch::Tensor packed, torch::Tensor scales) {
@@ -1050,4 +1201,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil);
   m.def("int8_linear", &int8_linear, "x w^T with w int8 in 16-row VNNI panels", no_gil);
   m.def("int8_rows", &int8_rows, "rows of an int8 weight in 16-row VNNI panels", no_gil);
+  m.def("int4_linear", &int4_linear, "x w^T with w int4 (groups of 32) in 16-row panels",
+        no_gil);
 }

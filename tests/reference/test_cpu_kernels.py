@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ember import LLM
-from ember.kernels import CpuKernels, build_cpu_ops, load_kernels, pack_int8_panels
+from ember.kernels import (CpuKernels, build_cpu_ops, load_kernels, pack_int4_panels,
+                           pack_int8_panels)
 from ember.models.attention import PagedKV, _matmul_attention
 from ember.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
 from ember.request import SamplingParams
@@ -156,6 +157,30 @@ def test_int8_linear_is_the_dequantized_matmul(kernels, m):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
     with pytest.raises(RuntimeError, match="inputs"):
         kernels.int8_linear(x[:, :64].contiguous(), pack_int8_panels(q), scales)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 11])   # register tiles of each shape, two tiles
+def test_int4_linear_is_the_dequantized_matmul(kernels, m):
+    """x w^T with w = q * scale + min per group of 32 inputs (scales and minima as the kernel
+    holds them, in bfloat16), in float32 then rounded to bfloat16 once: the kernel's only
+    rounding is that last one and the order of its float32 sums. n = 80: 5 panels, so the
+    several-panels-at-once tiles leave one over."""
+    if not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX-512 BF16: int4 runs on torch's packed kernel")
+    n, k = 80, 96
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scale = torch.rand(n, k // 32, generator=g) / 32
+    minimum = -8 * scale + torch.randn(n, k // 32, generator=g) / 100
+    w = (q.view(n, k // 32, 32) * scale.bfloat16().float()[..., None]
+         + minimum.bfloat16().float()[..., None]).view(n, k)
+    x = torch.randn(m, 2 * k, generator=g).to(torch.bfloat16)[:, :k]
+    want = x.float() @ w.T
+    got = kernels.int4_linear(x, *pack_int4_panels(q, scale, minimum))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-4 * want.abs().max())
+    with pytest.raises(RuntimeError, match="inputs"):
+        kernels.int4_linear(x[:, :64].contiguous(), *pack_int4_panels(q, scale, minimum))
 
 
 def test_int8_rows_read_the_panels_back(kernels):
