@@ -45,6 +45,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int,
                    default=SchedulerConfig.max_num_batched_tokens,
                    help="token budget of one step (the prefill chunk size)")
+    g.add_argument("--prefill-tokens-with-decodes", type=int,
+                   default=SchedulerConfig.prefill_tokens_with_decodes,
+                   help="prompt tokens a step takes on while other requests decode (smaller: "
+                        "shorter gaps between their tokens, slower prompts)")
     g.add_argument("--engine-seed", type=int, default=0, help="seed for unseeded sampling")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute every prompt (the prefix cache is on by default)")
@@ -82,6 +86,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                  prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
                                   fair_share=args.fair_share))
 
 

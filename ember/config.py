@@ -123,6 +123,10 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # prompt tokens a step takes on beside running decodes (None: the whole budget): a step's
+    # time grows with its tokens, and every decoding stream waits for the step, so a smaller
+    # chunk keeps the gap between a stream's tokens short; a lone prompt still gets the budget
+    prefill_tokens_with_decodes: int | None = 256
     fair_share: bool = False  # admit the waiting request of the user with fewest running
 
     def __post_init__(self) -> None:
@@ -131,6 +135,10 @@ class SchedulerConfig:
         if self.max_num_batched_tokens <= 0:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be "
                               "positive; try 512 (the prefill chunk size)")
+        cap = self.prefill_tokens_with_decodes
+        if cap is not None and cap <= 0:
+            raise ConfigError(f"prefill_tokens_with_decodes={cap} must be positive; try 256, "
+                              "or None for the whole budget")
 
 
 @dataclass(frozen=True)

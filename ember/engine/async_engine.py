@@ -216,7 +216,7 @@ class AsyncEngine:
             self.state = EngineState.READY
             self._publish_stats(stepped=False)
             self._loaded.set()
-            worked = False  # since the engine was last idle
+            worked = True  # since the engine was last idle (the warm-up counts)
             while self._handle_inbox():
                 if not self.core.has_unfinished():
                     if worked:  # a burst ended: its freed activations go back to the OS

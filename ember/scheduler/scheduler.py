@@ -2,9 +2,9 @@
 
 There are no prefill and decode phases. Each request has `num_computed_tokens` and catches up
 to `num_tokens`: a new prompt starts past its prefix-cache hit and catches up in chunks of at
-most the step's token budget (chunked prefill), a running request catches up one token at a
-time (decode), and a preempted request starts again from what the cache still holds
-(recompute). Continuous batching falls out: every step mixes whatever requests have tokens to
+most the step's token budget (chunked prefill; a smaller one while others decode, so that
+their tokens keep coming), a running request catches up one token at a time (decode), and a
+preempted request starts again from what the cache still holds (recompute). Continuous batching falls out: every step mixes whatever requests have tokens to
 compute.
 
 Order: `running` is kept sorted by (priority, arrival): the most important requests get the
@@ -87,7 +87,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._make_room_for_outranking()
         self._short_of_memory = False
-        budget = self.config.max_num_batched_tokens
+        budget = self._budget()
         scheduled: list[ScheduledRequest] = []
         i = 0
         while i < len(self.running) and budget > 0:
@@ -104,6 +104,13 @@ class Scheduler:
             self._admit_waiting(scheduled, budget)
         freed, self._freed_ids = frozenset(self._freed_ids), set()
         return SchedulerOutput(scheduled, freed, self.kv.take_copies())
+
+    def _budget(self) -> int:
+        """The step's tokens: all of max_num_batched_tokens, or, while requests are decoding,
+        one per decode and at most prefill_tokens_with_decodes of prompts."""
+        budget, cap = self.config.max_num_batched_tokens, self.config.prefill_tokens_with_decodes
+        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        return budget if cap is None or decoding == 0 else min(budget, decoding + cap)
 
     def _next_waiting(self) -> Request | None:
         if not self.waiting:

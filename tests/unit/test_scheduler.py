@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from ember.config import SchedulerConfig
-from ember.errors import ContextTooLong, InvalidRequest
+from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kv.kv_manager import KVCacheManager
 from ember.request import FinishReason, Request, RequestStatus, SamplingParams
 from ember.scheduler.output import RunnerOutput, SchedulerOutput
@@ -15,9 +15,10 @@ EOS = 2
 
 def make_scheduler(token_budget: int = 64, num_blocks: int = 32, block_size: int = 16,
                    max_num_seqs: int = 8, max_model_len: int = 4096, caching: bool = True,
-                   fair_share: bool = False) -> Scheduler:
+                   fair_share: bool = False, with_decodes: int | None = 256) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=token_budget,
+                                     prefill_tokens_with_decodes=with_decodes,
                                      fair_share=fair_share),
                      KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching),
                      max_model_len)
@@ -46,6 +47,24 @@ def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
     plan = sched.schedule()
     sched.update(plan, fake_result(plan, token))
     return plan
+
+
+@pytest.mark.parametrize("with_decodes", [48, None])
+def test_prompts_beside_decodes_get_the_smaller_chunk(with_decodes):
+    """While a request decodes, a new prompt is cut to prefill_tokens_with_decodes per step
+    (the decode's own token on top); alone, or with None, it gets the whole budget."""
+    sched = make_scheduler(token_budget=128, num_blocks=64, with_decodes=with_decodes)
+    sched.add(make_request("alone", num_prompt_tokens=100, max_tokens=20))
+    assert step(sched).num_new_tokens == {"alone": 100}      # no decodes: the whole prompt
+    sched.add(make_request("new", num_prompt_tokens=100))
+    plan = step(sched)
+    want = {"alone": 1, "new": 48} if with_decodes else {"alone": 1, "new": 100}
+    assert plan.num_new_tokens == want
+    if with_decodes:
+        assert step(sched).num_new_tokens == {"alone": 1, "new": 48}
+        assert step(sched).num_new_tokens == {"alone": 1, "new": 4}
+    with pytest.raises(ConfigError, match="prefill_tokens_with_decodes"):
+        SchedulerConfig(prefill_tokens_with_decodes=0)
 
 
 def test_long_prompt_is_chunked():
