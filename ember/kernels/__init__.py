@@ -60,7 +60,7 @@ class CpuKernels:
     @functools.cached_property
     def has_bf16_dot(self) -> bool:
         """Whether the build has the AVX-512 BF16 kernels (prefill attention, int8 linear)."""
-        return self.ops.has_prefill_attention()   # the build says, once (asked every layer)
+        return self.ops.has_bf16_dot()   # the build says, once (asked every layer)
 
     def can_prefill(self, kv: Tensor) -> bool:
         """Whether prefill_attention runs on this cache: a bfloat16 one with head_dim 64 or

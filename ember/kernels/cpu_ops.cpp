@@ -1047,7 +1047,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
-bool has_prefill_attention() {
+bool has_bf16_dot() {  // whether the AVX-512 BF16 kernels are built
 #ifdef EMBER_BF16_DOT
   return true;
 #else
@@ -1061,7 +1061,7 @@ bool has_prefill_attention() {
 // them first), attend causally over its context. d is 64 or 128; only with AVX-512 BF16.
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
                                 int64_t seq_len, double scale) {
-  TORCH_CHECK(has_prefill_attention(), "prefill_attention needs a CPU with AVX-512 BF16");
+  TORCH_CHECK(has_bf16_dot(), "prefill_attention needs a CPU with AVX-512 BF16");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
               "q must be [n, heads, d] on the CPU, each row's heads contiguous");
@@ -1098,17 +1098,25 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor
   return out;
 }
 
+static void check_bf16_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
+                  x.scalar_type() == at::kBFloat16,
+              "x must be [m, k] bfloat16 on the CPU with contiguous rows");
+}
+
+static void check_int8_panels(const torch::Tensor& packed) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == 16 &&
+                  packed.size(3) == 2 && packed.is_contiguous(),
+              "packed must be contiguous [n / 16, k / 2, 16, 2] int8");
+}
+
 // int8_linear(x [m, k] bfloat16 (rows may be strided), packed [n / 16, k / 2, 16, 2] int8,
 // scales [n] float32) -> [m, n] float32 = x w^T with w[r, c] = q[r, c] * scales[r] (the
 // layout is int8w's above). Only with AVX-512 BF16.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales) {
-  TORCH_CHECK(has_prefill_attention(), "int8_linear needs a CPU with AVX-512 BF16");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
-                  x.scalar_type() == at::kBFloat16,
-              "x must be [m, k] bfloat16 on the CPU with contiguous rows");
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == 16 &&
-                  packed.size(3) == 2 && packed.is_contiguous(),
-              "packed must be contiguous [n / 16, k / 2, 16, 2] int8");
+  TORCH_CHECK(has_bf16_dot(), "int8_linear needs a CPU with AVX-512 BF16");
+  check_bf16_rows(x);
+  check_int8_panels(packed);
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
   TORCH_CHECK(packed.size(1) * 2 == k, "x has ", k, " inputs, the weight ", packed.size(1) * 2);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
@@ -1129,10 +1137,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 // scale_min [n / 16, k / 32, 2, 16] bfloat16) -> [m, n] bfloat16 = x w^T, w as int4w's above.
 // Meant for a few rows (decode); correct for any. Only with AVX-512 BF16.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale_min) {
-  TORCH_CHECK(has_prefill_attention(), "int4_linear needs a CPU with AVX-512 BF16");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
-                  x.scalar_type() == at::kBFloat16,
-              "x must be [m, k] bfloat16 on the CPU with contiguous rows");
+  TORCH_CHECK(has_bf16_dot(), "int4_linear needs a CPU with AVX-512 BF16");
+  check_bf16_rows(x);
   TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 4 && q.size(2) == 8 &&
                   q.size(3) == 32 && q.is_contiguous(),
               "q must be contiguous [n / 16, k / 32, 8, 32] uint8");
@@ -1158,9 +1164,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale_
 torch::Tensor int8_rows(torch::Tensor ids, torch::Tensor packed, torch::Tensor scales) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
               "ids must be [t] contiguous int64");
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == 16 &&
-                  packed.size(3) == 2 && packed.is_contiguous(),
-              "packed must be contiguous [n / 16, k / 2, 16, 2] int8");
+  check_int8_panels(packed);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == packed.size(0) * 16,
               "scales must be [n] float32");
   const int64_t t = ids.size(0), pairs = packed.size(1), n = packed.size(0) * 16;
@@ -1196,7 +1200,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after a fused residual add", no_gil);
   m.def("decode_attention", &decode_attention, "one query per request over the paged cache",
         no_gil);
-  m.def("has_prefill_attention", &has_prefill_attention, "whether prefill_attention is built");
+  m.def("has_bf16_dot", &has_bf16_dot,
+        "whether the AVX-512 BF16 kernels (prefill attention, int8 and int4 linear) are built");
   m.def("prefill_attention", &prefill_attention, "a prompt chunk over its paged context",
         no_gil);
   m.def("int8_linear", &int8_linear, "x w^T with w int8 in 16-row VNNI panels", no_gil);

@@ -113,7 +113,7 @@ def test_prefill_attention_is_causal_attention_over_the_paged_context(kernels, h
                                                                       seq_len):
     """A request's last `new` tokens over its scattered blocks (3 query heads per KV head),
     against gathering the context and attending with the torch matmul path in float32."""
-    if not kernels.ops.has_prefill_attention():
+    if not kernels.has_bf16_dot:
         pytest.skip("this CPU has no AVX-512 BF16: prompt chunks take the torch path")
     heads, kv_heads, block_size, num_blocks = 9, 3, 16, 40
     g = torch.Generator().manual_seed(4)
