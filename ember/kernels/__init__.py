@@ -3,12 +3,12 @@
 `cpu_ops.cpp` holds RMSNorm with the residual add fused in, RoPE fused with the KV-cache write,
 SwiGLU's activation, attention of one new token per request read in place from the paged
 KV cache (no gathered copy), and, on CPUs with AVX-512 BF16, flash attention of a prompt chunk
-over its paged context and the int8 output projection, both on bfloat16 dot products. They are built with the
-machine's C++ compiler the first time an engine needs them (about 20 s; `-march=native`, so
-the build is keyed by the CPU's flags) and cached by torch.utils.cpp_extension under
-$TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). The torch code in ember/models is
-the reference and the fallback: `--kernels torch` uses it alone, and `auto` falls back to it,
-with a warning, where the kernels cannot be built.
+over its paged context and int8 and int4 linears, all on bfloat16 dot products. They are
+built with the machine's C++ compiler the first time an engine needs them (about 20 s;
+`-march=native`, so the build is keyed by the CPU's flags) and cached by
+torch.utils.cpp_extension under $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions).
+The torch code in ember/models is the reference and the fallback: `--kernels torch` uses it
+alone, and `auto` falls back to it, with a warning, where the kernels cannot be built.
 """
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ class CpuKernels:
 
     @functools.cached_property
     def has_bf16_dot(self) -> bool:
-        """Whether the build has the AVX-512 BF16 kernels (prefill attention, int8 linear)."""
+        """Whether the build has the AVX-512 BF16 kernels (prefill attention, int8 and int4
+        linears)."""
         return self.ops.has_bf16_dot()   # the build says, once (asked every layer)
 
     def can_prefill(self, kv: Tensor) -> bool:
@@ -73,7 +74,6 @@ class CpuKernels:
         """q [n, heads, d]: the last n of a request's seq_len cached tokens (written first);
         they attend causally over its context, block_table [blocks] -> [n, heads, d]."""
         return self.ops.prefill_attention(q, kv, block_table, seq_len, scale)
-
 
     def int8_linear(self, x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
         """x [m, k] bfloat16 -> x w^T [m, n] float32, w[r] = q[r] * scales[r] with q int8 in
@@ -98,6 +98,20 @@ def pack_int8_panels(q: Tensor) -> Tensor:
     int8_linear: per 16 rows, each pair of inputs of all 16 rows together."""
     n, k = q.shape
     return q.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def pack_int4_panels(q: Tensor, scale: Tensor, minimum: Tensor) -> tuple[Tensor, Tensor]:
+    """q [n, k] in 0..15, scale and minimum [n, k / 32] (n % 16 == 0, k % 32 == 0) -> the
+    layout of int4_linear: q [n / 16, k / 32, 8, 32] uint8, each byte two operands' nibbles
+    (operand t: 16 rows x inputs 2t, 2t + 1 of the group, pair-interleaved), and scale_min
+    [n / 16, k / 32, 2, 16] bfloat16."""
+    n, k = q.shape
+    groups = k // 32
+    operands = q.view(n // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
+    operands = operands.reshape(n // 16, groups, 8, 2, 32)
+    packed = (operands[..., 0, :] | (operands[..., 1, :] << 4)).to(torch.uint8).contiguous()
+    per_panel = [t.reshape(n // 16, 16, groups).transpose(1, 2) for t in (scale, minimum)]
+    return packed, torch.stack(per_panel, dim=2).to(torch.bfloat16).contiguous()
 
 
 def _cpu_key() -> str:
@@ -148,16 +162,3 @@ def load_kernels(choice: str, device: str) -> CpuKernels | None:
                     str(e).splitlines()[0] if str(e) else "")
         return None
 
-
-def pack_int4_panels(q: Tensor, scale: Tensor, minimum: Tensor) -> tuple[Tensor, Tensor]:
-    """q [n, k] in 0..15, scale and minimum [n, k / 32] (n % 16 == 0, k % 32 == 0) -> the
-    layout of int4_linear: q [n / 16, k / 32, 8, 32] uint8, each byte two operands' nibbles
-    (operand t: 16 rows x inputs 2t, 2t + 1 of the group, pair-interleaved), and scale_min
-    [n / 16, k / 32, 2, 16] bfloat16."""
-    n, k = q.shape
-    groups = k // 32
-    operands = q.view(n // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
-    operands = operands.reshape(n // 16, groups, 8, 2, 32)
-    packed = (operands[..., 0, :] | (operands[..., 1, :] << 4)).to(torch.uint8).contiguous()
-    per_panel = [t.reshape(n // 16, 16, groups).transpose(1, 2) for t in (scale, minimum)]
-    return packed, torch.stack(per_panel, dim=2).to(torch.bfloat16).contiguous()

@@ -4,8 +4,8 @@ There are no prefill and decode phases. Each request has `num_computed_tokens` a
 to `num_tokens`: a new prompt starts past its prefix-cache hit and catches up in chunks of at
 most the step's token budget (chunked prefill; a smaller one while others decode, so that
 their tokens keep coming), a running request catches up one token at a time (decode), and a
-preempted request starts again from what the cache still holds (recompute). Continuous batching falls out: every step mixes whatever requests have tokens to
-compute.
+preempted request starts again from what the cache still holds (recompute). Continuous
+batching falls out: every step mixes whatever requests have tokens to compute.
 
 Order: `running` is kept sorted by (priority, arrival): the most important requests get the
 budget first and the least important is the one preempted when blocks run out. A waiting
