@@ -98,7 +98,7 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_peers(args: argparse.Namespace) -> None:
-    from ember.bench.cli import build_requests, run_once
+    from ember.bench.commands import build_requests, run_once
     model_file = args.model_file
     if model_file is None:
         from ember.weights.loader import default_model_path

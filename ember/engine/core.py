@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 
 from ember.config import EngineConfig, ModelConfig
-from ember.engine.memory import return_free_memory
+from ember.engine.memory import large_blocks_mapped_alone, return_free_memory
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kernels import load_kernels
 from ember.kv.kv_manager import KVCacheManager
@@ -74,8 +74,9 @@ class EngineCore:
         self.quantization = resolve_quantization(config.quantization, files, self.model_config,
                                                  self.dtype, config.device)
         kernels = load_kernels(config.kernels, config.device)
-        model = apply_quantization(load_model(files, self.model_config, self.dtype,
-                                              config.device), self.quantization, kernels)
+        with large_blocks_mapped_alone():  # weights and load temporaries in separate mappings
+            model = apply_quantization(load_model(files, self.model_config, self.dtype,
+                                                  config.device), self.quantization, kernels)
         model.use_kernels(kernels)
         del files  # the file's metadata (~170 MB of Python objects for a GGUF) goes now,
         gc.collect()  # before the KV cache is allocated: loading peaks lower
