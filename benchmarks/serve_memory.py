@@ -4,8 +4,8 @@
 
 Starts `ember serve` (the default model and KV budget unless --serve-args says otherwise),
 reads VmRSS from /proc/PID/status every 0.2 s, and drives it with `ember bench serve`: the
-standard concurrency-32 workload (64 requests, input U(100,400), output U(64,192)), then one
-1024-token prompt. Reports MB (10^6 bytes) and GiB: after loading, the highest sample under
+standard concurrency-32 workload (64 requests, input U(100,400), output U(64,192); --rounds
+times, other seeds), then one 1024-token prompt. Reports MB (10^6 bytes) and GiB: after loading, the highest sample under
 load, after the burst (the engine hands freed memory back when it goes idle), and VmHWM (the
 peak over the process's life, loading included). Linux only.
 """
@@ -67,9 +67,9 @@ class Sampler(threading.Thread):
             time.sleep(0.2)
 
 
-def bench(url: str, *args: str) -> None:
-    subprocess.run([str(VENV_BIN / "ember"), "bench", "serve", "--base-url", url, "--seed", "0",
-                    "--extra-body", '{"logit_bias": {"2": -100}}', *args],
+def bench(url: str, *args: str, seed: int = 0) -> None:
+    subprocess.run([str(VENV_BIN / "ember"), "bench", "serve", "--base-url", url,
+                    "--seed", str(seed), "--extra-body", '{"logit_bias": {"2": -100}}', *args],
                    check=True, stdout=subprocess.DEVNULL)
 
 
@@ -80,6 +80,8 @@ def figures(kb: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--serve-args", default="", help="extra `ember serve` options")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the concurrency-32 workload this many times, seeds 0, 1, ...")
     parser.add_argument("--out", default="results/serve_memory.json")
     args = parser.parse_args()
     port = free_port()
@@ -94,13 +96,14 @@ def main() -> None:
         loaded = status_kb(proc.pid, "VmRSS")
         sampler = Sampler(proc.pid)
         sampler.start()
-        bench(url, "--input-len", "uniform:100,400", "--output-len", "uniform:64,192",
-              "--num-requests", "64", "--concurrency", "32")
+        for seed in range(args.rounds):
+            bench(url, "--input-len", "uniform:100,400", "--output-len", "uniform:64,192",
+                  "--num-requests", "64", "--concurrency", "32", seed=seed)
         bench(url, "--input-len", "fixed:1024", "--output-len", "fixed:1", "--num-requests", "1")
         sampler.stop.set()
         sampler.join()
         time.sleep(3)  # the engine goes idle and hands freed memory back
-        result = {"serve_args": args.serve_args,
+        result = {"serve_args": args.serve_args, "rounds": args.rounds,
                   "idle_after_load": figures(loaded),
                   "peak_under_load": figures(sampler.peak_kb),
                   "idle_after_load_test": figures(status_kb(proc.pid, "VmRSS")),
