@@ -31,7 +31,7 @@ GIB = 1 << 30
 
 def status_kb(pid: int, field: str) -> int:
     text = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1))
+    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE).group(1))
 
 
 def free_port() -> int:
