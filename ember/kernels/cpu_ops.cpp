@@ -23,6 +23,16 @@
 
 namespace {
 
+// Calls f(std::integral_constant<int, R>{}) with R = min(n, N), n >= 1: a kernel's register
+// tile is a template on its row count, and a runtime count (the rows left over) picks one.
+template <int N, class F>
+inline void with_rows(int64_t n, F&& f) {
+  if constexpr (N > 1) {
+    if (n < N) return with_rows<N - 1>(n, std::forward<F>(f));
+  }
+  f(std::integral_constant<int, N>{});
+}
+
 inline float load(float x) { return x; }
 inline float load(c10::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
@@ -372,15 +382,6 @@ void attend_rows(const uint16_t* q, const int64_t* visible, const uint16_t* kp,
 template <int D>
 constexpr int kTileRows = D == 64 ? 6 : 3;  // S and O accumulators: 24 of the 32 registers
 
-template <int D, int R = kTileRows<D>>
-void attend_tile(int rows, const uint16_t* q, const int64_t* visible, const uint16_t* kp,
-                 const uint16_t* vp, float scale, float* o) {
-  if constexpr (R > 1) {
-    if (rows < R) return attend_tile<D, R - 1>(rows, q, visible, kp, vp, scale, o);
-  }
-  attend_rows<R, D>(q, visible, kp, vp, scale, o);
-}
-
 // q [n, heads, D] (row stride q_stride), kv [2, kv_heads, blocks, block_size, D]; the n new
 // tokens are the last n of the request's seq_len.
 template <int D>
@@ -425,8 +426,10 @@ void prefill_attention_impl(const uint16_t* q, int64_t q_stride, const uint16_t*
         std::memcpy(qt + r * D, q + token * q_stride + head * D, D * sizeof(uint16_t));
         visible[r] = seq_len - n + token + 1;
       }
-      attend_tile<D>(count, qt, visible, kp.data() + h * len_pad * D,
-                     vp.data() + h * len_pad * D, scale, ot);
+      with_rows<R>(count, [&](auto rows) {
+        attend_rows<decltype(rows)::value, D>(qt, visible, kp.data() + h * len_pad * D,
+                                              vp.data() + h * len_pad * D, scale, ot);
+      });
       for (int r = 0; r < count; ++r) {
         const int64_t token = (r0 + r) / per_kv, head = h * per_kv + (r0 + r) % per_kv;
         auto* dst = reinterpret_cast<c10::BFloat16*>(out + (token * heads + head) * D);
@@ -603,20 +606,6 @@ void panel_rows_direct(const uint16_t* x, int64_t x_stride, const int8_t* panel,
   }
 }
 
-inline void direct_rows(int rows, const uint16_t* x, int64_t x_stride, const int8_t* panel,
-                        int64_t pairs, __m512 scale, float* out, int64_t out_stride) {
-  switch (rows) {  // 1 .. kDirectRows
-    case 1: panel_rows_direct<1>(x, x_stride, panel, pairs, scale, out, out_stride); break;
-    case 2: panel_rows_direct<2>(x, x_stride, panel, pairs, scale, out, out_stride); break;
-    case 3: panel_rows_direct<3>(x, x_stride, panel, pairs, scale, out, out_stride); break;
-    case 4: panel_rows_direct<4>(x, x_stride, panel, pairs, scale, out, out_stride); break;
-    case 5: panel_rows_direct<5>(x, x_stride, panel, pairs, scale, out, out_stride); break;
-    case 6: panel_rows_direct<6>(x, x_stride, panel, pairs, scale, out, out_stride); break;
-    case 7: panel_rows_direct<7>(x, x_stride, panel, pairs, scale, out, out_stride); break;
-    default: panel_rows_direct<8>(x, x_stride, panel, pairs, scale, out, out_stride); break;
-  }
-}
-
 // out[r, 0:16 P] = scale * x[r] . w for R input rows against P widened panels (the register
 // tile: R x P accumulators; per operand pair, P operand loads and R broadcasts feed R x P
 // dot products).
@@ -647,19 +636,11 @@ void tile(const uint16_t* x, int64_t x_stride, const __m512i* w, int64_t pairs,
 template <int P>
 void rows_against(const uint16_t* x, int64_t m, int64_t x_stride, const __m512i* w,
                   int64_t pairs, const float* scales, float* out, int64_t n) {
-  int64_t r = 0;
-  for (; r + kTileRows <= m; r += kTileRows) {
-    tile<kTileRows, P>(x + r * x_stride, x_stride, w, pairs, scales, out + r * n, n);
-  }
-  const uint16_t* xr = x + r * x_stride;
-  float* o = out + r * n;
-  switch (m - r) {  // 0 .. kTileRows - 1 left
-    case 1: tile<1, P>(xr, x_stride, w, pairs, scales, o, n); break;
-    case 2: tile<2, P>(xr, x_stride, w, pairs, scales, o, n); break;
-    case 3: tile<3, P>(xr, x_stride, w, pairs, scales, o, n); break;
-    case 4: tile<4, P>(xr, x_stride, w, pairs, scales, o, n); break;
-    case 5: tile<5, P>(xr, x_stride, w, pairs, scales, o, n); break;
-    default: break;
+  for (int64_t r = 0; r < m; r += kTileRows) {
+    with_rows<kTileRows>(m - r, [&](auto rows) {
+      tile<decltype(rows)::value, P>(x + r * x_stride, x_stride, w, pairs, scales, out + r * n,
+                                     n);
+    });
   }
 }
 
@@ -670,9 +651,11 @@ void matmul(const uint16_t* x, int64_t m, int64_t x_stride, const int8_t* packed
     at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         for (int64_t r = 0; r < m; r += kDirectRows) {
-          direct_rows(static_cast<int>(std::min<int64_t>(kDirectRows, m - r)),
-                      x + r * x_stride, x_stride, packed + p * pairs * 32, pairs,
-                      _mm512_loadu_ps(scales + p * kPanel), out + r * n + p * kPanel, n);
+          with_rows<kDirectRows>(m - r, [&](auto rows) {
+            panel_rows_direct<decltype(rows)::value>(
+                x + r * x_stride, x_stride, packed + p * pairs * 32, pairs,
+                _mm512_loadu_ps(scales + p * kPanel), out + r * n + p * kPanel, n);
+          });
         }
       }
     });
@@ -789,20 +772,9 @@ void run_panels(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t 
   }
 }
 
-void rows_tile(int rows, const uint16_t* x, int64_t x_stride, const float* xsum,
-               int64_t groups, const uint8_t* q, const uint16_t* sm, int64_t begin,
-               int64_t end, uint16_t* out, int64_t n) {
-  switch (rows) {  // 1 .. 8; more panels at once where fewer rows leave registers free
-    case 1: run_panels<1, 4>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
-    case 2: run_panels<2, 3>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
-    case 3: run_panels<3, 2>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
-    case 4: run_panels<4, 2>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
-    case 5: run_panels<5, 1>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
-    case 6: run_panels<6, 1>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
-    case 7: run_panels<7, 1>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
-    default: run_panels<8, 1>(x, x_stride, xsum, groups, q, sm, begin, end, out, n); break;
-  }
-}
+// More panels at once where fewer rows leave registers free (R x P x 3 accumulators).
+template <int R>
+constexpr int kPanelsAtOnce = R == 1 ? 4 : R == 2 ? 3 : R <= 4 ? 2 : 1;
 
 void matmul(const uint16_t* x, int64_t m, int64_t x_stride, const uint8_t* q,
             const uint16_t* sm, int64_t n, int64_t k, uint16_t* out) {
@@ -818,8 +790,11 @@ void matmul(const uint16_t* x, int64_t m, int64_t x_stride, const uint8_t* q,
   // grain: at least 8 panels (128 outputs) per task, for small matrices too
   at::parallel_for(0, panels, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = 0; r < m; r += 8) {
-      rows_tile(static_cast<int>(std::min<int64_t>(8, m - r)), x + r * x_stride, x_stride,
-                xsum.data() + r * groups, groups, q, sm, begin, end, out + r * n, n);
+      with_rows<8>(m - r, [&](auto rows) {
+        constexpr int R = decltype(rows)::value;
+        run_panels<R, kPanelsAtOnce<R>>(x + r * x_stride, x_stride, xsum.data() + r * groups,
+                                        groups, q, sm, begin, end, out + r * n, n);
+      });
     }
   });
 }

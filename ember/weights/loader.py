@@ -9,9 +9,9 @@ import torch
 
 from ember.config import ModelConfig
 from ember.errors import ConfigError, ModelLoadError
+from ember.kernels import CpuKernels
 from ember.models.layers import rope_inv_freq
 from ember.models.llama import LlamaForCausalLM
-from ember.kernels import CpuKernels
 from ember.quant.packed import Int8Embedding, KernelInt8Linear, check_method, quantize_linears
 from ember.weights.gguf import ROPE_FREQS, GGUFFile
 from ember.weights.safetensors import SafetensorsFolder
