@@ -138,7 +138,7 @@ class SchedulerConfig:
         cap = self.prefill_tokens_with_decodes
         if cap is not None and cap <= 0:
             raise ConfigError(f"prefill_tokens_with_decodes={cap} must be positive; try 256, "
-                              "or None for the whole budget")
+                              "or max_num_batched_tokens (None in Python) for the whole budget")
 
 
 @dataclass(frozen=True)
