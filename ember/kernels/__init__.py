@@ -85,6 +85,15 @@ class CpuKernels:
         inputs, from pack_int4_panels; for decode-sized m."""
         return self.ops.int4_linear(x, q, scale_min)
 
+    def decode_stack(self, weights: list[Tensor], final_norm: Tensor, heads: int,
+                     kv_heads: int, head_dim: int, eps: float, scale: float):
+        """Every decoder layer of a decode step in one call (AVX-512 BF16 only): `weights`
+        per layer, in order: input norm, qkv (q, scale_min), o (q, scale_min), post-attention
+        norm, gate_up (q, scale_min), down (q, scale_min), the int4 ones from
+        pack_int4_panels. Its forward(x, cos, sin, kv caches, slots, block_tables, seq_lens)
+        returns the final norm's output [T, hidden]."""
+        return self.ops.DecodeStack(weights, final_norm, heads, kv_heads, head_dim, eps, scale)
+
     def int8_rows(self, ids: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
         """Rows `ids` [t] of that weight -> [t, k] bfloat16 (an embedding lookup)."""
         return self.ops.int8_rows(ids, packed, scales)

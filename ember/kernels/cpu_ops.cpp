@@ -710,16 +710,24 @@ inline __m512i nibble_table() {  // bfloat16 bits of 0.0, 1.0, ..., 15.0 (twice)
 
 // R input rows against P panels (P x 2 chains of dot products per row, so that the
 // instruction's latency is hidden even at one row).
+// While they run, `ahead` panels at pf_q / pf_sm are prefetched, a group's share per group:
+// the weights stream from DRAM (they do not fit in cache), and the hardware prefetcher alone
+// leaves a step's weight reads at ~30 GB/s where a plain read reaches ~50-70.
 template <int R, int P>
 void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t groups,
                  const uint8_t* q, const uint16_t* sm, int64_t panel_q, int64_t panel_sm,
-                 uint16_t* out, int64_t out_stride) {
-  const __m512i table = nibble_table(), low = _mm512_set1_epi16(0x0F);
+                 uint16_t* out, int64_t out_stride, const char* pf_q, const char* pf_sm,
+                 int64_t ahead) {
+  // bfloat16 0x4300 | q is exactly 128 + q (7 mantissa bits, exponent 7): two bitwise ops
+  // make an operand, and the group's 128 * sum(x) comes off with the minimum below
+  const __m512i low = _mm512_set1_epi16(0x0F), bias = _mm512_set1_epi16(0x4300);
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
   }
   for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t i = 0; i < ahead * 4; ++i) _mm_prefetch(pf_q + (g * ahead * 4 + i) * 64, _MM_HINT_T0);
+    for (int64_t i = 0; i < ahead; ++i) _mm_prefetch(pf_sm + (g * ahead + i) * 64, _MM_HINT_T0);
     __m512 even[R][P], odd[R][P];
     for (int r = 0; r < R; ++r) {
       for (int j = 0; j < P; ++j) even[r][j] = odd[r][j] = _mm512_setzero_ps();
@@ -728,8 +736,8 @@ void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t
       for (int j = 0; j < P; ++j) {
         const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(q + j * panel_q + (g * 8 + c) * 32)));
-        const __m512bh b0 = simd::as_bh(_mm512_permutexvar_epi16(_mm512_and_si512(w, low), table));
-        const __m512bh b1 = simd::as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
+        const __m512bh b0 = simd::as_bh(_mm512_ternarylogic_epi32(w, low, bias, 0xEA));  // (w & low) | bias
+        const __m512bh b1 = simd::as_bh(_mm512_or_si512(_mm512_srli_epi16(w, 4), bias));
         for (int r = 0; r < R; ++r) {
           const uint16_t* xr = x + r * x_stride + g * kGroupK + 4 * c;
           even[r][j] = _mm512_dpbf16_ps(even[r][j], simd::pair_of(xr), b0);
@@ -740,7 +748,9 @@ void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t
     for (int j = 0; j < P; ++j) {
       const c10::BFloat16* group_sm = reinterpret_cast<const c10::BFloat16*>(
           sm + j * panel_sm + g * 2 * kPanel);
-      const __m512 scale = simd::load16(group_sm), min = simd::load16(group_sm + kPanel);
+      const __m512 scale = simd::load16(group_sm);
+      const __m512 min = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), scale,  // min - 128 scale
+                                          simd::load16(group_sm + kPanel));
       for (int r = 0; r < R; ++r) {
         acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(even[r][j], odd[r][j]), scale, acc[r][j]);
         acc[r][j] = _mm512_fmadd_ps(min, _mm512_set1_ps(xsum[r * groups + g]), acc[r][j]);
@@ -755,21 +765,35 @@ void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t
   }
 }
 
+// Panels are prefetched this far ahead of the ones being multiplied.
+constexpr int64_t kAhead = 8;
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + i, _MM_HINT_T0);
+  }
+}
+
 // Rows r0 .. r0 + rows of the output for panels [begin, end).
 template <int R, int P>
 void run_panels(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t groups,
                 const uint8_t* q, const uint16_t* sm, int64_t begin, int64_t end,
                 uint16_t* out, int64_t n) {
   const int64_t panel_q = groups * 8 * 32, panel_sm = groups * 2 * kPanel;
+  const int64_t first = std::min(kAhead, end - begin);  // nothing before them fetched these
+  prefetch_bytes(q + begin * panel_q, first * panel_q);
+  prefetch_bytes(sm + begin * panel_sm, first * panel_sm * 2);
+  auto run = [&](auto panels, int64_t p) {
+    constexpr int J = decltype(panels)::value;
+    const int64_t ahead = std::clamp<int64_t>(end - p - kAhead, 0, J);
+    panels_rows<R, J>(x, x_stride, xsum, groups, q + p * panel_q, sm + p * panel_sm, panel_q,
+                      panel_sm, out + p * kPanel, n,
+                      reinterpret_cast<const char*>(q + (p + kAhead) * panel_q),
+                      reinterpret_cast<const char*>(sm + (p + kAhead) * panel_sm), ahead);
+  };
   int64_t p = begin;
-  for (; p + P <= end; p += P) {
-    panels_rows<R, P>(x, x_stride, xsum, groups, q + p * panel_q, sm + p * panel_sm, panel_q,
-                      panel_sm, out + p * kPanel, n);
-  }
-  for (; p < end; ++p) {
-    panels_rows<R, 1>(x, x_stride, xsum, groups, q + p * panel_q, sm + p * panel_sm, panel_q,
-                      panel_sm, out + p * kPanel, n);
-  }
+  for (; p + P <= end; p += P) run(std::integral_constant<int, P>{}, p);
+  for (; p < end; ++p) run(std::integral_constant<int, 1>{}, p);
 }
 
 // More panels at once where fewer rows leave registers free (R x P x 3 accumulators).
@@ -1165,6 +1189,167 @@ torch::Tensor int8_rows(torch::Tensor ids, torch::Tensor packed, torch::Tensor s
   return out;
 }
 
+#ifdef EMBER_BF16_DOT
+// A decode step through every decoder layer in one call (the model's weights all int4, its
+// activations and KV cache bfloat16, one new token per request): the same kernels, in the
+// same order, as the layer-by-layer path in ember/models, with no Python and no allocation
+// between them. Per layer:
+//   h = rms_norm(residual += x)      (the first layer: residual = x, h = rms_norm(x))
+//   q = rope_write(h Wqkv)           k, v into the cache
+//   x = attention(q) Wo;  h = rms_norm(residual += x)
+//   x = silu_and_mul(h Wgate_up) Wdown
+// and at the end rms_norm(residual += x) with the final norm: the hidden states the output
+// projection reads.
+class DecodeStack {
+ public:
+  // weights: per layer, in order, input norm, qkv (q, scale_min), o (q, scale_min),
+  // post-attention norm, gate_up (q, scale_min), down (q, scale_min): 10 tensors each.
+  DecodeStack(std::vector<torch::Tensor> weights, torch::Tensor final_norm, int64_t heads,
+              int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : final_norm_(std::move(final_norm)), heads_(heads), kv_heads_(kv_heads), d_(head_dim),
+        eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)) {
+    TORCH_CHECK(weights.size() % 10 == 0 && !weights.empty(), "weights: 10 tensors per layer");
+    TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128");
+    TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+    hidden_ = final_norm_.numel();
+    for (size_t i = 0; i < weights.size(); i += 10) {
+      Layer layer{weights[i], weights[i + 5], int4(weights[i + 1], weights[i + 2]),
+                  int4(weights[i + 3], weights[i + 4]), int4(weights[i + 6], weights[i + 7]),
+                  int4(weights[i + 8], weights[i + 9])};
+      TORCH_CHECK(layer.qkv.k == hidden_ && layer.qkv.n == (heads + 2 * kv_heads) * head_dim &&
+                      layer.o.k == heads * head_dim && layer.o.n == hidden_ &&
+                      layer.gate_up.k == hidden_ && layer.down.k * 2 == layer.gate_up.n &&
+                      layer.down.n == hidden_,
+                  "layer ", i / 10, ": the weights' shapes do not fit together");
+      for (const auto* norm : {&layer.in_norm, &layer.post_norm, &final_norm_}) {
+        TORCH_CHECK(norm->scalar_type() == at::kBFloat16 && norm->is_contiguous() &&
+                        norm->numel() == hidden_,
+                    "norm weights must be [hidden] contiguous bfloat16");
+      }
+      layers_.push_back(std::move(layer));
+    }
+  }
+
+  // x [T, hidden] (the embeddings), cos, sin [T, 1, d], kv: each layer's cache [2, kv_heads,
+  // blocks, block_size, d], slots [T], block_tables [T, max_blocks], seq_lens [T] (int64; the
+  // new token included) -> the final norm's output [T, hidden]. All bfloat16.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                        const std::vector<torch::Tensor>& kv, torch::Tensor slots,
+                        torch::Tensor block_tables, torch::Tensor seq_lens) const {
+    check_inputs(x, cos, sin, kv, slots, block_tables, seq_lens);
+    const int64_t t = x.size(0), qkv_n = layers_[0].qkv.n, inter = layers_[0].down.k;
+    const auto opts = x.options();
+    auto residual = x.clone();
+    auto h = torch::empty({t, hidden_}, opts), out = torch::empty({t, hidden_}, opts);
+    auto qkv = torch::empty({t, qkv_n}, opts), q = torch::empty({t, heads_, d_}, opts);
+    auto att = torch::empty({t, heads_, d_}, opts), gate_up = torch::empty({t, 2 * inter}, opts);
+    auto act = torch::empty({t, inter}, opts);
+    auto* r = residual.data_ptr<at::BFloat16>();
+    auto* hp = h.data_ptr<at::BFloat16>();
+    auto* op = out.data_ptr<at::BFloat16>();
+    rms_norm_rows(r, static_cast<at::BFloat16*>(nullptr), layers_[0].in_norm.data_ptr<at::BFloat16>(), hp, t,
+                  hidden_, eps_);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& layer = layers_[l];
+      if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
+      linear(layer.qkv, h, qkv);
+      const auto& cache = kv[l];
+      const int64_t blocks = cache.size(2), block_size = cache.size(3);
+      rope_write_impl(qkv.data_ptr<at::BFloat16>(), cos.data_ptr<at::BFloat16>(),
+                      sin.data_ptr<at::BFloat16>(), cache.data_ptr<at::BFloat16>(),
+                      slots.data_ptr<int64_t>(), q.data_ptr<at::BFloat16>(), t, heads_,
+                      kv_heads_, d_, blocks * block_size);
+      auto attend = d_ == 64 ? decode::decode_attention_bf16<64>
+                             : decode::decode_attention_bf16<128>;
+      attend(bits(q), heads_ * d_, d_, bits(cache), block_tables.data_ptr<int64_t>(),
+             seq_lens.data_ptr<int64_t>(), bits(att), t, heads_, kv_heads_, blocks, block_size,
+             block_tables.size(1), scale_);
+      linear(layer.o, att.view({t, heads_ * d_}), out);
+      rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
+      linear(layer.gate_up, h, gate_up);
+      silu_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), act.data_ptr<at::BFloat16>(), t, inter);
+      linear(layer.down, act, out);
+    }
+    rms_norm_rows(op, r, final_norm_.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
+    return h;
+  }
+
+ private:
+  struct Int4 {
+    torch::Tensor q, scale_min;
+    int64_t n, k;
+  };
+  struct Layer {
+    torch::Tensor in_norm, post_norm;
+    Int4 qkv, o, gate_up, down;
+  };
+
+  static Int4 int4(torch::Tensor q, torch::Tensor scale_min) {
+    TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 4 && q.size(2) == 8 &&
+                    q.size(3) == 32 && q.is_contiguous(),
+                "q must be contiguous [n / 16, k / 32, 8, 32] uint8");
+    TORCH_CHECK(scale_min.scalar_type() == at::kBFloat16 && scale_min.is_contiguous() &&
+                    scale_min.numel() == q.size(0) * q.size(1) * 32,
+                "scale_min must be contiguous [n / 16, k / 32, 2, 16] bfloat16");
+    return Int4{q, scale_min, q.size(0) * 16, q.size(1) * 32};
+  }
+
+  static const uint16_t* bits(const torch::Tensor& t) {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+  }
+  static uint16_t* bits(torch::Tensor& t) {
+    return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+  }
+
+  static void linear(const Int4& w, const torch::Tensor& x, torch::Tensor& out) {
+    int4w::matmul(bits(x), x.size(0), x.stride(0), w.q.data_ptr<uint8_t>(), bits(w.scale_min),
+                  w.n, w.k, bits(out));
+  }
+
+  void check_inputs(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                    const std::vector<torch::Tensor>& kv, const torch::Tensor& slots,
+                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens) const {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                    x.size(1) == hidden_ && x.is_contiguous() && x.size(0) >= 1,
+                "x must be [T, hidden] contiguous bfloat16, T >= 1");
+    const int64_t t = x.size(0);
+    for (const auto* c : {&cos, &sin}) {
+      TORCH_CHECK(c->scalar_type() == at::kBFloat16 && c->is_contiguous() &&
+                      c->numel() == t * d_,
+                  "cos and sin must be [T, 1, head_dim] contiguous bfloat16");
+    }
+    TORCH_CHECK(kv.size() == layers_.size(), "one KV cache per layer");
+    for (const auto& cache : kv) {
+      TORCH_CHECK(cache.scalar_type() == at::kBFloat16 && cache.is_contiguous() &&
+                      cache.dim() == 5 && cache.size(0) == 2 && cache.size(1) == kv_heads_ &&
+                      cache.size(4) == d_ && cache.sizes() == kv[0].sizes(),
+                  "each KV cache must be a contiguous bfloat16 [2, kv_heads, blocks, "
+                  "block_size, head_dim]");
+    }
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                    slots.numel() == t && block_tables.scalar_type() == at::kLong &&
+                    block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                    block_tables.size(0) == t && seq_lens.scalar_type() == at::kLong &&
+                    seq_lens.is_contiguous() && seq_lens.numel() == t,
+                "slots [T], block_tables [T, max_blocks] and seq_lens [T] must be contiguous "
+                "int64");
+    const int64_t blocks = kv[0].size(2), block_size = kv[0].size(3);
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    for (int64_t i = 0; i < t; ++i) {
+      TORCH_CHECK(slot[i] >= 0 && slot[i] < blocks * block_size, "a slot is outside the cache");
+      TORCH_CHECK(lens[i] >= 1 && lens[i] <= block_tables.size(1) * block_size,
+                  "seq_lens must be in [1, max_blocks * block_size]");
+    }
+  }
+
+  std::vector<Layer> layers_;
+  torch::Tensor final_norm_;
+  int64_t heads_, kv_heads_, d_, hidden_;
+  float eps_, scale_;
+};
+#endif  // EMBER_BF16_DOT
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs, as torch's own ops do, so that the server's
   // event loop can serve HTTP meanwhile (the engine steps in a thread of its own)
@@ -1183,4 +1368,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_rows", &int8_rows, "rows of an int8 weight in 16-row VNNI panels", no_gil);
   m.def("int4_linear", &int4_linear, "x w^T with w int4 (groups of 32) in 16-row panels",
         no_gil);
+#ifdef EMBER_BF16_DOT
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t, int64_t, double,
+                    double>())
+      .def("forward", &DecodeStack::forward, "a decode step through every layer", no_gil);
+#endif
 }

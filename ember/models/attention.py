@@ -24,6 +24,7 @@ attends in a flash-attention kernel over its blocks (kernels.can_prefill).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -50,27 +51,48 @@ class AttentionGroup:
                   repeats a real row; its output is dropped)
     valid         [G, max_n] bool: which of those are real
     block_tables  [G, max_blocks] long: each member's context blocks, 0-padded
-    mask          [G, 1, max_n, max_blocks * block_size] bool: key j is visible to new token i
-                  of member g iff j < seq_len_g and j <= seq_len_g - n_g + i (padding rows see
-                  key 0 only, so that no row is fully masked)
-    bias          the mask as float32 0 / -inf, for the matmul path (few queries per member)
     out_rows      [num valid] long: rows[valid], where the outputs go
     seq_lens      [G] long: each member's context after this step (its new tokens included)
+    num_new       [G] long: each member's new tokens
+    block_size    the cache's tokens per block
     whole_batch   the group is the step's whole flat batch, rows 0..T-1 in order, no padding
                   (every step that only decodes): queries and outputs need no indexing
     lone          (first row, seq_len) when the group has one member (a continued prompt
                   chunk): its rows are contiguous, for the prefill kernel
+    mask, bias    built when first asked for (the kernels never need them), see below
     """
 
     rows: Tensor
     valid: Tensor
     block_tables: Tensor
-    mask: Tensor
-    bias: Tensor
     out_rows: Tensor
     seq_lens: Tensor
+    num_new: Tensor
+    block_size: int
     whole_batch: bool = False
     lone: tuple[int, int] | None = None
+
+    @functools.cached_property
+    def mask(self) -> Tensor:
+        """[G, 1, max_n, max_blocks * block_size] bool: key j is visible to new token i of
+        member g iff j < seq_len_g and j <= seq_len_g - n_g + i (padding rows see key 0 only,
+        so that no row is fully masked)."""
+        context = self.block_tables.shape[1] * self.block_size
+        max_n = self.rows.shape[1]
+        key_pos = torch.arange(context, device=self.rows.device)[None, None, :]
+        seq_lens = self.seq_lens[:, None, None]
+        query_pos = (self.seq_lens[:, None] - self.num_new[:, None]
+                     + torch.arange(max_n, device=self.rows.device)[None, :])[:, :, None]
+        mask = (key_pos < seq_lens) & (key_pos <= query_pos)
+        mask |= (~self.valid[:, :, None]) & (key_pos == 0)
+        return mask[:, None]
+
+    @functools.cached_property
+    def bias(self) -> Tensor:
+        """The mask as float32 0 / -inf, for the matmul path (few queries per member)."""
+        return torch.zeros(self.mask.shape, dtype=torch.float32,
+                           device=self.mask.device).masked_fill_(~self.mask, float("-inf"))
+
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ from torch import Tensor, nn
 
 from ember.config import ModelConfig
 from ember.kernels import CpuKernels
-from ember.models.attention import (AttentionMetadata, PagedKV, attend_cached, paged_attention,
-                                    prefill_in_kernel)
+from ember.models.attention import (AttentionGroup, AttentionMetadata, PagedKV, attend_cached,
+                                    paged_attention, prefill_in_kernel)
 from ember.models.layers import (KERNEL_DTYPES, RMSNorm, SwiGLU, apply_rope, rope_cos_sin,
                                  rope_inv_freq)
+from ember.quant.packed import PackedLinear
 
 
 class LlamaAttention(nn.Module):
@@ -95,6 +96,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.decode_stack = None  # set by use_kernels where it applies
+        self.stack_max_rows = 0
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta,
@@ -109,17 +112,70 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] long -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        decodes = self._stack_step(x, kv_caches, meta)
+        if decodes is not None:  # the same kernels as the layers below, in one call
+            return self.decode_stack.forward(x, cos, sin, [c.data for c in kv_caches],
+                                             meta.slot_mapping, decodes.block_tables,
+                                             decodes.seq_lens)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         return self.model.norm(x, residual)[0]
 
     def use_kernels(self, kernels: CpuKernels | None) -> None:
-        """Run the norms and decode attention on compiled CPU kernels (None: torch only)."""
+        """Run the norms and decode attention on compiled CPU kernels (None: torch only);
+        call it after quantizing: where every layer's linears are int4 on the kernels, small
+        decode steps run through all layers in one call (decode_stack)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaAttention, SwiGLU)):
                 module.kernels = kernels
+        self.decode_stack = _build_decode_stack(self, kernels)
+
+    def _stack_step(self, x: Tensor, kv_caches: list[PagedKV], meta: AttentionMetadata
+                    ) -> AttentionGroup | None:
+        """The step's one group when decode_stack runs it: only decodes (one new token per
+        request, the whole batch in order), few enough for the int4 weights, a bfloat16
+        cache."""
+        if self.decode_stack is None or meta.fresh or len(meta.groups) != 1:
+            return None
+        group = meta.groups[0]
+        rows = x.shape[0]
+        if not group.whole_batch or group.rows.shape[1] != 1 or rows > self.stack_max_rows:
+            return None
+        cache = kv_caches[0]
+        return group if cache.scale is None and cache.data.dtype == torch.bfloat16 else None
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
         return self.lm_head(hidden).float()
+
+
+def _build_decode_stack(model: LlamaForCausalLM, kernels: CpuKernels | None):
+    """The compiled whole-model decode step, where it applies: AVX-512 BF16 kernels, a
+    bfloat16 model with no biases whose every projection is int4 on those kernels (and
+    head_dim 64 or 128); else None, and steps run layer by layer."""
+    config = model.config
+    if kernels is None or not kernels.has_bf16_dot or config.head_dim not in (64, 128):
+        return None
+    weights: list[Tensor] = []
+    max_rows = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(p, PackedLinear) and p.kernels is not None and p.bias is None
+                   for p in linears):
+            return None
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if any(w.dtype != torch.bfloat16 for w in norms):
+            return None
+        weights += [norms[0], attn.qkv_proj.qweight, attn.qkv_proj.scales,
+                    attn.o_proj.qweight, attn.o_proj.scales, norms[1],
+                    mlp.gate_up_proj.qweight, mlp.gate_up_proj.scales,
+                    mlp.down_proj.qweight, mlp.down_proj.scales]
+        max_rows += [p.max_packed_rows if p.weight is not None else 1 << 30 for p in linears]
+    if model.model.norm.weight.dtype != torch.bfloat16:
+        return None
+    model.stack_max_rows = min(max_rows)  # beyond it the layers run on the dense weights
+    return kernels.decode_stack(weights, model.model.norm.weight, config.num_heads,
+                                config.num_kv_heads, config.head_dim, config.rms_norm_eps,
+                                config.head_dim ** -0.5)

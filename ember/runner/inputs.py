@@ -81,32 +81,28 @@ def _cheap_enough(group: list[_Member]) -> bool:
 
 def build_group(members: list[_Member], block_size: int, device: torch.device,
                 num_rows: int) -> AttentionGroup:
-    """One group's tensors; `num_rows` is the step's flat batch size."""
+    """One group's tensors; `num_rows` is the step's flat batch size. Plain lists first:
+    a step of decodes (every member one new token) builds in a few small tensors."""
     max_n = max(m.num_new for m in members)
     width = max(cdiv(m.seq_len, block_size) for m in members)
-    rows = torch.tensor([[m.row + min(i, m.num_new - 1) for i in range(max_n)]
-                         for m in members], dtype=torch.long)
-    new = torch.tensor([m.num_new for m in members])[:, None]
-    seq_lens = torch.tensor([m.seq_len for m in members])[:, None, None]
-    valid = torch.arange(max_n)[None, :] < new
-    key_pos = torch.arange(width * block_size)[None, None, :]
-    query_pos = (seq_lens[:, :, 0] - new + torch.arange(max_n)[None, :])[:, :, None]
-    mask = (key_pos < seq_lens) & (key_pos <= query_pos)
-    mask |= (~valid[:, :, None]) & (key_pos == 0)   # padding rows see key 0 only
+    row_lists = [[m.row + min(i, m.num_new - 1) for i in range(max_n)] for m in members]
+    rows = torch.tensor(row_lists, dtype=torch.long)
     tables = torch.tensor([m.block_ids[:cdiv(m.seq_len, block_size)] +
                            [0] * (width - cdiv(m.seq_len, block_size)) for m in members],
                           dtype=torch.long)
-    bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+    seq_lens = torch.tensor([m.seq_len for m in members], dtype=torch.long)
+    num_new = torch.tensor([m.num_new for m in members], dtype=torch.long)
+    no_padding = all(m.num_new == max_n for m in members)
+    if no_padding:
+        valid, out_rows = torch.ones(rows.shape, dtype=torch.bool), rows.view(-1)
+    else:
+        valid = torch.arange(max_n)[None, :] < num_new[:, None]
+        out_rows = rows[valid]
+    whole_batch = no_padding and [r for rs in row_lists for r in rs] == list(range(num_rows))
     lone = (members[0].row, members[0].seq_len) if len(members) == 1 else None
     return AttentionGroup(rows.to(device), valid.to(device), tables.to(device),
-                          mask[:, None].to(device), bias[:, None].to(device),
-                          rows[valid].to(device), seq_lens.view(-1).to(device),
-                          _is_whole_batch(rows, valid, num_rows), lone)
-
-
-def _is_whole_batch(rows: Tensor, valid: Tensor, num_rows: int) -> bool:
-    return bool(valid.all()) and rows.numel() == num_rows and \
-        bool((rows.flatten() == torch.arange(num_rows)).all())
+                          out_rows.to(device), seq_lens.to(device), num_new.to(device),
+                          block_size, whole_batch, lone)
 
 
 def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:

@@ -7,6 +7,7 @@ without the kernels.
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from ember.kernels import (CpuKernels, build_cpu_ops, load_kernels, pack_int4_pa
                            pack_int8_panels)
 from ember.models.attention import PagedKV, _matmul_attention
 from ember.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
-from ember.request import SamplingParams
+from ember.request import RequestOptions, SamplingParams
 from tests.conftest import assert_greedy_close
 
 # float32: the same maths in another order (fused multiply-adds); bfloat16: rounding steps
@@ -252,3 +253,55 @@ def test_smollm_default_weights_agree_with_and_without_kernels(smollm_path):
 def kernels_have_bf16_dot(llm: LLM) -> bool:
     kernels = llm.engine.runner.model.model.norm.kernels
     return kernels is not None and kernels.has_bf16_dot
+
+
+def test_smollm_decode_stack_equals_the_layers_exactly(smollm_path):
+    """The default weights on AVX-512 BF16: small decode steps run every layer in one
+    compiled call (decode_stack). It calls the same kernels in the same order as the
+    layer-by-layer path, so tokens and logprobs are bit-for-bit the same, for one stream and
+    for batches below and above the int4 row limit (8)."""
+    llm = LLM(str(smollm_path))
+    model = llm.engine.runner.model
+    if not kernels_have_bf16_dot(llm):
+        pytest.skip("the decode stack needs AVX-512 BF16")
+    assert model.decode_stack is not None and model.stack_max_rows == 8
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    cold = RequestOptions(prefix_cache=False)
+    batches = [PROMPTS[:1], PROMPTS, [[1, 504 + i, 3458, 282] * (1 + i) for i in range(11)]]
+    calls = 0
+    forward = model.decode_stack.forward
+
+    def counted(*args):
+        nonlocal calls
+        calls += 1
+        return forward(*args)
+
+    stacked = []
+    model.decode_stack = SimpleNamespace(forward=counted)
+    for prompts in batches:
+        stacked.append(llm.generate(prompts, params, cold))
+    assert calls > 0
+    model.decode_stack = None
+    for prompts, want in zip(batches, stacked):
+        got = llm.generate(prompts, params, cold)
+        for g, w in zip(got, want):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            assert g.outputs[0].logprobs == w.outputs[0].logprobs
+
+
+def test_decode_stack_refuses_inputs_that_do_not_fit(smollm_path):
+    llm = LLM(str(smollm_path))
+    stack = llm.engine.runner.model.decode_stack
+    if stack is None:
+        pytest.skip("the decode stack needs AVX-512 BF16")
+    caches = [c.data for c in llm.engine.runner.kv_caches]
+    x = torch.zeros(1, 576, dtype=torch.bfloat16)
+    cos = sin = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    one = torch.tensor([1])
+    tables = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="one KV cache per layer"):
+        stack.forward(x, cos, sin, caches[:-1], one, tables, one)
+    with pytest.raises(RuntimeError, match="a slot is outside the cache"):
+        stack.forward(x, cos, sin, caches, torch.tensor([1 << 40]), tables, one)
+    with pytest.raises(RuntimeError, match=r"x must be \[T, hidden\]"):
+        stack.forward(x.float(), cos, sin, caches, one, tables, one)
