@@ -456,7 +456,17 @@ void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, 
                  float scale, float* scores, float* out) {
   constexpr int P = D / 32;  // 32 bfloat16 (16 pairs) per instruction
   const int64_t len16 = (len + 15) / 16 * 16;
+  // the cache is cold in a step (the weights streamed through since this layer last ran):
+  // while 16 keys are scored, the next 16 keys and these 16 values are prefetched
+  auto prefetch_row = [](const uint16_t* row) {
+    for (int b = 0; b < D * 2; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+    }
+  };
+  for (int64_t j = 0; j < std::min<int64_t>(16, len); ++j) prefetch_row(keys.row(j));
   for (int64_t j0 = 0; j0 < len16; j0 += 16) {
+    for (int64_t j = j0 + 16; j < std::min(j0 + 32, len); ++j) prefetch_row(keys.row(j));
+    for (int64_t j = j0; j < std::min(j0 + 16, len); ++j) prefetch_row(values.row(j));
     const uint16_t* rows[16];
     for (int jj = 0; jj < 16; ++jj) rows[jj] = keys.row(std::min(j0 + jj, len - 1));
     for (int r = 0; r < G; ++r) {

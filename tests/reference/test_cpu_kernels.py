@@ -80,14 +80,15 @@ def test_silu_and_mul(kernels, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128, 48])   # unrolled sizes, and any other
-def test_decode_attention_reads_the_paged_cache_in_place(kernels, dtype, head_dim):
+@pytest.mark.parametrize("lengths", [[1, 16, 17, 150, 37], [700], [5, 333]])
+def test_decode_attention_reads_the_paged_cache_in_place(kernels, dtype, head_dim, lengths):
     """Requests of different lengths over scattered blocks, grouped query heads (3 per KV
     head), against gathering the context and attending with the torch matmul path."""
-    heads, kv_heads, block_size, num_blocks = 9, 3, 16, 40
+    heads, kv_heads, block_size, num_blocks = 9, 3, 16, 60
     g = torch.Generator().manual_seed(3)
     cache = PagedKV(torch.randn(2, kv_heads, num_blocks, block_size, head_dim,
                                 generator=g).to(dtype))
-    seq_lens = torch.tensor([1, 16, 17, 150, 37])
+    seq_lens = torch.tensor(lengths)
     width = -(-int(seq_lens.max()) // block_size)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width]
                           for _ in seq_lens])
