@@ -1201,9 +1201,9 @@ torch::Tensor int8_rows(torch::Tensor ids, torch::Tensor packed, torch::Tensor s
 
 #ifdef EMBER_BF16_DOT
 // A decode step through every decoder layer in one call (the model's weights all int4, its
-// activations and KV cache bfloat16, one new token per request): the same kernels, in the
-// same order, as the layer-by-layer path in ember/models, with no Python and no allocation
-// between them. Per layer:
+// activations and KV cache bfloat16, one new token per request, any number of requests):
+// the same kernels, in the same order, as the layer-by-layer path in ember/models takes up
+// to 8 rows, with no Python and no allocation between them. Per layer:
 //   h = rms_norm(residual += x)      (the first layer: residual = x, h = rms_norm(x))
 //   q = rope_write(h Wqkv)           k, v into the cache
 //   x = attention(q) Wo;  h = rms_norm(residual += x)

@@ -96,10 +96,21 @@ class AttentionGroup:
 
 
 @dataclass(frozen=True)
+class DecodeBatch:
+    """A step that only decodes (one new token per request), every request in row order,
+    for a kernel that attends them all in one call whatever their lengths (the groups above
+    split uneven lengths apart for the padded torch path)."""
+
+    block_tables: Tensor   # [T, max_blocks] long, 0-padded
+    seq_lens: Tensor       # [T] long: context after this step, the new token included
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: Tensor               # [T] long: cache slot of each new token
     fresh: list[FreshChunk] = field(default_factory=list)
     groups: list[AttentionGroup] = field(default_factory=list)
+    decodes: DecodeBatch | None = None  # the step's requests when it only decodes
 
 
 @dataclass

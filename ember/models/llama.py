@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ember.config import ModelConfig
 from ember.kernels import CpuKernels
-from ember.models.attention import (AttentionGroup, AttentionMetadata, PagedKV, attend_cached,
+from ember.models.attention import (AttentionMetadata, DecodeBatch, PagedKV, attend_cached,
                                     paged_attention, prefill_in_kernel)
 from ember.models.layers import (KERNEL_DTYPES, RMSNorm, SwiGLU, apply_rope, rope_cos_sin,
                                  rope_inv_freq)
@@ -97,7 +97,6 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.decode_stack = None  # set by use_kernels where it applies
-        self.stack_max_rows = 0
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta,
@@ -112,8 +111,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] long -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        decodes = self._stack_step(x, kv_caches, meta)
-        if decodes is not None:  # the same kernels as the layers below, in one call
+        decodes = self._stack_step(kv_caches, meta)
+        if decodes is not None:  # every layer in one compiled call, on the int4 weights
             return self.decode_stack.forward(x, cos, sin, [c.data for c in kv_caches],
                                              meta.slot_mapping, decodes.block_tables,
                                              decodes.seq_lens)
@@ -131,19 +130,19 @@ class LlamaForCausalLM(nn.Module):
                 module.kernels = kernels
         self.decode_stack = _build_decode_stack(self, kernels)
 
-    def _stack_step(self, x: Tensor, kv_caches: list[PagedKV], meta: AttentionMetadata
-                    ) -> AttentionGroup | None:
-        """The step's one group when decode_stack runs it: only decodes (one new token per
-        request, the whole batch in order), few enough for the int4 weights, a bfloat16
-        cache."""
-        if self.decode_stack is None or meta.fresh or len(meta.groups) != 1:
-            return None
-        group = meta.groups[0]
-        rows = x.shape[0]
-        if not group.whole_batch or group.rows.shape[1] != 1 or rows > self.stack_max_rows:
+    def _stack_step(self, kv_caches: list[PagedKV], meta: AttentionMetadata
+                    ) -> DecodeBatch | None:
+        """The step's requests when decode_stack runs it: only decodes and a bfloat16 cache.
+        Any number of rows: up to 8 the layers would run the same int4 kernels (and the
+        stack's output is theirs, bit for bit); beyond, the layers run the dense bfloat16
+        copies on oneDNN, which a decode step reads from DRAM at 3x the bytes: the stack's
+        int4 is 1.3-1.9x faster there (12-64 rows, docs/benchmarks.md). Prompt chunks keep
+        the dense weights."""
+        if self.decode_stack is None or meta.decodes is None:
             return None
         cache = kv_caches[0]
-        return group if cache.scale is None and cache.data.dtype == torch.bfloat16 else None
+        ok = cache.scale is None and cache.data.dtype == torch.bfloat16
+        return meta.decodes if ok else None
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
@@ -158,7 +157,6 @@ def _build_decode_stack(model: LlamaForCausalLM, kernels: CpuKernels | None):
     if kernels is None or not kernels.has_bf16_dot or config.head_dim not in (64, 128):
         return None
     weights: list[Tensor] = []
-    max_rows = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -172,10 +170,8 @@ def _build_decode_stack(model: LlamaForCausalLM, kernels: CpuKernels | None):
                     attn.o_proj.qweight, attn.o_proj.scales, norms[1],
                     mlp.gate_up_proj.qweight, mlp.gate_up_proj.scales,
                     mlp.down_proj.qweight, mlp.down_proj.scales]
-        max_rows += [p.max_packed_rows if p.weight is not None else 1 << 30 for p in linears]
     if model.model.norm.weight.dtype != torch.bfloat16:
         return None
-    model.stack_max_rows = min(max_rows)  # beyond it the layers run on the dense weights
     return kernels.decode_stack(weights, model.model.norm.weight, config.num_heads,
                                 config.num_kv_heads, config.head_dim, config.rms_norm_eps,
                                 config.head_dim ** -0.5)

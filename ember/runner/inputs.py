@@ -13,6 +13,8 @@ Attention: a request whose chunk starts a prompt is a FreshChunk; every other on
 continued prefills) joins an AttentionGroup. Groups gather requests of similar shape, so that
 padding each member's queries to the longest and its context to the widest wastes little:
 a group stays within GROUP_WASTE times the work of attending its members one by one.
+A step that only decodes also lists all its requests in row order (DecodeBatch), for the
+compiled decode stack, which attends them in one call whatever their lengths.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from torch import Tensor
 
 from ember.kv.kv_manager import cdiv
 from ember.models.attention import (MATMUL_MAX_QUERIES, AttentionGroup, AttentionMetadata,
-                                    FreshChunk)
+                                    DecodeBatch, FreshChunk)
 from ember.request import Request
 from ember.scheduler.output import ScheduledRequest, SchedulerOutput
 
@@ -79,17 +81,22 @@ def _cheap_enough(group: list[_Member]) -> bool:
     return padded <= GROUP_WASTE * sum(x.num_new * x.seq_len for x in group)
 
 
+def _block_tables(members: list[_Member], block_size: int) -> Tensor:
+    """[G, widest] long: each member's context blocks, 0-padded."""
+    width = max(cdiv(m.seq_len, block_size) for m in members)
+    return torch.tensor([m.block_ids[:cdiv(m.seq_len, block_size)] +
+                         [0] * (width - cdiv(m.seq_len, block_size)) for m in members],
+                        dtype=torch.long)
+
+
 def build_group(members: list[_Member], block_size: int, device: torch.device,
                 num_rows: int) -> AttentionGroup:
     """One group's tensors; `num_rows` is the step's flat batch size. Plain lists first:
     a step of decodes (every member one new token) builds in a few small tensors."""
     max_n = max(m.num_new for m in members)
-    width = max(cdiv(m.seq_len, block_size) for m in members)
     row_lists = [[m.row + min(i, m.num_new - 1) for i in range(max_n)] for m in members]
     rows = torch.tensor(row_lists, dtype=torch.long)
-    tables = torch.tensor([m.block_ids[:cdiv(m.seq_len, block_size)] +
-                           [0] * (width - cdiv(m.seq_len, block_size)) for m in members],
-                          dtype=torch.long)
+    tables = _block_tables(members, block_size)
     seq_lens = torch.tensor([m.seq_len for m in members], dtype=torch.long)
     num_new = torch.tensor([m.num_new for m in members], dtype=torch.long)
     no_padding = all(m.num_new == max_n for m in members)
@@ -133,6 +140,11 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device)
 
     groups = [build_group(g, block_size, device, len(token_ids))
               for g in group_members(members)]
-    attn = AttentionMetadata(slot_mapping=as_long(slots), fresh=fresh, groups=groups)
+    decodes = None
+    if not fresh and all(m.num_new == 1 for m in members):
+        decodes = DecodeBatch(_block_tables(members, block_size).to(device),
+                              as_long([m.seq_len for m in members]))
+    attn = AttentionMetadata(slot_mapping=as_long(slots), fresh=fresh, groups=groups,
+                             decodes=decodes)
     return ModelInputs(as_long(token_ids), as_long(positions), attn, as_long(logits_rows),
                        sampling)

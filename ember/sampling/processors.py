@@ -20,9 +20,11 @@ def apply_presence_frequency_penalties(logits: Tensor, counts: Tensor, presence:
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 
-def apply_logit_bias(logits: Tensor, bias: Tensor) -> Tensor:
-    """bias [B, V]: added as is (OpenAI: -100 bans a token, 100 forces it)."""
-    return logits + bias
+def apply_logit_bias(logits: Tensor, rows: Tensor, token_ids: Tensor, values: Tensor
+                     ) -> Tensor:
+    """values [N] added at (rows[i], token_ids[i]) (OpenAI: -100 bans a token, 100 forces
+    it); a new tensor. Sparse: a dense [B, V] bias cost ~3 ms a step at 26 rows."""
+    return logits.index_put((rows, token_ids), values, accumulate=True)
 
 
 def mask_tokens(logits: Tensor, mask: Tensor) -> Tensor:

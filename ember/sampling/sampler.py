@@ -30,7 +30,7 @@ class SamplingBatch:
     presence: Tensor | None = None       # [B]
     frequency: Tensor | None = None      # [B]
     counts: Tensor | None = None         # [B, V] float32: output token counts
-    bias: Tensor | None = None           # [B, V] float32
+    bias: tuple[Tensor, Tensor, Tensor] | None = None  # rows, token ids, values [N]
     banned: Tensor | None = None         # [B, V] bool (min_tokens holds EOS back)
     num_logprobs: int | None = None      # the most any row asks for
 
@@ -59,10 +59,11 @@ def build_sampling_batch(requests: list[Request], vocab_size: int,
         batch.frequency = _column([p.frequency_penalty for p in params], device)
         batch.counts = _token_counts([r.output_token_ids for r in requests], vocab_size, device)
     if any(p.logit_bias for p in params):
-        batch.bias = torch.zeros(len(requests), vocab_size, device=device)
-        for row, p in enumerate(params):
-            for token_id, value in (p.logit_bias or {}).items():
-                batch.bias[row, token_id] = value
+        entries = [(row, token_id, value) for row, p in enumerate(params)
+                   for token_id, value in (p.logit_bias or {}).items()]
+        rows, token_ids, values = zip(*entries)
+        batch.bias = (_column(list(rows), device, torch.long),
+                      _column(list(token_ids), device, torch.long), _column(list(values), device))
     held_back = [_held_back_ids(r) for r in requests]
     if any(held_back):
         batch.banned = _token_mask(held_back, vocab_size, device)
@@ -98,7 +99,7 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) 
 def process_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Bias, bans and penalties: what both greedy and random choice see. [B, V] float32."""
     if batch.bias is not None:
-        logits = P.apply_logit_bias(logits, batch.bias)
+        logits = P.apply_logit_bias(logits, *batch.bias)
     if batch.repetition is not None:
         logits = P.apply_repetition_penalty(logits, batch.seen, batch.repetition)
     if batch.counts is not None:

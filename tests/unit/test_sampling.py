@@ -13,7 +13,7 @@ import torch
 from ember.errors import BadSamplingParams
 from ember.request import Request, SamplingParams
 from ember.sampling import processors as P
-from ember.sampling.sampler import Sampler
+from ember.sampling.sampler import Sampler, build_sampling_batch, process_logits
 
 VOCAB = 8
 _ids = itertools.count()
@@ -77,6 +77,21 @@ def test_logit_bias_is_added_exactly():
     assert token == 6  # -0.5 + 10 beats 3.0
     [token], _ = sampler.sample(LOGITS.clone(), [req(temperature=0, logit_bias={4: -100.0})])
     assert token == 0
+
+
+def test_logit_bias_lands_on_its_own_row_and_tokens():
+    """Several rows, each its own bias (one none): the processed logits are the logits plus
+    each row's bias at its tokens, nothing else."""
+    logits = torch.arange(3 * VOCAB, dtype=torch.float32).view(3, VOCAB)
+    biases = [{1: 2.0, 3: -1.5}, None, {0: 0.25, 7: -100.0}]
+    batch = build_sampling_batch([req(temperature=0, logit_bias=b) for b in biases], VOCAB,
+                                 torch.device("cpu"))
+    want = logits.clone()
+    for row, bias in enumerate(biases):
+        for token_id, value in (bias or {}).items():
+            want[row, token_id] += value
+    assert torch.equal(process_logits(logits, batch), want)
+    assert torch.equal(logits, torch.arange(3 * VOCAB, dtype=torch.float32).view(3, VOCAB))
 
 
 def test_greedy_sees_penalties():
