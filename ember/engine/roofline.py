@@ -3,11 +3,12 @@ ember runs to them.
 
 Machine (measured here, with torch's threads):
   bandwidth   reading a buffer over and over (a sum): once as big as DRAM-only data
-              (1 GiB) and once as big as the model's decode weights (which may stay in cache)
+              (1 GiB) and once as big as the model's decode weights (which may stay in
+              cache: the report says whether they fit the L3 the OS reports)
   matmul      peak GFLOP/s of a 1024^3 matmul in float32 and in bfloat16
 
 Model, per token (weights as a step reads them: the packed ones where the model is quantized
-and the batch is small, else the dense ones):
+and the batch is small, or at any batch where the decode stack runs, else the dense ones):
   bytes       weight bytes / batch + KV bytes of the token's context
   FLOPs       2 x parameters used (the embedding is a lookup) + attention 4 x context x q_size
               per layer
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +42,24 @@ class Machine:
     cached_bytes: int
     fp32_gflops: float
     bf16_gflops: float
+    l3_bytes: int | None = None  # the last-level cache the OS reports (None: unknown)
+
+    @property
+    def weights_fit_l3(self) -> bool:
+        return self.l3_bytes is not None and self.cached_bytes <= self.l3_bytes
+
+
+def l3_cache_bytes() -> int | None:
+    """The largest CPU cache the OS reports (Linux sysfs), in bytes; None elsewhere."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        try:
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+        except (ValueError, IndexError):
+            continue
+    return max(sizes) if sizes else None
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -70,7 +90,7 @@ def measure_machine(weight_bytes: int) -> Machine:
     return Machine(threads=torch.get_num_threads(), dram_gb_s=read_bandwidth(GIB),
                    cached_gb_s=read_bandwidth(weight_bytes), cached_bytes=weight_bytes,
                    fp32_gflops=matmul_gflops(torch.float32),
-                   bf16_gflops=matmul_gflops(torch.bfloat16))
+                   bf16_gflops=matmul_gflops(torch.bfloat16), l3_bytes=l3_cache_bytes())
 
 
 @dataclass(frozen=True)
@@ -80,6 +100,8 @@ class ModelCost:
     kv_bytes_per_token: int    # in the cache, all layers
     params: int                # multiply-accumulates per token in the linears
     attn_flops_per_context_token: int
+    packed_max_rows: int = PACKED_MAX_ROWS  # decode steps up to this batch read the packed
+    #                                         weights (the decode stack: every batch)
 
 
 def model_cost(model: torch.nn.Module, kv_bytes_per_token: int) -> ModelCost:
@@ -96,15 +118,18 @@ def model_cost(model: torch.nn.Module, kv_bytes_per_token: int) -> ModelCost:
             size = module.weight.numel() * module.weight.element_size()
             decode, dense, params = decode + size, dense + size, params + module.weight.numel()
     config = model.config
+    stacked = getattr(model, "decode_stack", None) is not None
     return ModelCost(decode, dense, kv_bytes_per_token, params,
-                     4 * config.q_size * config.num_layers)
+                     4 * config.q_size * config.num_layers,
+                     packed_max_rows=1 << 30 if stacked else PACKED_MAX_ROWS)
 
 
 def decode_limit(cost: ModelCost, bandwidth_gb_s: float, batch: int, context: int,
                  peak_gflops: float) -> float:
     """tok/s at most for `batch` sequences of `context` tokens each decoding one token
-    (batches above PACKED_MAX_ROWS read the dense weights, as ember does)."""
-    weights = cost.decode_weight_bytes if batch <= PACKED_MAX_ROWS else cost.dense_weight_bytes
+    (batches above cost.packed_max_rows read the dense weights, as ember does then)."""
+    weights = (cost.decode_weight_bytes if batch <= cost.packed_max_rows
+               else cost.dense_weight_bytes)
     step_bytes = weights + batch * context * cost.kv_bytes_per_token
     step_flops = batch * (2 * cost.params + context * cost.attn_flops_per_context_token)
     seconds = max(step_bytes / (bandwidth_gb_s * 1e9), step_flops / (peak_gflops * 1e9))
@@ -163,15 +188,21 @@ def roofline_report(llm, batch: int, context: int = 128) -> dict[str, Any]:
 
 def format_report(report: dict[str, Any]) -> str:
     m, c = report["machine"], report["model"]
+    l3 = m.get("l3_bytes")
+    fits = l3 is not None and m["cached_bytes"] <= l3
+    l3_note = "" if l3 is None else (f"; L3 {l3 / 2**20:.0f} MiB: the weights "
+                                     f"{'fit' if fits else 'do not fit'}")
+    # the second probe reads a buffer the size of the weights: "cached" only where it fits
+    cached_label = "cached weights" if fits else "weight-size read"
     lines = [(f"machine  {m['threads']} threads; read bandwidth {m['dram_gb_s']:.1f} GB/s "
               f"(1 GiB), {m['cached_gb_s']:.1f} GB/s ({m['cached_bytes'] / 1e6:.0f} MB, the "
-              f"decode weights); matmul {m['fp32_gflops']:.0f} GFLOP/s fp32, "
+              f"decode weights{l3_note}); matmul {m['fp32_gflops']:.0f} GFLOP/s fp32, "
               f"{m['bf16_gflops']:.0f} bf16"),
              (f"model    {c['dtype']}, weights {c['weights']}: decode reads "
               f"{c['decode_weight_bytes'] / 1e6:.1f} MB of weights per step, prefill "
               f"{c['dense_weight_bytes'] / 1e6:.1f} MB; {c['kv_bytes_per_token']} KV bytes per "
               f"context token; {c['flops_per_token'] / 1e6:.0f} MFLOP per token"),
-             f"{'':34}{'ember':>10}{'limit':>10}{'% of it':>9}"]
+             f"{'':40}{'ember':>10}{'limit':>10}{'% of it':>9}"]
     for key, value in report["measured"].items():
         if key == "prefill_tokens":
             continue
@@ -179,7 +210,8 @@ def format_report(report: dict[str, Any]) -> str:
         for name in (("cached", "dram") if base.startswith("decode") else ("",)):
             limit_key = f"{base}_{name}_tok_s" if name else key
             pct_key = f"{base}_of_{name}_limit" if name else "prefill_of_limit"
-            label = f"{base} tok/s" + (f" ({name} weights)" if name else "")
-            lines.append(f"{label:34}{value:10.1f}{report['limits'][limit_key]:10.1f}"
+            kind = {"cached": cached_label, "dram": "dram weights"}.get(name, "")
+            label = f"{base} tok/s" + (f" ({kind})" if kind else "")
+            lines.append(f"{label:40}{value:10.1f}{report['limits'][limit_key]:10.1f}"
                          f"{report['percent_of_limit'][pct_key]:8.0f}%")
     return "\n".join(lines)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.engine.roofline import ModelCost, decode_limit, model_cost, prefill_limit
+from ember.engine.roofline import (ModelCost, decode_limit, format_report, model_cost,
+                                   prefill_limit)
 from ember.quant.packed import PackedLinear
 
 
@@ -33,3 +34,31 @@ def test_limits_are_the_slower_of_bandwidth_and_compute():
     # batch 16 reads the dense weights: 0.4 GB -> 8 ms; compute 3.2 GFLOP -> 3.2 ms
     assert decode_limit(cost, 50, 16, 0, 1000) == pytest.approx(2000)
     assert prefill_limit(cost, 1000, 100) == pytest.approx(5000)
+
+
+def test_with_the_decode_stack_every_decode_batch_reads_the_packed_weights():
+    model = _Model()
+    assert model_cost(model, 100).packed_max_rows == 8     # bigger batches: the dense copies
+    model.decode_stack = object()                          # (what use_kernels sets)
+    cost = model_cost(model, 100)
+    assert decode_limit(cost, 50, 16, 0, 10**9) == pytest.approx(
+        16 / (cost.decode_weight_bytes / 50e9))
+
+
+@pytest.mark.parametrize(("l3", "label"), [(32 << 20, "weight-size read"),
+                                           (128 << 20, "cached weights")])
+def test_the_report_calls_weights_cached_only_where_they_fit_the_l3(l3, label):
+    report = {
+        "machine": {"threads": 2, "dram_gb_s": 40.0, "cached_gb_s": 60.0,
+                    "cached_bytes": 95_000_000, "fp32_gflops": 200.0, "bf16_gflops": 900.0,
+                    "l3_bytes": l3},
+        "model": {"dtype": "bfloat16", "weights": "int4", "decode_weight_bytes": 95_000_000,
+                  "dense_weight_bytes": 240_000_000, "kv_bytes_per_token": 23040,
+                  "flops_per_token": 269_000_000},
+        "measured": {"decode_batch1_tok_s": 300.0},
+        "limits": {"decode_batch1_cached_tok_s": 600.0, "decode_batch1_dram_tok_s": 400.0},
+        "percent_of_limit": {"decode_batch1_of_cached_limit": 50.0,
+                             "decode_batch1_of_dram_limit": 75.0}}
+    text = format_report(report)
+    assert f"decode_batch1 tok/s ({label})" in text
+    assert "do not fit" in text if l3 < 95_000_000 else "the weights fit" in text
