@@ -44,10 +44,6 @@ class Machine:
     bf16_gflops: float
     l3_bytes: int | None = None  # the last-level cache the OS reports (None: unknown)
 
-    @property
-    def weights_fit_l3(self) -> bool:
-        return self.l3_bytes is not None and self.cached_bytes <= self.l3_bytes
-
 
 def l3_cache_bytes() -> int | None:
     """The largest CPU cache the OS reports (Linux sysfs), in bytes; None elsewhere."""

@@ -702,21 +702,13 @@ void matmul(const uint16_t* x, int64_t m, int64_t x_stride, const int8_t* packed
 //   q: 8 x 32 bytes; byte i of chunk c holds operand 2c's lane i (low nibble) and operand
 //      2c + 1's (high nibble), operand t being rows x inputs 2t, 2t + 1 pair-interleaved;
 //   scale, min: 16 bfloat16 each.
-// A nibble becomes its bfloat16 value by a 16-entry table lookup (exact), the group's sum of
-// x . q is taken on bfloat16 dot products, and scale and min are applied once per group:
-//   y[n] = sum_g scale[n, g] * (x_g . q[n, g]) + min[n, g] * sum(x_g).
+// A nibble q becomes the bfloat16 operand 128 + q by two bitwise ops (exact), the group's sum
+// of x . (128 + q) is taken on bfloat16 dot products, and scale and min are applied once per
+// group:
+//   y[n] = sum_g scale[n, g] * (x_g . (128 + q[n, g])) + (min[n, g] - 128 scale[n, g]) sum(x_g).
 namespace int4w {
 
 constexpr int kPanel = 16, kGroupK = 32;
-
-inline __m512i nibble_table() {  // bfloat16 bits of 0.0, 1.0, ..., 15.0 (twice)
-  alignas(64) static const uint16_t t[32] = {
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-  return _mm512_load_si512(t);
-}
 
 // R input rows against P panels (P x 2 chains of dot products per row, so that the
 // instruction's latency is hidden even at one row).
@@ -736,7 +728,9 @@ void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t
     for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
   }
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t i = 0; i < ahead * 4; ++i) _mm_prefetch(pf_q + (g * ahead * 4 + i) * 64, _MM_HINT_T0);
+    for (int64_t i = 0; i < ahead * 4; ++i) {
+      _mm_prefetch(pf_q + (g * ahead * 4 + i) * 64, _MM_HINT_T0);
+    }
     for (int64_t i = 0; i < ahead; ++i) _mm_prefetch(pf_sm + (g * ahead + i) * 64, _MM_HINT_T0);
     __m512 even[R][P], odd[R][P];
     for (int r = 0; r < R; ++r) {
@@ -746,7 +740,8 @@ void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t
       for (int j = 0; j < P; ++j) {
         const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(q + j * panel_q + (g * 8 + c) * 32)));
-        const __m512bh b0 = simd::as_bh(_mm512_ternarylogic_epi32(w, low, bias, 0xEA));  // (w & low) | bias
+        // (w & low) | bias, and (w >> 4) | bias
+        const __m512bh b0 = simd::as_bh(_mm512_ternarylogic_epi32(w, low, bias, 0xEA));
         const __m512bh b1 = simd::as_bh(_mm512_or_si512(_mm512_srli_epi16(w, 4), bias));
         for (int r = 0; r < R; ++r) {
           const uint16_t* xr = x + r * x_stride + g * kGroupK + 4 * c;
@@ -1257,8 +1252,8 @@ class DecodeStack {
     auto* r = residual.data_ptr<at::BFloat16>();
     auto* hp = h.data_ptr<at::BFloat16>();
     auto* op = out.data_ptr<at::BFloat16>();
-    rms_norm_rows(r, static_cast<at::BFloat16*>(nullptr), layers_[0].in_norm.data_ptr<at::BFloat16>(), hp, t,
-                  hidden_, eps_);
+    rms_norm_rows(r, static_cast<at::BFloat16*>(nullptr),
+                  layers_[0].in_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
       if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
