@@ -47,10 +47,10 @@ class Machine:
 
 def l3_cache_bytes() -> int | None:
     """The largest CPU cache the OS reports (Linux sysfs), in bytes; None elsewhere."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     sizes = []
     for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = path.read_text().strip()
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         try:
             sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
         except (ValueError, IndexError):

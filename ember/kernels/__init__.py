@@ -170,4 +170,3 @@ def load_kernels(choice: str, device: str) -> CpuKernels | None:
                     "or pass --kernels torch to skip the attempt", type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "")
         return None
-

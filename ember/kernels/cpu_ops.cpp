@@ -226,6 +226,13 @@ inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
 }
 
+// Ask for the cache lines of p[0, bytes) ahead of their use (into L1).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + i, _MM_HINT_T0);
+  }
+}
+
 // Pointers to a request's cached rows (K or V of one head), in order, walking its blocks.
 struct RowWalk {
   const uint16_t* base;
@@ -458,11 +465,7 @@ void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, 
   const int64_t len16 = (len + 15) / 16 * 16;
   // the cache is cold in a step (the weights streamed through since this layer last ran):
   // while 16 keys are scored, the next 16 keys and these 16 values are prefetched
-  auto prefetch_row = [](const uint16_t* row) {
-    for (int b = 0; b < D * 2; b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
-    }
-  };
+  auto prefetch_row = [](const uint16_t* row) { prefetch_bytes(row, D * 2); };
   for (int64_t j = 0; j < std::min<int64_t>(16, len); ++j) prefetch_row(keys.row(j));
   for (int64_t j0 = 0; j0 < len16; j0 += 16) {
     for (int64_t j = j0 + 16; j < std::min(j0 + 32, len); ++j) prefetch_row(keys.row(j));
@@ -773,12 +776,6 @@ void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t
 // Panels are prefetched this far ahead of the ones being multiplied.
 constexpr int64_t kAhead = 8;
 
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(p) + i, _MM_HINT_T0);
-  }
-}
-
 // Rows r0 .. r0 + rows of the output for panels [begin, end).
 template <int R, int P>
 void run_panels(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t groups,
@@ -786,8 +783,8 @@ void run_panels(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t 
                 uint16_t* out, int64_t n) {
   const int64_t panel_q = groups * 8 * 32, panel_sm = groups * 2 * kPanel;
   const int64_t first = std::min(kAhead, end - begin);  // nothing before them fetched these
-  prefetch_bytes(q + begin * panel_q, first * panel_q);
-  prefetch_bytes(sm + begin * panel_sm, first * panel_sm * 2);
+  simd::prefetch_bytes(q + begin * panel_q, first * panel_q);
+  simd::prefetch_bytes(sm + begin * panel_sm, first * panel_sm * 2);
   auto run = [&](auto panels, int64_t p) {
     constexpr int J = decltype(panels)::value;
     const int64_t ahead = std::clamp<int64_t>(end - p - kAhead, 0, J);
@@ -1108,6 +1105,17 @@ static void check_bf16_rows(const torch::Tensor& x) {
               "x must be [m, k] bfloat16 on the CPU with contiguous rows");
 }
 
+// q [n / 16, k / 32, 8, 32] uint8 and scale_min [n / 16, k / 32, 2, 16] bfloat16, from
+// pack_int4_panels (int4w's layout)
+static void check_int4_panels(const torch::Tensor& q, const torch::Tensor& scale_min) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 4 && q.size(2) == 8 &&
+                  q.size(3) == 32 && q.is_contiguous(),
+              "q must be contiguous [n / 16, k / 32, 8, 32] uint8");
+  TORCH_CHECK(scale_min.scalar_type() == at::kBFloat16 && scale_min.is_contiguous() &&
+                  scale_min.numel() == q.size(0) * q.size(1) * 32,
+              "scale_min must be contiguous [n / 16, k / 32, 2, 16] bfloat16");
+}
+
 static void check_int8_panels(const torch::Tensor& packed) {
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == 16 &&
                   packed.size(3) == 2 && packed.is_contiguous(),
@@ -1143,14 +1151,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale_min) {
   TORCH_CHECK(has_bf16_dot(), "int4_linear needs a CPU with AVX-512 BF16");
   check_bf16_rows(x);
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 4 && q.size(2) == 8 &&
-                  q.size(3) == 32 && q.is_contiguous(),
-              "q must be contiguous [n / 16, k / 32, 8, 32] uint8");
+  check_int4_panels(q, scale_min);
   const int64_t m = x.size(0), k = x.size(1), n = q.size(0) * 16;
   TORCH_CHECK(q.size(1) * 32 == k, "x has ", k, " inputs, the weight ", q.size(1) * 32);
-  TORCH_CHECK(scale_min.scalar_type() == at::kBFloat16 && scale_min.is_contiguous() &&
-                  scale_min.numel() == n * (k / 32) * 2,
-              "scale_min must be contiguous [n / 16, k / 32, 2, 16] bfloat16");
   auto out = torch::empty({m, n}, x.options());
 #ifdef EMBER_BF16_DOT
   if (m > 0) {
@@ -1290,12 +1293,7 @@ class DecodeStack {
   };
 
   static Int4 int4(torch::Tensor q, torch::Tensor scale_min) {
-    TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 4 && q.size(2) == 8 &&
-                    q.size(3) == 32 && q.is_contiguous(),
-                "q must be contiguous [n / 16, k / 32, 8, 32] uint8");
-    TORCH_CHECK(scale_min.scalar_type() == at::kBFloat16 && scale_min.is_contiguous() &&
-                    scale_min.numel() == q.size(0) * q.size(1) * 32,
-                "scale_min must be contiguous [n / 16, k / 32, 2, 16] bfloat16");
+    check_int4_panels(q, scale_min);
     return Int4{q, scale_min, q.size(0) * 16, q.size(1) * 32};
   }
 

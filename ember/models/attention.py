@@ -94,7 +94,6 @@ class AttentionGroup:
                            device=self.mask.device).masked_fill_(~self.mask, float("-inf"))
 
 
-
 @dataclass(frozen=True)
 class DecodeBatch:
     """A step that only decodes (one new token per request), every request in row order,

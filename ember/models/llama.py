@@ -123,8 +123,8 @@ class LlamaForCausalLM(nn.Module):
 
     def use_kernels(self, kernels: CpuKernels | None) -> None:
         """Run the norms and decode attention on compiled CPU kernels (None: torch only);
-        call it after quantizing: where every layer's linears are int4 on the kernels, small
-        decode steps run through all layers in one call (decode_stack)."""
+        call it after quantizing: where every layer's linears are int4 on the kernels, steps
+        that only decode run through all layers in one call (decode_stack)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaAttention, SwiGLU)):
                 module.kernels = kernels
@@ -135,9 +135,9 @@ class LlamaForCausalLM(nn.Module):
         """The step's requests when decode_stack runs it: only decodes and a bfloat16 cache.
         Any number of rows: up to 8 the layers would run the same int4 kernels (and the
         stack's output is theirs, bit for bit); beyond, the layers run the dense bfloat16
-        copies on oneDNN, which a decode step reads from DRAM at 3x the bytes: the stack's
-        int4 is 1.3-1.9x faster there (12-64 rows, docs/benchmarks.md). Prompt chunks keep
-        the dense weights."""
+        copies on oneDNN, which a decode step reads from DRAM at 3x the bytes: steps through
+        the stack are 1.18-1.65x faster there (12-48 rows, docs/benchmarks.md). Prompt chunks
+        keep the dense weights."""
         if self.decode_stack is None or meta.decodes is None:
             return None
         cache = kv_caches[0]

@@ -142,8 +142,11 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device)
               for g in group_members(members)]
     decodes = None
     if not fresh and all(m.num_new == 1 for m in members):
-        decodes = DecodeBatch(_block_tables(members, block_size).to(device),
-                              as_long([m.seq_len for m in members]))
+        if len(groups) == 1 and groups[0].whole_batch:  # the usual case: that group is it
+            decodes = DecodeBatch(groups[0].block_tables, groups[0].seq_lens)
+        else:
+            decodes = DecodeBatch(_block_tables(members, block_size).to(device),
+                                  as_long([m.seq_len for m in members]))
     attn = AttentionMetadata(slot_mapping=as_long(slots), fresh=fresh, groups=groups,
                              decodes=decodes)
     return ModelInputs(as_long(token_ids), as_long(positions), attn, as_long(logits_rows),
