@@ -31,6 +31,11 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weight-only packed weights for decode (auto: the model file's own "
                         "precision: a Q4 GGUF runs int4, a Q8 one int8, float files none)")
+    g.add_argument("--prefill-matmul", default="auto", choices=["auto", "bfloat16", "int8"],
+                   help="prompt chunks' matmuls with packed weights: int8 rounds each row of "
+                        "activations to int8 and multiplies int8 weights (about 1.7x bfloat16 "
+                        "on VNNI CPUs; perplexity in docs/benchmarks.md); auto: int8 where "
+                        "the compiled kernels have AVX-512 BF16")
     g.add_argument("--kernels", default="auto", choices=["auto", "torch"],
                    help="auto: compiled CPU kernels for norms and decode attention (built "
                         "once with the C++ compiler, ~20 s, then cached); torch: the plain "
@@ -78,7 +83,8 @@ def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization,
-        kernels=args.kernels, device=args.device, max_model_len=args.max_model_len,
+        prefill_matmul=args.prefill_matmul, kernels=args.kernels, device=args.device,
+        max_model_len=args.max_model_len,
         seed=args.engine_seed,
         cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                           enable_prefix_caching=not args.no_prefix_caching,
@@ -191,7 +197,7 @@ def cmd_perplexity(args: argparse.Namespace) -> None:
     llm = LLM(config=engine_config(args))
     text = Path(args.text).read_text() if args.text else default_corpus()
     ids = llm.tokenizer.encode(text, add_special_tokens=False)[:args.num_tokens]
-    result = perplexity(llm.engine, ids, args.window) | {
+    result = perplexity(llm.engine, ids, args.window, args.path) | {
         "dtype": str(llm.engine.dtype).removeprefix("torch."),
         "kv_cache_dtype": llm.engine.cache_info.dtype, "text": args.text or "built-in corpus"}
     print(json.dumps(result, indent=2))
@@ -229,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "excerpt shipped with ember)")
     ppl.add_argument("--num-tokens", type=int, default=10240)
     ppl.add_argument("--window", type=int, default=1024)
+    ppl.add_argument("--path", default="decode", choices=["decode", "prefill"],
+                     help="decode: every token scored on the packed weights decode uses; "
+                          "prefill: on the weights prompt chunks use (--prefill-matmul)")
     ppl.add_argument("--out", default=None, help="also write the result as JSON")
     _engine_args(ppl)
     ppl.set_defaults(func=cmd_perplexity)

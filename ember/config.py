@@ -17,6 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu", "cost")
 KV_CACHE_DTYPES = ("auto", "int8")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats (ember/quant/packed.py)
+PREFILL_MATMULS = ("auto", "bfloat16", "int8")  # dense matmuls over 8 rows (ember/quant/packed.py)
 KERNELS = ("auto", "torch")  # compiled CPU kernels where they build, or the torch path alone
 
 
@@ -149,6 +150,9 @@ class EngineConfig:
     dtype: str = "auto"            # auto: bfloat16 where the CPU has bf16 dot products, or a GPU
     quantization: str = "auto"     # weights: auto (the file's own precision), none, int8, int4
     kernels: str = "auto"          # auto: compiled CPU kernels where they build; torch: none
+    # prompt chunks' matmuls with packed weights: int8 (dynamic int8 activations, int8
+    # weights) or bfloat16; auto: int8 where the compiled kernels have AVX-512 BF16
+    prefill_matmul: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
@@ -159,6 +163,7 @@ class EngineConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("kernels", self.kernels, KERNELS)
+        check_choice("prefill_matmul", self.prefill_matmul, PREFILL_MATMULS)
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len={self.max_model_len} must be positive, or None "
                               "for the model's own context length")

@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 
 from ember.config import EngineConfig, ModelConfig
+from ember.engine.calibrate import use_int8_prefill
 from ember.engine.memory import large_blocks_mapped_alone, return_free_memory
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kernels import load_kernels
@@ -21,7 +22,8 @@ from ember.scheduler.scheduler import Scheduler
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.gguf import GGUFFile
 from ember.weights.loader import (ModelFiles, apply_quantization, load_model, open_model_files,
-                                  resolve_dtype, resolve_quantization)
+                                  resolve_dtype, resolve_prefill_matmul,
+                                  resolve_quantization)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,8 @@ class EngineCore:
         self.quantization = resolve_quantization(config.quantization, files, self.model_config,
                                                  self.dtype, config.device)
         kernels = load_kernels(config.kernels, config.device)
+        self.prefill_matmul = resolve_prefill_matmul(config.prefill_matmul, self.quantization,
+                                                     kernels)
         with large_blocks_mapped_alone():  # weights and load temporaries in separate mappings
             model = apply_quantization(load_model(files, self.model_config, self.dtype,
                                                   config.device), self.quantization, kernels)
@@ -88,9 +92,10 @@ class EngineCore:
                                     kv_bytes_per_token(self.model_config, self.dtype, kv_dtype),
                                     kv_dtype if kv_dtype != "auto" else
                                     str(self.dtype).removeprefix("torch."))
-        log.info("loaded %s (%s, %s, weights %s, %s kernels, on %s); %s", self.model_path.name,
-                 self.model_config.architecture, str(self.dtype).removeprefix("torch."),
-                 self.quantization, "compiled CPU" if kernels is not None else "torch",
+        log.info("loaded %s (%s, %s, weights %s, prefill matmuls %s, %s kernels, on %s); %s",
+                 self.model_path.name, self.model_config.architecture,
+                 str(self.dtype).removeprefix("torch."), self.quantization, self.prefill_matmul,
+                 "compiled CPU" if kernels is not None else "torch",
                  config.device, self.cache_info.describe())
         kv_caches = allocate_kv_caches(self.model_config, num_blocks, block_size, self.dtype,
                                        config.device, kv_dtype)
@@ -99,6 +104,10 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        if self.prefill_matmul == "int8":  # SmoothQuant int8 from a calibration prompt
+            use_int8_prefill(self, kernels)
+            gc.collect()
+            return_free_memory()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     options: RequestOptions = RequestOptions(),

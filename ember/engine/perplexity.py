@@ -11,6 +11,7 @@ quantized, K and V, as they would while serving.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 
@@ -45,14 +46,22 @@ def window_nll(core: EngineCore, token_ids: list[int]) -> tuple[float, int]:
     return total, count
 
 
-def perplexity(core: EngineCore, token_ids: list[int], window: int = 1024) -> dict[str, float]:
-    """Packed (int8/int4) weights score every token, though serving uses them only for small
-    batches: the figure is the quality of the weight format that decode runs on."""
+PATHS = ("decode", "prefill")
+
+
+def perplexity(core: EngineCore, token_ids: list[int], window: int = 1024,
+               path: str = "decode") -> dict[str, float]:
+    """path "decode": the packed (int8/int4) weights score every token, though serving uses
+    them only for small batches: the quality of the weight format that decode runs on.
+    path "prefill": chunks take the weights prompt chunks take while serving (the dense
+    ones, in the engine's prefill_matmul format): the quality of the prompt path."""
+    if path not in PATHS:
+        raise ValueError(f"path={path!r}: choose one of {', '.join(PATHS)}")
     if core.has_unfinished():
         raise RuntimeError("perplexity needs an idle engine")
     window = min(window, core.max_model_len - 1)
     total, count = 0.0, 0
-    with packed_everywhere(core.runner.model):
+    with packed_everywhere(core.runner.model) if path == "decode" else nullcontext():
         for start in range(0, len(token_ids) - 1, window):
             chunk = token_ids[start:start + window]
             if len(chunk) < 2:
@@ -60,4 +69,5 @@ def perplexity(core: EngineCore, token_ids: list[int], window: int = 1024) -> di
             nll, n = window_nll(core, chunk)
             total, count = total + nll, count + n
     return {"perplexity": math.exp(total / count), "tokens_scored": count,
-            "mean_nll": total / count, "window": window, "weights": core.quantization}
+            "mean_nll": total / count, "window": window, "weights": core.quantization,
+            "path": path, "prefill_matmul": core.prefill_matmul}

@@ -5,7 +5,8 @@ Machine (measured here, with torch's threads):
   bandwidth   reading a buffer over and over (a sum): once as big as DRAM-only data
               (1 GiB) and once as big as the model's decode weights (which may stay in
               cache: the report says whether they fit the L3 the OS reports)
-  matmul      peak GFLOP/s of a 1024^3 matmul in float32 and in bfloat16
+  matmul      peak GFLOP/s of a 1024^3 matmul in float32 and in bfloat16, and GOP/s in int8
+              (torch._int_mm: oneDNN's int8 GEMM, what int8 prefill matmuls run on)
 
 Model, per token (weights as a step reads them: the packed ones where the model is quantized
 and the batch is small, or at any batch where the decode stack runs, else the dense ones):
@@ -14,7 +15,8 @@ and the batch is small, or at any batch where the decode stack runs, else the de
               per layer
 
 Limits: a step of B tokens takes at least max(bytes / bandwidth, FLOPs / peak); decode tok/s
-limit = B / that. Prefill uses the dense weights' compute peak. ember's own figures come from
+limit = B / that. Prefill uses the dense weights' compute peak (int8's for the linears whose
+prompt matmuls run on int8 activations, bfloat16's or float32's for the rest). ember's own figures come from
 running the engine (decode at batch 1 and at --batch, one 1024-token prefill), and each is
 reported as a percentage of its limit. The weights-fit-in-cache bandwidth gives the tighter
 (higher) limit; both are reported.
@@ -43,6 +45,7 @@ class Machine:
     fp32_gflops: float
     bf16_gflops: float
     l3_bytes: int | None = None  # the last-level cache the OS reports (None: unknown)
+    int8_gops: float = 0.0       # torch._int_mm (0: not measured, no int8 prefill here)
 
 
 def l3_cache_bytes() -> int | None:
@@ -78,15 +81,20 @@ def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:
 
 
 def matmul_gflops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
+    if dtype == torch.int8:  # int8 x int8 -> int32, as int8 prefill matmuls run
+        a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+        b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+        return 2 * n ** 3 / _best_time(lambda: torch._int_mm(a, b), repeats) / 1e9
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     return 2 * n ** 3 / _best_time(lambda: a @ b, repeats) / 1e9
 
 
-def measure_machine(weight_bytes: int) -> Machine:
+def measure_machine(weight_bytes: int, int8: bool = False) -> Machine:
     return Machine(threads=torch.get_num_threads(), dram_gb_s=read_bandwidth(GIB),
                    cached_gb_s=read_bandwidth(weight_bytes), cached_bytes=weight_bytes,
                    fp32_gflops=matmul_gflops(torch.float32),
-                   bf16_gflops=matmul_gflops(torch.bfloat16), l3_bytes=l3_cache_bytes())
+                   bf16_gflops=matmul_gflops(torch.bfloat16), l3_bytes=l3_cache_bytes(),
+                   int8_gops=matmul_gflops(torch.int8) if int8 else 0.0)
 
 
 @dataclass(frozen=True)
@@ -98,15 +106,18 @@ class ModelCost:
     attn_flops_per_context_token: int
     packed_max_rows: int = PACKED_MAX_ROWS  # decode steps up to this batch read the packed
     #                                         weights (the decode stack: every batch)
+    int8_prefill_params: int = 0  # of params, those whose prompt matmuls run on int8
 
 
 def model_cost(model: torch.nn.Module, kv_bytes_per_token: int) -> ModelCost:
-    decode = dense = params = 0
+    decode = dense = params = int8_params = 0
     for module in model.modules():
         if isinstance(module, PackedLinear):
             decode += module.packed_bytes()
-            dense += module.in_features * module.out_features * 2
+            dense += module.dense_bytes() or module.packed_bytes()
             params += module.in_features * module.out_features
+            if module.w8a8 is not None:
+                int8_params += module.in_features * module.out_features
         elif isinstance(module, KernelInt8Linear):  # int8 at every batch size
             decode, dense = decode + module.packed_bytes(), dense + module.packed_bytes()
             params += module.in_features * module.out_features
@@ -117,7 +128,8 @@ def model_cost(model: torch.nn.Module, kv_bytes_per_token: int) -> ModelCost:
     stacked = getattr(model, "decode_stack", None) is not None
     return ModelCost(decode, dense, kv_bytes_per_token, params,
                      4 * config.q_size * config.num_layers,
-                     packed_max_rows=1 << 30 if stacked else PACKED_MAX_ROWS)
+                     packed_max_rows=1 << 30 if stacked else PACKED_MAX_ROWS,
+                     int8_prefill_params=int8_params)
 
 
 def decode_limit(cost: ModelCost, bandwidth_gb_s: float, batch: int, context: int,
@@ -132,9 +144,16 @@ def decode_limit(cost: ModelCost, bandwidth_gb_s: float, batch: int, context: in
     return batch / seconds
 
 
-def prefill_limit(cost: ModelCost, peak_gflops: float, prompt: int) -> float:
-    flops = prompt * 2 * cost.params + cost.attn_flops_per_context_token * prompt * prompt / 2
-    return prompt / (flops / (peak_gflops * 1e9))
+def prefill_limit(cost: ModelCost, peak_gflops: float, prompt: int,
+                  int8_gops: float = 0.0) -> float:
+    """tok/s at most for one prompt: its FLOPs at the dense peak, the int8 linears' share
+    (cost.int8_prefill_params) at the int8 peak."""
+    flops = (prompt * 2 * (cost.params - cost.int8_prefill_params)
+             + cost.attn_flops_per_context_token * prompt * prompt / 2)
+    seconds = flops / (peak_gflops * 1e9)
+    if cost.int8_prefill_params:
+        seconds += prompt * 2 * cost.int8_prefill_params / (int8_gops * 1e9)
+    return prompt / seconds
 
 
 def measure_ember(llm, batch: int, context: int = 128, tokens: int = 64) -> dict[str, float]:
@@ -162,7 +181,7 @@ def measure_ember(llm, batch: int, context: int = 128, tokens: int = 64) -> dict
 def roofline_report(llm, batch: int, context: int = 128) -> dict[str, Any]:
     engine = llm.engine
     cost = model_cost(engine.runner.model, engine.cache_info.bytes_per_token)
-    machine = measure_machine(cost.decode_weight_bytes)
+    machine = measure_machine(cost.decode_weight_bytes, int8=cost.int8_prefill_params > 0)
     dense_peak = machine.bf16_gflops if engine.dtype == torch.bfloat16 else machine.fp32_gflops
     measured = measure_ember(llm, batch, context)
     limits: dict[str, float] = {}
@@ -170,14 +189,16 @@ def roofline_report(llm, batch: int, context: int = 128) -> dict[str, Any]:
         for b in (1, batch):
             limits[f"decode_batch{b}_{name}_tok_s"] = decode_limit(cost, bw, b, context,
                                                                    dense_peak)
-    limits["prefill_tok_s"] = prefill_limit(cost, dense_peak, measured["prefill_tokens"])
+    limits["prefill_tok_s"] = prefill_limit(cost, dense_peak, measured["prefill_tokens"],
+                                            machine.int8_gops)
     percent = {f"decode_batch{b}_of_{name}_limit": 100 * measured[f"decode_batch{b}_tok_s"]
                / limits[f"decode_batch{b}_{name}_tok_s"]
                for b in (1, batch) for name in ("cached", "dram")}
     percent["prefill_of_limit"] = 100 * measured["prefill_tok_s"] / limits["prefill_tok_s"]
     return {"machine": asdict(machine), "model": asdict(cost) | {
                 "dtype": str(engine.dtype).removeprefix("torch."),
-                "weights": engine.quantization, "decode_context": context,
+                "weights": engine.quantization, "prefill_matmul": engine.prefill_matmul,
+                "decode_context": context,
                 "flops_per_token": 2 * cost.params},
             "limits": limits, "measured": measured, "percent_of_limit": percent}
 
@@ -193,8 +214,10 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [(f"machine  {m['threads']} threads; read bandwidth {m['dram_gb_s']:.1f} GB/s "
               f"(1 GiB), {m['cached_gb_s']:.1f} GB/s ({m['cached_bytes'] / 1e6:.0f} MB, the "
               f"decode weights{l3_note}); matmul {m['fp32_gflops']:.0f} GFLOP/s fp32, "
-              f"{m['bf16_gflops']:.0f} bf16"),
-             (f"model    {c['dtype']}, weights {c['weights']}: decode reads "
+              f"{m['bf16_gflops']:.0f} bf16"
+              + (f", {m['int8_gops']:.0f} GOP/s int8" if m.get("int8_gops") else "")),
+             (f"model    {c['dtype']}, weights {c['weights']}, prefill matmuls "
+              f"{c.get('prefill_matmul', c['dtype'])}: decode reads "
               f"{c['decode_weight_bytes'] / 1e6:.1f} MB of weights per step, prefill "
               f"{c['dense_weight_bytes'] / 1e6:.1f} MB; {c['kv_bytes_per_token']} KV bytes per "
               f"context token; {c['flops_per_token'] / 1e6:.0f} MFLOP per token"),

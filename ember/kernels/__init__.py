@@ -85,6 +85,14 @@ class CpuKernels:
         inputs, from pack_int4_panels; for decode-sized m."""
         return self.ops.int4_linear(x, q, scale_min)
 
+    def w8a8_linear(self, x: Tensor, q: Tensor, scales: Tensor, smooth: Tensor,
+                    swiglu: bool = False) -> Tensor:
+        """x [m, k] bfloat16 -> (x * smooth) w^T [m, n] bfloat16 with w = q * scales[:, None]
+        (q int8 [n, k], scales and smooth float32 [n], [k]) and each row of x * smooth
+        rounded to int8 with its own scale (max / 127), on oneDNN's int8 GEMM; with `swiglu`,
+        w is [gate | up] and the result [m, n / 2] is silu(gate) * up. AVX-512 BF16 only."""
+        return self.ops.w8a8_linear(x, q, scales, smooth, swiglu)
+
     def decode_stack(self, weights: list[Tensor], final_norm: Tensor, heads: int,
                      kv_heads: int, head_dim: int, eps: float, scale: float):
         """Every decoder layer of a decode step in one call (AVX-512 BF16 only): `weights`

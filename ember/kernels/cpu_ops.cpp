@@ -826,6 +826,85 @@ void matmul(const uint16_t* x, int64_t m, int64_t x_stride, const uint8_t* q,
 }
 
 }  // namespace int4w
+
+// silu(g) = g * sigmoid(g) on 16 lanes, from e = exp(-|g|) <= 1 (no overflow either side)
+inline __m512 silu16(__m512 g) {
+  const __m512 e = simd::exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+  const __m512 num = _mm512_mask_blend_ps(
+      _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, _mm512_set1_ps(1.f));
+  return _mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+}
+
+// Dynamic int8 activations ("W8A8") for prompt-sized matmuls: each row of x becomes int8 with
+// its own scale (x ~ q * s, s = max|x| / 127), the int8 rows times an int8 weight (one scale
+// per output) run on oneDNN's int8 GEMM (VNNI: four products per lane per instruction, twice
+// bfloat16's two), and each int32 sum comes back as sum * s_row * s_output.
+namespace w8a8 {
+
+using namespace simd;
+
+// x [m, k] bfloat16 (row stride `stride`), times smooth [k] per column -> q [m, k] int8 and
+// scale [m]: x * smooth ~ q * scale
+void quantize_rows(const c10::BFloat16* x, int64_t m, int64_t k, int64_t stride,
+                   const float* smooth, int8_t* q, float* scale) {
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* row = x + r * stride;
+      int8_t* out = q + r * k;
+      auto value = [&](int64_t i) { return _mm512_mul_ps(load16(row + i), load16(smooth + i)); };
+      __m512 amax = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(value(i)));
+      float a = _mm512_reduce_max_ps(amax);
+      for (int64_t j = i; j < k; ++j) a = std::max(a, std::fabs(load(row[j]) * smooth[j]));
+      scale[r] = a > 0.f ? a / 127.f : 1.f;
+      const float inv = a > 0.f ? 127.f / a : 0.f;
+      const __m512 inv16 = _mm512_set1_ps(inv);
+      for (i = 0; i + 16 <= k; i += 16) {  // round to nearest even, saturate to int8
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(value(i), inv16));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtsepi32_epi8(v));
+      }
+      for (; i < k; ++i) {
+        const float v = std::nearbyint(load(row[i]) * smooth[i] * inv);
+        out[i] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
+      }
+    }
+  });
+}
+
+// acc [m, n] int32 -> out [m, n] bfloat16 = acc * row_scale[r] * col_scale[c]; with `swiglu`,
+// acc holds [gate | up] (n = 2 * half) and out [m, half] = silu(gate) * up, both scaled first.
+void dequantize(const int32_t* acc, int64_t m, int64_t n, const float* row_scale,
+                const float* col_scale, bool swiglu, c10::BFloat16* out) {
+  const int64_t width = swiglu ? n / 2 : n;
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* a = acc + r * n;
+      c10::BFloat16* o = out + r * width;
+      const __m512 rs = _mm512_set1_ps(row_scale[r]);
+      auto value = [&](int64_t c) {  // 16 outputs from column c
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(a + c));
+        return _mm512_mul_ps(v, _mm512_mul_ps(rs, _mm512_loadu_ps(col_scale + c)));
+      };
+      int64_t c = 0;
+      for (; c + 16 <= width; c += 16) {
+        store16(o + c, swiglu ? _mm512_mul_ps(silu16(value(c)), value(width + c)) : value(c));
+      }
+      for (; c < width; ++c) {
+        const float v = static_cast<float>(a[c]) * row_scale[r] * col_scale[c];
+        if (!swiglu) {
+          o[c] = c10::BFloat16(v);
+          continue;
+        }
+        const float u = static_cast<float>(a[width + c]) * row_scale[r] * col_scale[width + c];
+        const float e = exp_nonpositive(-std::fabs(v));
+        o[c] = c10::BFloat16(v * (v >= 0.f ? 1.f : e) / (1.f + e) * u);
+      }
+    }
+  });
+}
+
+}  // namespace w8a8
 #endif  // EMBER_BF16_DOT
 
 // Rotate one head in place of `out`: out = x * cos + roll(x, d / 2) * sin, with sin's first
@@ -889,13 +968,7 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
       if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
         using simd::load16, simd::store16;
         for (; i0 + 16 <= n; i0 += 16) {
-          const __m512 g = load16(gate + i0);
-          const __m512 e = simd::exp_nonpositive16(
-              _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-          const __m512 num = _mm512_mask_blend_ps(
-              _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, _mm512_set1_ps(1.f));
-          const __m512 sigmoid = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-          store16(o + i0, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), load16(up + i0)));
+          store16(o + i0, _mm512_mul_ps(silu16(load16(gate + i0)), load16(up + i0)));
         }
       }
 #endif
@@ -1166,6 +1239,41 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale_
   return out;
 }
 
+// w8a8_linear(x [m, k] bfloat16 (rows may be strided), w [n, k] int8, w_scale [n] float32,
+// smooth [k] float32, swiglu) -> [m, n] bfloat16 = (x * smooth) w^T with w[r] = q[r] *
+// w_scale[r] and x * smooth rounded to int8 per row (w8a8 above; smooth divides the
+// weight's columns where it was made, SmoothQuant); with swiglu, the product is [gate | up]
+// and the result [m, n / 2] is silu(gate) * up. Only with AVX-512 BF16.
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale,
+                          torch::Tensor smooth, bool swiglu) {
+  TORCH_CHECK(has_bf16_dot(), "w8a8_linear needs a CPU with AVX-512 BF16");
+  check_bf16_rows(x);
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
+              "w must be contiguous [n, k] int8");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(w.size(1) == k, "x has ", k, " inputs, the weight ", w.size(1));
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
+                  w_scale.numel() == n,
+              "w_scale must be [n] contiguous float32");
+  TORCH_CHECK(smooth.scalar_type() == at::kFloat && smooth.is_contiguous() &&
+                  smooth.numel() == k,
+              "smooth must be [k] contiguous float32");
+  TORCH_CHECK(!swiglu || n % 2 == 0, "swiglu needs an even number of outputs (gate | up)");
+  auto out = torch::empty({m, swiglu ? n / 2 : n}, x.options());
+#ifdef EMBER_BF16_DOT
+  if (m > 0) {
+    auto q = torch::empty({m, k}, x.options().dtype(at::kChar));
+    auto row_scale = torch::empty({m}, x.options().dtype(at::kFloat));
+    w8a8::quantize_rows(x.data_ptr<at::BFloat16>(), m, k, x.stride(0), smooth.data_ptr<float>(),
+                        q.data_ptr<int8_t>(), row_scale.data_ptr<float>());
+    const auto acc = at::_int_mm(q, w.t());  // oneDNN's int8 GEMM
+    w8a8::dequantize(acc.data_ptr<int32_t>(), m, n, row_scale.data_ptr<float>(),
+                     w_scale.data_ptr<float>(), swiglu, out.data_ptr<at::BFloat16>());
+  }
+#endif
+  return out;
+}
+
 // int8_rows(ids [t] int64, packed, scales) -> [t, k] bfloat16: rows ids of w (as above), e.g.
 // a tied embedding read from its output projection's int8 weight.
 torch::Tensor int8_rows(torch::Tensor ids, torch::Tensor packed, torch::Tensor scales) {
@@ -1368,6 +1476,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "a prompt chunk over its paged context",
         no_gil);
   m.def("int8_linear", &int8_linear, "x w^T with w int8 in 16-row VNNI panels", no_gil);
+  m.def("w8a8_linear", &w8a8_linear, "x w^T on int8 dot products, x quantized per row",
+        no_gil);
   m.def("int8_rows", &int8_rows, "rows of an int8 weight in 16-row VNNI panels", no_gil);
   m.def("int4_linear", &int4_linear, "x w^T with w int4 (groups of 32) in 16-row panels",
         no_gil);

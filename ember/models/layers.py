@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from ember.config import RopeScaling
 from ember.kernels import CpuKernels
+from ember.quant.packed import PackedLinear
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled CPU kernels take
 
@@ -92,6 +93,9 @@ class SwiGLU(nn.Module):
         self.kernels: CpuKernels | None = None  # compiled CPU kernels, if the engine has them
 
     def forward(self, x: Tensor) -> Tensor:
+        proj = self.gate_up_proj
+        if isinstance(proj, PackedLinear) and proj.takes_swiglu(x):
+            return self.down_proj(proj.swiglu(x))  # from the int32 sums, one pass
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None and gate_up.dtype in KERNEL_DTYPES \
                 and gate_up.is_contiguous():

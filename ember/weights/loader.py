@@ -102,6 +102,21 @@ def resolve_quantization(name: str, files: ModelFiles, config: ModelConfig,
     return name
 
 
+def resolve_prefill_matmul(name: str, method: str, kernels: CpuKernels | None) -> str:
+    """'auto' is int8 (dynamic int8 activations on int8 weights) where the weights are packed
+    and the compiled kernels have AVX-512 BF16, else bfloat16; an int8 choice that cannot run
+    here is a ConfigError."""
+    runs = method != "none" and kernels is not None and kernels.has_bf16_dot
+    if name == "auto":
+        return "int8" if runs else "bfloat16"
+    if name == "int8" and not runs:
+        why = ("the weights are not packed; add --quantization int8 or int4" if method == "none"
+               else "the compiled kernels with AVX-512 BF16 are not available here")
+        raise ConfigError(f"--prefill-matmul int8 cannot run: {why}; or use --prefill-matmul "
+                          "bfloat16")
+    return name
+
+
 def apply_quantization(model: LlamaForCausalLM, method: str,
                        kernels: CpuKernels | None = None) -> LlamaForCausalLM:
     """Pack the linears: `method` in the decoder layers, int8 in the output projection (int4

@@ -185,6 +185,48 @@ def test_int4_linear_is_the_dequantized_matmul(kernels, m):
         kernels.int4_linear(x[:, :64].contiguous(), *pack_int4_panels(q, scale, minimum))
 
 
+def _w8a8_reference(x, q, scales, smooth):
+    """Each row of x * smooth rounded to int8 by its own max, an exact integer matmul, then
+    the two scales: the kernel's arithmetic in torch (float32, round half to even)."""
+    v = x.float() * smooth
+    amax = v.abs().amax(dim=1)
+    xq = torch.round(v * (127 / amax)[:, None]).clamp(-127, 127).to(torch.int32)
+    return (xq @ q.to(torch.int32).T).float() * ((amax / 127)[:, None] * scales[None, :])
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 96, 80), (7, 100, 80), (33, 100, 34)])
+def test_w8a8_linear_is_the_rounded_matmul(kernels, m, k, n):
+    """Bit for bit the reference above (inputs with a 16-lane tail, strided rows, an odd
+    number of outputs), and within int8 rounding of the float matmul it approximates."""
+    if not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX-512 BF16: prompt matmuls stay bfloat16")
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(m, 2 * k, generator=g).to(torch.bfloat16)[:, :k]
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales, smooth = torch.rand(n, generator=g) / 64, torch.rand(k, generator=g) + 0.5
+    got = kernels.w8a8_linear(x, q, scales, smooth)
+    assert torch.equal(got, _w8a8_reference(x, q, scales, smooth).to(torch.bfloat16))
+    exact = (x.float() * smooth) @ (q.float() * scales[:, None]).T
+    assert (got.float() - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def test_w8a8_linear_with_swiglu_is_silu_gate_times_up(kernels):
+    if not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX-512 BF16: prompt matmuls stay bfloat16")
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(19, 64, generator=g).to(torch.bfloat16)
+    q = torch.randint(-127, 128, (2 * 40, 64), generator=g, dtype=torch.int8)
+    scales, smooth = torch.rand(80, generator=g) / 64, torch.ones(64)
+    gate, up = _w8a8_reference(x, q, scales, smooth).chunk(2, dim=1)
+    got = kernels.w8a8_linear(x, q, scales, smooth, swiglu=True)
+    assert got.shape == (19, 40)
+    close(got, F.silu(gate) * up, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="smooth"):
+        kernels.w8a8_linear(x, q, scales, torch.ones(63))
+    with pytest.raises(RuntimeError, match="int8"):
+        kernels.w8a8_linear(x, q.float(), scales, smooth)
+
+
 def test_int8_rows_read_the_panels_back(kernels):
     g = torch.Generator().manual_seed(6)
     q = torch.randint(-127, 128, (64, 32), generator=g, dtype=torch.int8)

@@ -36,6 +36,14 @@ def test_limits_are_the_slower_of_bandwidth_and_compute():
     assert prefill_limit(cost, 1000, 100) == pytest.approx(5000)
 
 
+def test_the_prefill_limit_runs_int8_linears_at_the_int8_peak():
+    cost = ModelCost(decode_weight_bytes=10**8, dense_weight_bytes=4 * 10**8,
+                     kv_bytes_per_token=0, params=10**8, attn_flops_per_context_token=0,
+                     int8_prefill_params=6 * 10**7)
+    # 100 tokens: 8 GFLOP at 1000 GFLOP/s (8 ms) + 12 GOP at 2000 GOP/s (6 ms)
+    assert prefill_limit(cost, 1000, 100, int8_gops=2000) == pytest.approx(100 / 0.014)
+
+
 def test_with_the_decode_stack_every_decode_batch_reads_the_packed_weights():
     model = _Model()
     assert model_cost(model, 100).packed_max_rows == 8     # bigger batches: the dense copies
