@@ -27,9 +27,11 @@ def apply_logit_bias(logits: Tensor, rows: Tensor, token_ids: Tensor, values: Te
     return logits.index_put((rows, token_ids), values, accumulate=True)
 
 
-def mask_tokens(logits: Tensor, mask: Tensor) -> Tensor:
-    """mask [B, V] bool: True tokens can never be chosen (min_tokens holds back EOS this way)."""
-    return logits.masked_fill(mask, float("-inf"))
+def mask_tokens(logits: Tensor, rows: Tensor, token_ids: Tensor) -> Tensor:
+    """(rows[i], token_ids[i]) can never be chosen (min_tokens holds back EOS this way); a
+    new tensor. Sparse, as apply_logit_bias: a dense [B, V] mask cost ~1.5% of a c32 run."""
+    minus_inf = torch.tensor(float("-inf"), device=logits.device)
+    return logits.index_put((rows, token_ids), minus_inf)
 
 
 def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:

@@ -31,7 +31,8 @@ class SamplingBatch:
     frequency: Tensor | None = None      # [B]
     counts: Tensor | None = None         # [B, V] float32: output token counts
     bias: tuple[Tensor, Tensor, Tensor] | None = None  # rows, token ids, values [N]
-    banned: Tensor | None = None         # [B, V] bool (min_tokens holds EOS back)
+    banned: tuple[Tensor, Tensor] | None = None  # rows, token ids [N] (min_tokens holds
+    #                                              EOS back)
     num_logprobs: int | None = None      # the most any row asks for
 
 
@@ -64,9 +65,12 @@ def build_sampling_batch(requests: list[Request], vocab_size: int,
         rows, token_ids, values = zip(*entries)
         batch.bias = (_column(list(rows), device, torch.long),
                       _column(list(token_ids), device, torch.long), _column(list(values), device))
-    held_back = [_held_back_ids(r) for r in requests]
-    if any(held_back):
-        batch.banned = _token_mask(held_back, vocab_size, device)
+    held_back = [(row, token_id) for row, r in enumerate(requests)
+                 for token_id in _held_back_ids(r)]
+    if held_back:
+        rows, token_ids = zip(*held_back)
+        batch.banned = (_column(list(rows), device, torch.long),
+                        _column(list(token_ids), device, torch.long))
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     batch.num_logprobs = max(wanted) if wanted else None
     return batch
@@ -106,7 +110,7 @@ def process_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
         logits = P.apply_presence_frequency_penalties(logits, batch.counts, batch.presence,
                                                       batch.frequency)
     if batch.banned is not None:
-        logits = P.mask_tokens(logits, batch.banned)
+        logits = P.mask_tokens(logits, *batch.banned)
     return logits
 
 
