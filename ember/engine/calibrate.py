@@ -1,11 +1,13 @@
-"""Calibration of int8 prefill matmuls: max |x| per input channel of every packed linear.
+"""Calibration of int8 prefill matmuls: max |x| per input channel of the linears concerned.
 
 SmoothQuant (ember/quant/packed.py, PackedLinear.use_int8_dense) needs to know which input
 channels run large. The engine learns it once, at start, from one prompt of random token ids
-run through its own prefill path on the bfloat16 dense weights: no text ships for it and
-none is downloaded, and the large channels of a Llama-family model are largely the same
-whatever the text (on the default model, calibrating on random ids or on English prose gave
-perplexities within 0.4% of each other; docs/benchmarks.md).
+run through its own prefill path: no text ships for it and none is downloaded, and the large
+channels of a Llama-family model are much the same whatever the text (docs/benchmarks.md has
+the perplexities). The linears' dense bfloat16 weights are shrunk to plain int8 before the
+KV cache is allocated (prepare_int8_prefill), the calibration prompt runs on their packed
+weights, and the smoothed int8 ones are made from the plain int8: the bfloat16 copies never
+sit beside the KV cache, which kept `ember serve` under 1.6 GiB while it starts.
 """
 from __future__ import annotations
 
@@ -34,10 +36,27 @@ def calibration_prompt(vocab_size: int, length: int = CALIBRATION_TOKENS,
     return torch.randint(vocab_size, (length,), generator=generator).tolist()
 
 
+def int8_prefill_targets(model: torch.nn.Module) -> list[PackedLinear]:
+    """The model's int8_prefill_linears that are packed (the others keep their weights)."""
+    return [m for m in model.int8_prefill_linears() if isinstance(m, PackedLinear)]
+
+
+def prepare_int8_prefill(model: torch.nn.Module, kernels: CpuKernels) -> None:
+    """Before the KV cache is allocated: shrink the targets' dense bfloat16 weights to int8
+    (~160 -> ~80 MB on the default model), after checking that each can take an int8 one."""
+    targets = int8_prefill_targets(model)
+    if not all(m.can_use_int8_dense(kernels) for m in targets):
+        raise ConfigError("int8 prefill matmuls need int8 weights or int4 ones on the compiled "
+                          "kernels (output sizes divisible by 16), with no bias; use "
+                          "--prefill-matmul bfloat16")
+    for module in targets:
+        module.shrink_dense()
+
+
 def input_amax(core: EngineCore, token_ids: list[int]) -> dict[PackedLinear, Tensor]:
     """Run `token_ids` as one prompt through an idle engine (one prefill step when it fits
-    the step budget) and return max |x| per input channel for each of the model's
-    int8_prefill_linears that serves prompt chunks on a dense weight."""
+    the step budget) and return max |x| per input channel for each int8_prefill_targets
+    linear."""
     if core.has_unfinished():
         raise RuntimeError("calibration needs an idle engine")
     amax: dict[PackedLinear, Tensor] = {}
@@ -48,8 +67,7 @@ def input_amax(core: EngineCore, token_ids: list[int]) -> dict[PackedLinear, Ten
             seen = x.detach().abs().amax(dim=0).float()
             amax[module] = torch.maximum(amax[module], seen) if module in amax else seen
 
-    modules = [m for m in core.runner.model.int8_prefill_linears()
-               if isinstance(m, PackedLinear) and m.weight is not None]
+    modules = int8_prefill_targets(core.runner.model)
     hooks = [m.register_forward_pre_hook(record) for m in modules]
     try:
         core.add_request("calibration", token_ids, SamplingParams(temperature=0, max_tokens=1),
@@ -68,9 +86,8 @@ def input_amax(core: EngineCore, token_ids: list[int]) -> dict[PackedLinear, Ten
 
 
 def use_int8_prefill(core: EngineCore, kernels: CpuKernels) -> int:
-    """Calibrate, then turn the dense weights of the model's int8_prefill_linears into
-    SmoothQuant int8 (in place, each bfloat16 weight freed as its int8 one is made). Returns
-    how many linears."""
+    """Calibrate, then give each int8_prefill_targets linear its SmoothQuant int8 weight,
+    made from its packed one (after prepare_int8_prefill). Returns how many linears."""
     prompt = calibration_prompt(core.model_config.vocab_size,
                                 min(CALIBRATION_TOKENS, core.max_model_len - 1))
     amax = input_amax(core, prompt)

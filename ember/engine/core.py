@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 
 from ember.config import EngineConfig, ModelConfig
-from ember.engine.calibrate import use_int8_prefill
+from ember.engine.calibrate import prepare_int8_prefill, use_int8_prefill
 from ember.engine.memory import large_blocks_mapped_alone, return_free_memory
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kernels import load_kernels
@@ -82,6 +82,8 @@ class EngineCore:
             model = apply_quantization(load_model(files, self.model_config, self.dtype,
                                                   config.device), self.quantization, kernels)
         model.use_kernels(kernels)
+        if self.prefill_matmul == "int8":  # bfloat16 copies out before the KV cache comes
+            prepare_int8_prefill(model, kernels)
         del files  # the file's metadata (~170 MB of Python objects for a GGUF) goes now,
         gc.collect()  # before the KV cache is allocated: loading peaks lower
         return_free_memory()

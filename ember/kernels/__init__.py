@@ -131,6 +131,18 @@ def pack_int4_panels(q: Tensor, scale: Tensor, minimum: Tensor) -> tuple[Tensor,
     return packed, torch.stack(per_panel, dim=2).to(torch.bfloat16).contiguous()
 
 
+def unpack_int4_panels(packed: Tensor, scale_min: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """pack_int4_panels undone: -> q [n, k] (0..15, uint8), scale and minimum [n, k / 32]
+    (float32, as the kernel holds them: rounded to bfloat16)."""
+    panels, groups = packed.shape[:2]
+    operands = torch.stack([packed & 0x0F, packed >> 4], dim=3)     # [P, G, 8, 2, 32]
+    q = operands.reshape(panels, groups, 16, 16, 2).permute(0, 3, 1, 2, 4)
+    per_panel = scale_min.float().transpose(2, 3)                    # [P, G, 16, 2]
+    scale, minimum = (per_panel[..., i].transpose(1, 2).reshape(panels * 16, groups)
+                      for i in (0, 1))
+    return q.reshape(panels * 16, groups * 32), scale, minimum
+
+
 def _cpu_key() -> str:
     """The build depends on the CPU (-march=native): key it by the CPU's feature flags."""
     flags = ""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ember import LLM
 from ember.kernels import (CpuKernels, build_cpu_ops, load_kernels, pack_int4_panels,
-                           pack_int8_panels)
+                           pack_int8_panels, unpack_int4_panels)
 from ember.models.attention import PagedKV, _matmul_attention
 from ember.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
 from ember.request import RequestOptions, SamplingParams
@@ -225,6 +225,16 @@ def test_w8a8_linear_with_swiglu_is_silu_gate_times_up(kernels):
         kernels.w8a8_linear(x, q, scales, torch.ones(63))
     with pytest.raises(RuntimeError, match="int8"):
         kernels.w8a8_linear(x, q.float(), scales, smooth)
+
+
+def test_int4_panels_unpack_to_what_was_packed():
+    g = torch.Generator().manual_seed(10)
+    q = torch.randint(0, 16, (48, 96), generator=g)
+    scale, minimum = torch.rand(48, 3, generator=g), torch.randn(48, 3, generator=g)
+    back = unpack_int4_panels(*pack_int4_panels(q, scale, minimum))
+    assert torch.equal(back[0].long(), q)
+    assert torch.equal(back[1], scale.bfloat16().float())     # as the kernel holds them
+    assert torch.equal(back[2], minimum.bfloat16().float())
 
 
 def test_int8_rows_read_the_panels_back(kernels):
