@@ -1,4 +1,5 @@
 """The compiled CPU kernels (ember/kernels) beside the torch code they replace, per call.
+(For prompt matmuls, "torch" is oneDNN's bfloat16 matmul and "kernel" the int8 one.)
 
     .venv/bin/python benchmarks/cpu_kernels.py --out results/cpu_kernels.json
 
@@ -134,6 +135,22 @@ def int4_linear(kernels: CpuKernels, rows: int, n: int, k: int) -> dict[str, flo
             "kernel_us": per_call_us(lambda: kernel(x), 500)}
 
 
+def prompt_matmul(kernels: CpuKernels, rows: int, n: int, k: int) -> dict[str, float]:
+    """A prompt chunk's matmul: the dense bfloat16 weight on oneDNN (prepacked) against int8
+    activations on the SmoothQuant int8 weight (w8a8_linear: quantize, oneDNN's int8 GEMM,
+    dequantize); for gate/up (n = 3072) SwiGLU's silu * up included on both sides."""
+    linear = torch.nn.Linear(k, n, bias=False).to(DTYPE)
+    dense = PackedLinear(linear, "int4", kernels=kernels, max_packed_rows=0)
+    int8 = PackedLinear(linear, "int4", kernels=kernels, max_packed_rows=0)
+    int8.use_int8_dense(kernels, torch.ones(k))
+    x = torch.randn(rows, k, dtype=DTYPE)
+    if n == 3072:
+        return {"torch_us": per_call_us(lambda: kernels.silu_and_mul(dense(x)), 50),
+                "kernel_us": per_call_us(lambda: int8.swiglu(x), 50)}
+    return {"torch_us": per_call_us(lambda: dense(x), 50),
+            "kernel_us": per_call_us(lambda: int8(x), 50)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="results/cpu_kernels.json")
@@ -154,6 +171,10 @@ def main() -> None:
         for rows in (1, 8):
             for n, k in ((3072, 576), (576, 1536), (960, 576)):
                 results[f"int4 linear {k}->{n}, {rows} rows"] = int4_linear(kernels, rows, n, k)
+        for rows in (64, 256, 512):
+            for n, k in ((960, 576), (576, 576), (3072, 576)):
+                results[f"prompt matmul {k}->{n}, {rows} rows"] = prompt_matmul(kernels, rows,
+                                                                               n, k)
     print(f"{'op':40}{'torch us':>12}{'kernel us':>12}")
     for name, r in results.items():
         print(f"{name:40}{r['torch_us']:12.1f}{r['kernel_us']:12.1f}")

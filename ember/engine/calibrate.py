@@ -46,9 +46,8 @@ def prepare_int8_prefill(model: torch.nn.Module, kernels: CpuKernels) -> None:
     (~160 -> ~80 MB on the default model), after checking that each can take an int8 one."""
     targets = int8_prefill_targets(model)
     if not all(m.can_use_int8_dense(kernels) for m in targets):
-        raise ConfigError("int8 prefill matmuls need int8 weights or int4 ones on the compiled "
-                          "kernels (output sizes divisible by 16), with no bias; use "
-                          "--prefill-matmul bfloat16")
+        raise ConfigError("int8 prefill matmuls need the compiled kernels with AVX-512 BF16; "
+                          "use --prefill-matmul bfloat16")
     for module in targets:
         module.shrink_dense()
 

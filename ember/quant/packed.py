@@ -129,8 +129,8 @@ class PackedLinear(nn.Module):
         calibration prompt. Needs the compiled kernels with AVX-512 BF16."""
         if not self.can_use_int8_dense(kernels):
             raise ConfigError("int8 prefill matmuls need int8 weights or int4 ones on the "
-                              "compiled kernels, no bias, and AVX-512 BF16; use "
-                              "--prefill-matmul bfloat16")
+                              "compiled kernels, and AVX-512 BF16; use --prefill-matmul "
+                              "bfloat16")
         if self.prepacked:  # oneDNN's blocked layout back to rows, once
             self.weight, self.prepacked = self.weight.to_dense(), False
         n = self.out_features
@@ -149,7 +149,7 @@ class PackedLinear(nn.Module):
         self.int8_source = None
 
     def can_use_int8_dense(self, kernels: CpuKernels | None) -> bool:
-        return (kernels is not None and kernels.has_bf16_dot and self.bias is None
+        return (kernels is not None and kernels.has_bf16_dot
                 and (self.weight is not None or self.int8_source is not None
                      or self.method == "int8" or self.kernels is not None))
 
@@ -195,7 +195,8 @@ class PackedLinear(nn.Module):
 
     def takes_swiglu(self, x: Tensor) -> bool:
         """Whether swiglu(x) runs here fused (the int8 dense path), for a gate | up layer."""
-        return self.w8a8 is not None and x.shape[0] > self.max_packed_rows
+        return self.w8a8 is not None and self.bias is None and \
+            x.shape[0] > self.max_packed_rows
 
     def swiglu(self, x: Tensor) -> Tensor:
         """silu(gate) * up of this [gate | up] projection in one pass over the int32 sums
@@ -205,7 +206,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.w8a8 is not None and x.shape[0] > self.max_packed_rows:
-            return self.w8a8.w8a8_linear(x, self.dense_q, self.dense_scales, self.smooth)
+            out = self.w8a8.w8a8_linear(x, self.dense_q, self.dense_scales, self.smooth)
+            return out if self.bias is None else out + self.bias
         if self.weight is not None and x.shape[0] > self.max_packed_rows:
             if self.prepacked:
                 return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none",

@@ -27,7 +27,8 @@ from ember.quant.packed import (
     quantize_int4,
     quantize_int8,
 )
-from tests.conftest import CHAT_PROMPTS, SHAKESPEARE, assert_greedy_close
+from tests.conftest import (CHAT_PROMPTS, SHAKESPEARE, assert_greedy_close, save_tiny_model,
+                            tiny_hf_model)
 
 
 def _linear(out_features: int, in_features: int, seed: int = 0) -> torch.nn.Linear:
@@ -229,3 +230,28 @@ def test_int8_prompt_matmuls_need_packed_weights_and_the_kernels(smollm_path):
             prefill_matmul="int8")
     with pytest.raises(ConfigError, match="prefill_matmul='fp8'"):
         EngineConfig(prefill_matmul="fp8")
+
+
+def test_int8_prompt_matmuls_with_a_qkv_bias_agree_with_bfloat16_ones(tokenizer_files,
+                                                                      tmp_path_factory):
+    """A tiny Qwen2 (q/k/v with a bias, hidden 64): its int8 prompt matmuls add the bias after
+    the int8 product; greedy tokens by the closeness rule against bfloat16 prompt matmuls."""
+    kernels = load_kernels("auto", "cpu")
+    if kernels is None or not kernels.has_bf16_dot:
+        pytest.skip("int8 prompt matmuls need the compiled kernels with AVX-512 BF16")
+    model = tiny_hf_model("qwen2", tie_word_embeddings=True)
+    with torch.no_grad():   # transformers starts biases at zero: give them weight
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    folder = save_tiny_model(tmp_path_factory.mktemp("qwen2_w8a8"), model, tokenizer_files)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    prompts = [[100 + (7 * i + j) % 5000 for j in range(40 + 9 * i)] for i in range(4)]
+    outs = {}
+    for matmul in ("bfloat16", "int8"):
+        llm = LLM(str(folder), dtype="bfloat16", quantization="int8", prefill_matmul=matmul)
+        assert llm.engine.prefill_matmul == matmul
+        outs[matmul] = llm.generate(prompts, params)
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.bias is not None and qkv.w8a8 is not None
+    assert_greedy_close(outs["bfloat16"], outs["int8"])
