@@ -86,7 +86,7 @@ def input_amax(core: EngineCore, token_ids: list[int]) -> dict[PackedLinear, Ten
 
 def use_int8_prefill(core: EngineCore, kernels: CpuKernels) -> int:
     """Calibrate, then give each int8_prefill_targets linear its SmoothQuant int8 weight,
-    made from its packed one (after prepare_int8_prefill). Returns how many linears."""
+    made from the int8 copy prepare_int8_prefill left. Returns how many linears."""
     prompt = calibration_prompt(core.model_config.vocab_size,
                                 min(CALIBRATION_TOKENS, core.max_model_len - 1))
     amax = input_amax(core, prompt)

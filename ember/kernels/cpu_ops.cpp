@@ -838,7 +838,9 @@ inline __m512 silu16(__m512 g) {
 // Dynamic int8 activations ("W8A8") for prompt-sized matmuls: each row of x becomes int8 with
 // its own scale (x ~ q * s, s = max|x| / 127), the int8 rows times an int8 weight (one scale
 // per output) run on oneDNN's int8 GEMM (VNNI: four products per lane per instruction, twice
-// bfloat16's two), and each int32 sum comes back as sum * s_row * s_output.
+// bfloat16's two), and each int32 sum comes back as sum * s_row * s_output. The rows are
+// multiplied by a per-column `smooth` (SmoothQuant's 1 / s_j) as they are rounded; the weight
+// was made with its columns times s_j (ember/quant/packed.py).
 namespace w8a8 {
 
 using namespace simd;
@@ -851,7 +853,9 @@ void quantize_rows(const c10::BFloat16* x, int64_t m, int64_t k, int64_t stride,
     for (int64_t r = begin; r < end; ++r) {
       const c10::BFloat16* row = x + r * stride;
       int8_t* out = q + r * k;
-      auto value = [&](int64_t i) { return _mm512_mul_ps(load16(row + i), load16(smooth + i)); };
+      auto value = [&](int64_t i) {  // 16 inputs, smoothed
+        return _mm512_mul_ps(load16(row + i), load16(smooth + i));
+      };
       __m512 amax = _mm512_setzero_ps();
       int64_t i = 0;
       for (; i + 16 <= k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(value(i)));
