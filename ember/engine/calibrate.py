@@ -79,16 +79,17 @@ def input_amax(core: EngineCore, token_ids: list[int]) -> dict[PackedLinear, Ten
     missing = [m for m in modules if m not in amax]
     if missing:
         raise ConfigError(f"int8 prefill matmuls: calibration saw no prompt rows in "
-                          f"{len(missing)} linears (a step budget of 8 tokens or fewer?); "
-                          "raise --max-num-batched-tokens or use --prefill-matmul bfloat16")
+                          f"{len(missing)} linears (a step budget or KV cache of 8 tokens or "
+                          "fewer?); raise --max-num-batched-tokens or --kv-cache-gib, or use "
+                          "--prefill-matmul bfloat16")
     return amax
 
 
 def use_int8_prefill(core: EngineCore, kernels: CpuKernels) -> int:
     """Calibrate, then give each int8_prefill_targets linear its SmoothQuant int8 weight,
     made from the int8 copy prepare_int8_prefill left. Returns how many linears."""
-    prompt = calibration_prompt(core.model_config.vocab_size,
-                                min(CALIBRATION_TOKENS, core.max_model_len - 1))
+    room = min(core.max_model_len, core.scheduler.kv.capacity_tokens) - 1  # 1 output token
+    prompt = calibration_prompt(core.model_config.vocab_size, min(CALIBRATION_TOKENS, room))
     amax = input_amax(core, prompt)
     with large_blocks_mapped_alone():
         for module, seen in amax.items():

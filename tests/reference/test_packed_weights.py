@@ -222,6 +222,17 @@ def test_int8_prompt_matmul_perplexity_within_one_percent_of_bfloat16(formats, b
     assert ppl["int8"] != ppl["bf16"]   # the two paths do differ
 
 
+def test_calibration_fits_a_small_kv_cache_or_says_what_to_change(smollm_path):
+    if load_kernels("auto", "cpu") is None or not load_kernels("auto", "cpu").has_bf16_dot:
+        pytest.skip("int8 prompt matmuls need the compiled kernels with AVX-512 BF16")
+    small = LLM(str(smollm_path), num_blocks=4, block_size=16)   # 64 tokens in all
+    assert small.engine.prefill_matmul == "int8"
+    layer = small.engine.runner.model.model.layers[0]
+    assert layer.mlp.gate_up_proj.w8a8 is not None
+    with pytest.raises(ConfigError, match="max-num-batched-tokens"):
+        LLM(str(smollm_path), max_num_batched_tokens=8)
+
+
 def test_int8_prompt_matmuls_need_packed_weights_and_the_kernels(smollm_path):
     with pytest.raises(ConfigError, match="--quantization int8 or int4"):
         LLM(str(smollm_path), dtype="bfloat16", quantization="none", prefill_matmul="int8")
