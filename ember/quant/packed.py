@@ -37,7 +37,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ember.errors import ConfigError
-from ember.kernels import CpuKernels, pack_int4_panels, pack_int8_panels, unpack_int4_panels
+from ember.kernels import (
+    CpuKernels,
+    pack_int4_panels,
+    pack_int8_panels,
+    unpack_int4_panels,
+)
 
 GROUP = 32
 METHODS = ("int8", "int4")

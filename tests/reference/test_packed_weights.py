@@ -27,8 +27,13 @@ from ember.quant.packed import (
     quantize_int4,
     quantize_int8,
 )
-from tests.conftest import (CHAT_PROMPTS, SHAKESPEARE, assert_greedy_close, save_tiny_model,
-                            tiny_hf_model)
+from tests.conftest import (
+    CHAT_PROMPTS,
+    SHAKESPEARE,
+    assert_greedy_close,
+    save_tiny_model,
+    tiny_hf_model,
+)
 
 
 def _linear(out_features: int, in_features: int, seed: int = 0) -> torch.nn.Linear:
