@@ -83,7 +83,7 @@ class EngineCore:
                                                   config.device), self.quantization, kernels)
         model.use_kernels(kernels)
         if self.prefill_matmul == "int8":  # bfloat16 copies out before the KV cache comes
-            prepare_int8_prefill(model, kernels)
+            prepare_int8_prefill(model)
         del files  # the file's metadata (~170 MB of Python objects for a GGUF) goes now,
         gc.collect()  # before the KV cache is allocated: loading peaks lower
         return_free_memory()

@@ -18,8 +18,8 @@ Limits: a step of B tokens takes at least max(bytes / bandwidth, FLOPs / peak); 
 limit = B / that. Prefill uses the dense weights' compute peak (int8's for the linears whose
 prompt matmuls run on int8 activations, bfloat16's or float32's for the rest). ember's own
 figures come from running the engine (decode at batch 1 and at --batch, one 1024-token
-prefill), and each is reported as a percentage of its limit. The weights-fit-in-cache bandwidth gives the tighter
-(higher) limit; both are reported.
+prefill), and each is reported as a percentage of its limit. The weights-fit-in-cache
+bandwidth gives the tighter (higher) limit; both are reported.
 """
 from __future__ import annotations
 

@@ -41,6 +41,14 @@ def _column(values: list[float], device: torch.device, dtype: torch.dtype = torc
     return torch.tensor(values, dtype=dtype, device=device)
 
 
+def _entries(entries: list[tuple], device: torch.device) -> tuple[Tensor, ...]:
+    """[(row, token_id[, value]), ...] -> rows and token ids as long columns (and values as a
+    float32 one): where a sparse processor acts."""
+    columns = list(zip(*entries))
+    return tuple(_column(list(c), device, torch.long if i < 2 else torch.float32)
+                 for i, c in enumerate(columns))
+
+
 def build_sampling_batch(requests: list[Request], vocab_size: int,
                          device: torch.device) -> SamplingBatch:
     """Gather the settings of the requests that sample this step, one row each."""
@@ -60,17 +68,12 @@ def build_sampling_batch(requests: list[Request], vocab_size: int,
         batch.frequency = _column([p.frequency_penalty for p in params], device)
         batch.counts = _token_counts([r.output_token_ids for r in requests], vocab_size, device)
     if any(p.logit_bias for p in params):
-        entries = [(row, token_id, value) for row, p in enumerate(params)
-                   for token_id, value in (p.logit_bias or {}).items()]
-        rows, token_ids, values = zip(*entries)
-        batch.bias = (_column(list(rows), device, torch.long),
-                      _column(list(token_ids), device, torch.long), _column(list(values), device))
+        batch.bias = _entries([(row, token_id, value) for row, p in enumerate(params)
+                               for token_id, value in (p.logit_bias or {}).items()], device)
     held_back = [(row, token_id) for row, r in enumerate(requests)
                  for token_id in _held_back_ids(r)]
     if held_back:
-        rows, token_ids = zip(*held_back)
-        batch.banned = (_column(list(rows), device, torch.long),
-                        _column(list(token_ids), device, torch.long))
+        batch.banned = _entries(held_back, device)
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     batch.num_logprobs = max(wanted) if wanted else None
     return batch
