@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.calibrate import prepare_int8_prefill, use_int8_prefill
-from ember.engine.memory import large_blocks_mapped_alone, return_free_memory
+from ember.engine.memory import huge_page_zeros, large_blocks_mapped_alone, return_free_memory
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kernels import load_kernels
 from ember.kv.kv_manager import KVCacheManager
@@ -100,7 +100,7 @@ class EngineCore:
                  "compiled CPU" if kernels is not None else "torch",
                  config.device, self.cache_info.describe())
         kv_caches = allocate_kv_caches(self.model_config, num_blocks, block_size, self.dtype,
-                                       config.device, kv_dtype)
+                                       config.device, kv_dtype, zeros=huge_page_zeros)
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                             config.cache.eviction_policy)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)

@@ -8,6 +8,9 @@ the first, 1.94 GB with it (docs/benchmarks.md). While loading, every large bloc
 mapping of its own, so that weights and the temporaries freed between them never share a heap
 (an engine measured 1618-1620 MiB resident so, 1622-1641 MiB without). Elsewhere than glibc
 this does nothing.
+
+The KV cache asks for transparent huge pages (huge_page_zeros): decode attention reads each
+request's blocks scattered over the cache, a TLB miss per 4 KiB page otherwise.
 """
 from __future__ import annotations
 
@@ -17,6 +20,10 @@ import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
+MADV_HUGEPAGE = 14              # madvise's advice number (Linux)
+HUGE_PAGE = 2 << 20
 M_TRIM_THRESHOLD = -1           # mallopt's parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 LOADING_THRESHOLD = 128 << 10   # glibc's initial threshold, held while loading
@@ -61,3 +68,19 @@ def large_blocks_mapped_alone() -> Iterator[None]:
         if libc is not None:
             libc.mallopt(M_MMAP_THRESHOLD, RUNNING_THRESHOLD)
             libc.mallopt(M_TRIM_THRESHOLD, RUNNING_TRIM_THRESHOLD)
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """torch.zeros, its memory first advised to the kernel as huge-page material (Linux's
+    transparent huge pages in their default "madvise" mode; elsewhere plain zeros). Decode
+    attention over 16-token blocks scattered through the cache: 8.9 -> 7.7 ms for 21 requests
+    of 400 tokens over 30 layers (docs/benchmarks.md)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    libc = _libc()
+    if out.device.type == "cpu" and libc is not None and hasattr(libc, "madvise"):
+        start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE   # the whole huge pages inside
+        end = (out.data_ptr() + out.numel() * out.element_size()) // HUGE_PAGE * HUGE_PAGE
+        if end > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                         ctypes.c_int(MADV_HUGEPAGE))   # advice only: a refusal changes nothing
+    return out.zero_()

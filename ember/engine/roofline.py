@@ -18,12 +18,16 @@ Limits: a step of B tokens takes at least max(bytes / bandwidth, FLOPs / peak); 
 limit = B / that. Prefill uses the dense weights' compute peak (int8's for the linears whose
 prompt matmuls run on int8 activations, bfloat16's or float32's for the rest). ember's own
 figures come from running the engine (decode at batch 1 and at --batch, one 1024-token
-prefill), and each is reported as a percentage of its limit. The weights-fit-in-cache
+prefill), and each is reported as a percentage of its limit. The read bandwidths and the
+decode runs alternate over three rounds and each figure is its best: the machine's speed
+drifts, and a bandwidth and the decode it bounds are then taken from the same stretch of
+time (best_of_rounds). The weights-fit-in-cache
 bandwidth gives the tighter (higher) limit; both are reported.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -89,12 +93,30 @@ def matmul_gflops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
     return 2 * n ** 3 / _best_time(lambda: a @ b, repeats) / 1e9
 
 
-def measure_machine(weight_bytes: int, int8: bool = False) -> Machine:
-    return Machine(threads=torch.get_num_threads(), dram_gb_s=read_bandwidth(GIB),
-                   cached_gb_s=read_bandwidth(weight_bytes), cached_bytes=weight_bytes,
+def measure_machine(weight_bytes: int, int8: bool = False, dram_gb_s: float | None = None,
+                    cached_gb_s: float | None = None) -> Machine:
+    """The peaks, and the two read bandwidths unless given (measured alongside ember's
+    decode by roofline_report)."""
+    return Machine(threads=torch.get_num_threads(),
+                   dram_gb_s=dram_gb_s if dram_gb_s is not None else read_bandwidth(GIB),
+                   cached_gb_s=(cached_gb_s if cached_gb_s is not None
+                                else read_bandwidth(weight_bytes)),
+                   cached_bytes=weight_bytes,
                    fp32_gflops=matmul_gflops(torch.float32),
                    bf16_gflops=matmul_gflops(torch.bfloat16), l3_bytes=l3_cache_bytes(),
                    int8_gops=matmul_gflops(torch.int8) if int8 else 0.0)
+
+
+def best_of_rounds(probes: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Each probe's best over `rounds` rounds that run every probe in turn. This machine's
+    speed drifts 10-20% (at times more) over seconds to minutes: a bandwidth and the decode it
+    bounds, each the best of runs taken in the same stretch of time, compare like with like
+    (one measured in a fast moment and the other in a slow one would not)."""
+    best = dict.fromkeys(probes, 0.0)
+    for _ in range(rounds):
+        for name, probe in probes.items():
+            best[name] = max(best[name], probe())
+    return best
 
 
 @dataclass(frozen=True)
@@ -156,41 +178,56 @@ def prefill_limit(cost: ModelCost, peak_gflops: float, prompt: int,
     return prompt / seconds
 
 
-def measure_ember(llm, batch: int, context: int = 128, tokens: int = 64) -> dict[str, float]:
-    """Decode tok/s at batch 1 and `batch` (prompts of `context` tokens), 1024-token prefill."""
+def decode_probe(llm, batch: int, context: int = 128, tokens: int = 64
+                 ) -> Callable[[int], float]:
+    """A function of n <= batch: decode tok/s of n sequences with `context`-token prompts."""
     cold = RequestOptions(prefix_cache=False)
-    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     prompts = [[100 + (i * 7 + j) % 20000 for j in range(context)] for i in range(batch)]
-    llm.generate(prompts[:1], greedy(4), cold)
+    llm.generate(prompts[:1], _greedy(4), cold)
 
     def decode(n: int) -> float:
         """The same prompts for 1 and for tokens + 1 tokens: the difference is decode."""
         start = time.perf_counter()
-        llm.generate(prompts[:n], greedy(1), cold)
+        llm.generate(prompts[:n], _greedy(1), cold)
         prefill = time.perf_counter() - start
         start = time.perf_counter()
-        llm.generate(prompts[:n], greedy(tokens + 1), cold)
+        llm.generate(prompts[:n], _greedy(tokens + 1), cold)
         return n * tokens / max(time.perf_counter() - start - prefill, 1e-9)
 
+    return decode
+
+
+def prefill_tok_s(llm, repeats: int = 2) -> tuple[float, int]:
+    """tok/s of one prompt of 1024 tokens (or max_model_len - 1), best of `repeats`."""
     long = [100 + j % 20000 for j in range(min(1024, llm.engine.max_model_len - 1))]
-    prefill = _best_time(lambda: llm.generate([long], greedy(1), cold), repeats=2)
-    return {"decode_batch1_tok_s": decode(1), f"decode_batch{batch}_tok_s": decode(batch),
-            "prefill_tok_s": len(long) / prefill, "prefill_tokens": len(long)}
+    seconds = _best_time(lambda: llm.generate([long], _greedy(1),
+                                              RequestOptions(prefix_cache=False)), repeats)
+    return len(long) / seconds, len(long)
 
 
-def roofline_report(llm, batch: int, context: int = 128) -> dict[str, Any]:
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def roofline_report(llm, batch: int, context: int = 128, rounds: int = 3) -> dict[str, Any]:
     engine = llm.engine
     cost = model_cost(engine.runner.model, engine.cache_info.bytes_per_token)
-    machine = measure_machine(cost.decode_weight_bytes, int8=cost.int8_prefill_params > 0)
+    decode = decode_probe(llm, batch, context)
+    best = best_of_rounds({"dram": lambda: read_bandwidth(GIB),
+                           "cached": lambda: read_bandwidth(cost.decode_weight_bytes),
+                           "decode_batch1_tok_s": lambda: decode(1),
+                           f"decode_batch{batch}_tok_s": lambda: decode(batch)}, rounds)
+    machine = measure_machine(cost.decode_weight_bytes, int8=cost.int8_prefill_params > 0,
+                              dram_gb_s=best.pop("dram"), cached_gb_s=best.pop("cached"))
     dense_peak = machine.bf16_gflops if engine.dtype == torch.bfloat16 else machine.fp32_gflops
-    measured = measure_ember(llm, batch, context)
+    prefill, prompt = prefill_tok_s(llm)
+    measured = best | {"prefill_tok_s": prefill, "prefill_tokens": prompt}
     limits: dict[str, float] = {}
     for name, bw in (("cached", machine.cached_gb_s), ("dram", machine.dram_gb_s)):
         for b in (1, batch):
             limits[f"decode_batch{b}_{name}_tok_s"] = decode_limit(cost, bw, b, context,
                                                                    dense_peak)
-    limits["prefill_tok_s"] = prefill_limit(cost, dense_peak, measured["prefill_tokens"],
-                                            machine.int8_gops)
+    limits["prefill_tok_s"] = prefill_limit(cost, dense_peak, prompt, machine.int8_gops)
     percent = {f"decode_batch{b}_of_{name}_limit": 100 * measured[f"decode_batch{b}_tok_s"]
                / limits[f"decode_batch{b}_{name}_tok_s"]
                for b in (1, batch) for name in ("cached", "dram")}
@@ -198,7 +235,7 @@ def roofline_report(llm, batch: int, context: int = 128) -> dict[str, Any]:
     return {"machine": asdict(machine), "model": asdict(cost) | {
                 "dtype": str(engine.dtype).removeprefix("torch."),
                 "weights": engine.quantization, "prefill_matmul": engine.prefill_matmul,
-                "decode_context": context,
+                "decode_context": context, "rounds": rounds,
                 "flops_per_token": 2 * cost.params},
             "limits": limits, "measured": measured, "percent_of_limit": percent}
 

@@ -43,19 +43,21 @@ class CpuKernels:
         return self.ops.rms_norm(x, residual, weight, eps)
 
     def rope_write(self, qkv: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, slots: Tensor,
-                   heads: int, kv_heads: int) -> Tensor:
+                   heads: int, kv_heads: int, kv_scale: Tensor | None = None) -> Tensor:
         """qkv [T, (heads + 2 kv_heads) * d] -> q [T, heads, d] after RoPE; k (rotated) and v
-        are written into kv [2, kv_heads, blocks, block_size, d] at `slots` [T]."""
-        return self.ops.rope_write(qkv, cos, sin, kv, slots, heads, kv_heads)
+        are written into kv [2, kv_heads, blocks, block_size, d] at `slots` [T]. With
+        `kv_scale` the cache is int8 (PagedKV's): k and v are quantized as it does."""
+        return self.ops.rope_write(qkv, cos, sin, kv, slots, heads, kv_heads, kv_scale)
 
     def silu_and_mul(self, x: Tensor) -> Tensor:
         """x [T, 2n] -> silu(x[:, :n]) * x[:, n:]."""
         return self.ops.silu_and_mul(x)
 
     def decode_attention(self, q: Tensor, kv: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                         scale: float) -> Tensor:
-        """q [B, heads, d], kv [2, kv_heads, blocks, block_size, d] -> [B, heads, d]."""
-        return self.ops.decode_attention(q, kv, block_tables, seq_lens, scale)
+                         scale: float, kv_scale: Tensor | None = None) -> Tensor:
+        """q [B, heads, d], kv [2, kv_heads, blocks, block_size, d] -> [B, heads, d]; with
+        `kv_scale` [2, kv_heads, blocks, block_size] float16, kv is int8 (AVX-512 BF16)."""
+        return self.ops.decode_attention(q, kv, block_tables, seq_lens, scale, kv_scale)
 
     @functools.cached_property
     def has_bf16_dot(self) -> bool:
@@ -64,16 +66,18 @@ class CpuKernels:
         return self.ops.has_bf16_dot()   # the build says, once (asked every layer)
 
     def can_prefill(self, kv: Tensor) -> bool:
-        """Whether prefill_attention runs on this cache: a bfloat16 one with head_dim 64 or
-        128, on a CPU with AVX-512 BF16."""
-        return (kv.dtype == torch.bfloat16 and kv.shape[-1] in PREFILL_HEAD_DIMS
+        """Whether prefill_attention (and, for int8, the other attention kernels) runs on
+        this cache: a bfloat16 or int8 one with head_dim 64 or 128, on a CPU with AVX-512
+        BF16."""
+        return (kv.dtype in (torch.bfloat16, torch.int8) and kv.shape[-1] in PREFILL_HEAD_DIMS
                 and self.has_bf16_dot)
 
     def prefill_attention(self, q: Tensor, kv: Tensor, block_table: Tensor, seq_len: int,
-                          scale: float) -> Tensor:
+                          scale: float, kv_scale: Tensor | None = None) -> Tensor:
         """q [n, heads, d]: the last n of a request's seq_len cached tokens (written first);
-        they attend causally over its context, block_table [blocks] -> [n, heads, d]."""
-        return self.ops.prefill_attention(q, kv, block_table, seq_len, scale)
+        they attend causally over its context, block_table [blocks] -> [n, heads, d]. An
+        int8 cache's rows are made bfloat16 (value * scale) as they are read."""
+        return self.ops.prefill_attention(q, kv, block_table, seq_len, scale, kv_scale)
 
     def int8_linear(self, x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
         """x [m, k] bfloat16 -> x w^T [m, n] float32, w[r] = q[r] * scales[r] with q int8 in
@@ -98,8 +102,9 @@ class CpuKernels:
         """Every decoder layer of a decode step in one call (AVX-512 BF16 only): `weights`
         per layer, in order: input norm, qkv (q, scale_min), o (q, scale_min), post-attention
         norm, gate_up (q, scale_min), down (q, scale_min), the int4 ones from
-        pack_int4_panels. Its forward(x, cos, sin, kv caches, slots, block_tables, seq_lens)
-        returns the final norm's output [T, hidden]."""
+        pack_int4_panels. Its forward(x, cos, sin, kv caches, kv scales (empty for bfloat16
+        caches, one per layer for int8 ones), slots, block_tables, seq_lens) returns the final
+        norm's output [T, hidden]."""
         return self.ops.DecodeStack(weights, final_norm, heads, kv_heads, head_dim, eps, scale)
 
     def int8_rows(self, ids: Tensor, packed: Tensor, scales: Tensor) -> Tensor:

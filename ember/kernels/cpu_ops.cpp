@@ -233,13 +233,56 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   }
 }
 
+// A request's cache slot for its j-th token, through its block table: by shift and mask
+// where the block size is a power of two (the default 16), as a 64-bit division costs more
+// than the rest of a key's work; by division otherwise.
+struct Slots {
+  const int64_t* table;
+  int64_t block_size;
+  int shift;  // log2(block_size), or -1
+  Slots(const int64_t* t, int64_t bs)
+      : table(t), block_size(bs),
+        shift((bs & (bs - 1)) == 0 ? __builtin_ctzll(static_cast<uint64_t>(bs)) : -1) {}
+  int64_t operator()(int64_t j) const {
+    if (shift >= 0) return (table[j >> shift] << shift) | (j & (block_size - 1));
+    return table[j / block_size] * block_size + j % block_size;
+  }
+};
+
 // Pointers to a request's cached rows (K or V of one head), in order, walking its blocks.
 struct RowWalk {
   const uint16_t* base;
-  const int64_t* table;
-  int64_t block_size, d;
-  const uint16_t* row(int64_t j) const {
-    return base + (table[j / block_size] * block_size + j % block_size) * d;
+  Slots slot;
+  int64_t d;
+  RowWalk(const uint16_t* b, const int64_t* table, int64_t block_size, int64_t dim)
+      : base(b), slot(table, block_size), d(dim) {}
+  const uint16_t* row(int64_t j) const { return base + slot(j) * d; }
+  const uint16_t* bf16_row(int64_t j, uint16_t*) const { return row(j); }
+};
+
+// The same over an int8 cache (ember/models/attention.py PagedKV): row j's int8 values and
+// its float16 scale, x = value * scale.
+struct ScaledWalk {
+  const int8_t* base;
+  const at::Half* scale;
+  Slots slot;
+  int64_t d;
+  ScaledWalk(const int8_t* b, const at::Half* s, const int64_t* table, int64_t block_size,
+             int64_t dim)
+      : base(b), scale(s), slot(table, block_size), d(dim) {}
+  const int8_t* row(int64_t j) const { return base + slot(j) * d; }
+  float scale_of(int64_t j) const { return static_cast<float>(scale[slot(j)]); }
+  // row j in bfloat16 (value * scale, rounded once), written to buf [d] (d % 16 == 0)
+  const uint16_t* bf16_row(int64_t j, uint16_t* buf) const {
+    const int8_t* v = row(j);
+    const __m512 s = _mm512_set1_ps(scale_of(j));
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(v + i)));
+      store16(reinterpret_cast<c10::BFloat16*>(buf + i),
+              _mm512_mul_ps(_mm512_cvtepi32_ps(wide), s));
+    }
+    return buf;
   }
 };
 
@@ -263,12 +306,15 @@ constexpr int64_t kKeyBlock = 64;  // keys scored per step: 4 vectors of 16 lane
 
 // Copy one KV head's first `len` keys (K or V, as `rows` walks) out of their blocks,
 // zero-padded to `len_pad` (a multiple of kKeyBlock), into the layouts above.
-void pack_keys(RowWalk rows, int64_t len, int64_t len_pad, uint16_t* dst) {
+// (An int8 cache's rows are made bfloat16 on the way: `Walk` is RowWalk or ScaledWalk.)
+template <class Walk>
+void pack_keys(Walk rows, int64_t len, int64_t len_pad, uint16_t* dst) {
   const int64_t d = rows.d, pairs = d / 2;
+  alignas(64) uint16_t buf[kMaxHeadDim];
   for (int64_t j = 0; j < len_pad; ++j) {
     uint32_t* col = reinterpret_cast<uint32_t*>(dst + (j / 16) * d * 16) + j % 16;
     if (j < len) {
-      const uint16_t* k = rows.row(j);
+      const uint16_t* k = rows.bf16_row(j, buf);
       for (int64_t t = 0; t < pairs; ++t) std::memcpy(col + t * 16, k + 2 * t, 4);
     } else {
       for (int64_t t = 0; t < pairs; ++t) col[t * 16] = 0;
@@ -276,12 +322,14 @@ void pack_keys(RowWalk rows, int64_t len, int64_t len_pad, uint16_t* dst) {
   }
 }
 
-void pack_values(RowWalk rows, int64_t len, int64_t len_pad, uint16_t* dst) {
+template <class Walk>
+void pack_values(Walk rows, int64_t len, int64_t len_pad, uint16_t* dst) {
   const int64_t d = rows.d;
+  alignas(64) uint16_t buf[kMaxHeadDim];
   for (int64_t j = 0; j < len_pad; ++j) {
     uint16_t* out = dst + (j / 2) * 2 * d + j % 2;
     if (j < len) {
-      const uint16_t* v = rows.row(j);
+      const uint16_t* v = rows.bf16_row(j, buf);
       for (int64_t i = 0; i < d; ++i) out[2 * i] = v[i];
     } else {
       for (int64_t i = 0; i < d; ++i) out[2 * i] = 0;
@@ -389,13 +437,14 @@ void attend_rows(const uint16_t* q, const int64_t* visible, const uint16_t* kp,
 template <int D>
 constexpr int kTileRows = D == 64 ? 6 : 3;  // S and O accumulators: 24 of the 32 registers
 
-// q [n, heads, D] (row stride q_stride), kv [2, kv_heads, blocks, block_size, D]; the n new
-// tokens are the last n of the request's seq_len.
+// q [n, heads, D] (row stride q_stride), kv [2, kv_heads, blocks, block_size, D] bfloat16, or
+// int8 with kv_scale [2, kv_heads, blocks, block_size] float16; the n new tokens are the last
+// n of the request's seq_len.
 template <int D>
-void prefill_attention_impl(const uint16_t* q, int64_t q_stride, const uint16_t* kv,
-                            const int64_t* table, int64_t seq_len, uint16_t* out, int64_t n,
-                            int64_t heads, int64_t kv_heads, int64_t num_blocks,
-                            int64_t block_size, float scale) {
+void prefill_attention_impl(const uint16_t* q, int64_t q_stride, const void* kv,
+                            const at::Half* kv_scale, const int64_t* table, int64_t seq_len,
+                            uint16_t* out, int64_t n, int64_t heads, int64_t kv_heads,
+                            int64_t num_blocks, int64_t block_size, float scale) {
   constexpr int R = kTileRows<D>;
   const int64_t per_kv = heads / kv_heads;
   const int64_t len_pad = (seq_len + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
@@ -403,13 +452,20 @@ void prefill_attention_impl(const uint16_t* q, int64_t q_stride, const uint16_t*
   std::vector<uint16_t> kp(kv_heads * len_pad * D), vp(kv_heads * len_pad * D);
   at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / 2;
-      const RowWalk rows{kv + (task % 2) * kv_heads * head_stride + h * head_stride, table,
-                         block_size, D};
-      if (task % 2 == 0) {
-        pack_keys(rows, seq_len, len_pad, kp.data() + h * len_pad * D);
+      const int64_t h = task / 2, offset = (task % 2) * kv_heads * head_stride + h * head_stride;
+      auto pack = [&](auto rows) {
+        if (task % 2 == 0) {
+          pack_keys(rows, seq_len, len_pad, kp.data() + h * len_pad * D);
+        } else {
+          pack_values(rows, seq_len, len_pad, vp.data() + h * len_pad * D);
+        }
+      };
+      if (kv_scale) {
+        pack(ScaledWalk{static_cast<const int8_t*>(kv) + offset,
+                        kv_scale + ((task % 2) * kv_heads + h) * num_blocks * block_size, table,
+                        block_size, D});
       } else {
-        pack_values(rows, seq_len, len_pad, vp.data() + h * len_pad * D);
+        pack(RowWalk{static_cast<const uint16_t*>(kv) + offset, table, block_size, D});
       }
     }
   });
@@ -457,6 +513,13 @@ namespace decode {
 
 using namespace simd;
 
+// keys prefetched ahead of the 16 being scored (16-96 measured alike)
+constexpr int64_t kKeysAhead = 16;
+constexpr int kMaxGroup = 16;  // query heads per KV head (the int8 path's stack arrays)
+
+template <int D, class Walk>
+void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* out);
+
 // out[r] (float32, [G][D]) = softmax(scale * q_r . K) V over the first len cached tokens.
 template <int D>
 void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, int64_t len,
@@ -466,9 +529,11 @@ void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, 
   // the cache is cold in a step (the weights streamed through since this layer last ran):
   // while 16 keys are scored, the next 16 keys and these 16 values are prefetched
   auto prefetch_row = [](const uint16_t* row) { prefetch_bytes(row, D * 2); };
-  for (int64_t j = 0; j < std::min<int64_t>(16, len); ++j) prefetch_row(keys.row(j));
+  for (int64_t j = 0; j < std::min<int64_t>(kKeysAhead, len); ++j) prefetch_row(keys.row(j));
   for (int64_t j0 = 0; j0 < len16; j0 += 16) {
-    for (int64_t j = j0 + 16; j < std::min(j0 + 32, len); ++j) prefetch_row(keys.row(j));
+    for (int64_t j = j0 + kKeysAhead; j < std::min(j0 + kKeysAhead + 16, len); ++j) {
+      prefetch_row(keys.row(j));
+    }
     for (int64_t j = j0; j < std::min(j0 + 16, len); ++j) prefetch_row(values.row(j));
     const uint16_t* rows[16];
     for (int jj = 0; jj < 16; ++jj) rows[jj] = keys.row(std::min(j0 + jj, len - 1));
@@ -489,7 +554,17 @@ void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, 
                        _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale)));
     }
   }
-  for (int r = 0; r < G; ++r) {  // softmax; the padded tail (repeats of the last key) is zeroed
+  softmax_and_values<D>(G, values, len, scores, out);
+}
+
+// Softmax of each of the G rows of scores [G][len16] (the padded tail, repeats of the last
+// key, is zeroed), then out[r] = sum_j p[r][j] * V_j, V in float32 FMAs (an int8 row times its
+// scale, folded into the weight).
+template <int D, class Walk>
+void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* out) {
+  constexpr bool kInt8 = std::is_same_v<Walk, ScaledWalk>;
+  const int64_t len16 = (len + 15) / 16 * 16;
+  for (int r = 0; r < G; ++r) {
     float* sr = scores + r * len16;
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < len16; j += 16) {
@@ -507,6 +582,9 @@ void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, 
     for (int64_t j = 0; j < len16; j += 16) {
       _mm512_storeu_ps(sr + j, _mm512_mul_ps(_mm512_loadu_ps(sr + j), inv));
     }
+    if constexpr (kInt8) {
+      for (int64_t j = 0; j < len; ++j) sr[j] *= values.scale_of(j);
+    }
   }
   constexpr int DV = D / 16;
   constexpr int R = D == 64 ? 4 : 2;  // 16 accumulators
@@ -516,10 +594,15 @@ void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, 
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < len; ++j) {
-      const uint16_t* v = values.row(j);
+      const auto* v = values.row(j);
       __m512 vf[DV];
       for (int i = 0; i < DV; ++i) {
-        vf[i] = load16(reinterpret_cast<const c10::BFloat16*>(v) + 16 * i);
+        if constexpr (kInt8) {
+          vf[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16 * i))));
+        } else {
+          vf[i] = load16(reinterpret_cast<const c10::BFloat16*>(v) + 16 * i);
+        }
       }
       for (int r = 0; r < R; ++r) {
         if (r < rows) {
@@ -533,31 +616,108 @@ void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, 
   }
 }
 
+// The same over an int8 cache: each query head is rounded to int16 with its own scale (15
+// bits; the int8 keys are exact), a score is int16 dot products (vpdpwssd: pairs of products
+// summed into 16 int32 lanes) of q and the key row widened to int16, times the two scales;
+// the values are widened to float32 (softmax_and_values). Half the bytes of bfloat16 K and V
+// read per step, which bounds decode attention at large batches.
+template <int D>
+void decode_head_i8(const uint16_t* const* q, int G, ScaledWalk keys, ScaledWalk values,
+                    int64_t len, float scale, float* scores, float* out, int16_t* qi) {
+  constexpr int P = D / 32;  // 32 int16 (16 pairs) per instruction
+  const int64_t len16 = (len + 15) / 16 * 16;
+  float qscale[kMaxGroup];
+  for (int r = 0; r < G; ++r) {  // q_r ~ qscale[r] * qi[r]
+    const c10::BFloat16* qr = reinterpret_cast<const c10::BFloat16*>(q[r]);
+    __m512 amax = _mm512_setzero_ps();
+    for (int i = 0; i < D; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(qr + i)));
+    const float a = _mm512_reduce_max_ps(amax);
+    qscale[r] = a / 32767.f * scale;
+    const __m512 inv = _mm512_set1_ps(a > 0.f ? 32767.f / a : 0.f);
+    for (int i = 0; i < D; i += 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + r * D + i),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
+                              _mm512_mul_ps(load16(qr + i), inv))));
+    }
+  }
+  auto prefetch_row = [](const int8_t* row) { prefetch_bytes(row, D); };
+  for (int64_t j = 0; j < std::min<int64_t>(kKeysAhead, len); ++j) prefetch_row(keys.row(j));
+  alignas(64) int16_t wide[16][D];  // 16 keys widened to int16, once for the G heads
+  for (int64_t j0 = 0; j0 < len16; j0 += 16) {
+    for (int64_t j = j0 + kKeysAhead; j < std::min(j0 + kKeysAhead + 16, len); ++j) {
+      prefetch_row(keys.row(j));
+    }
+    for (int64_t j = j0; j < std::min(j0 + 16, len); ++j) prefetch_row(values.row(j));
+    alignas(64) float kscale[16];
+    for (int jj = 0; jj < 16; ++jj) {
+      const int64_t j = std::min(j0 + jj, len - 1);
+      const int8_t* row = keys.row(j);
+      kscale[jj] = keys.scale_of(j);
+      for (int i = 0; i < P; ++i) {
+        _mm512_store_si512(wide[jj] + 32 * i, _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                                                  reinterpret_cast<const __m256i*>(row + 32 * i))));
+      }
+    }
+    const __m512 ks = _mm512_load_ps(kscale);
+    for (int r = 0; r < G; ++r) {
+      __m512i qv[P];
+      for (int i = 0; i < P; ++i) qv[i] = _mm512_loadu_si512(qi + r * D + 32 * i);
+      __m512 dots[16];
+#pragma GCC unroll 16
+      for (int jj = 0; jj < 16; ++jj) {
+        __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int i = 0; i < P; ++i) {
+          acc = _mm512_dpwssd_epi32(acc, qv[i], _mm512_load_si512(wide[jj] + 32 * i));
+        }
+        dots[jj] = _mm512_cvtepi32_ps(acc);
+      }
+      _mm512_storeu_ps(scores + r * len16 + j0,
+                       _mm512_mul_ps(sum16(dots), _mm512_mul_ps(ks, _mm512_set1_ps(qscale[r]))));
+    }
+  }
+  softmax_and_values<D>(G, values, len, scores, out);
+}
+
+// q [members, heads, D] (strided), kv [2, kv_heads, blocks, block_size, D]: bfloat16, or int8
+// with kv_scale [2, kv_heads, blocks, block_size] float16 -> out [members, heads, D].
 template <int D>
 void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stride_h,
-                           const uint16_t* kv, const int64_t* block_tables,
-                           const int64_t* seq_lens, uint16_t* out, int64_t members,
-                           int64_t heads, int64_t kv_heads, int64_t num_blocks,
-                           int64_t block_size, int64_t max_blocks, float scale) {
+                           const void* kv, const at::Half* kv_scale,
+                           const int64_t* block_tables, const int64_t* seq_lens, uint16_t* out,
+                           int64_t members, int64_t heads, int64_t kv_heads,
+                           int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                           float scale) {
   const int64_t per_kv = heads / kv_heads;
-  const int64_t head_stride = num_blocks * block_size * D;
+  const int64_t num_slots = num_blocks * block_size, head_stride = num_slots * D;
   const int64_t v_offset = kv_heads * head_stride;  // K then V
   at::parallel_for(0, members * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(per_kv * D);
     std::vector<const uint16_t*> qrows(per_kv);
+    std::vector<int16_t> qi(kv_scale ? per_kv * D : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t m = task / kv_heads, h = task % kv_heads;
       const int64_t len = seq_lens[m];
       const int64_t* table = block_tables + m * max_blocks;
-      const uint16_t* kbase = kv + h * head_stride;
       for (int64_t p = 0; p < per_kv; ++p) {
         qrows[p] = q + m * q_stride_m + (h * per_kv + p) * q_stride_h;
       }
       scores.resize(per_kv * ((len + 15) / 16 * 16));
-      decode_head<D>(qrows.data(), static_cast<int>(per_kv),
-                     RowWalk{kbase, table, block_size, D},
-                     RowWalk{kbase + v_offset, table, block_size, D}, len, scale,
-                     scores.data(), acc.data());
+      if (kv_scale) {
+        const int8_t* kbase = static_cast<const int8_t*>(kv) + h * head_stride;
+        const at::Half* sbase = kv_scale + h * num_slots;
+        decode_head_i8<D>(qrows.data(), static_cast<int>(per_kv),
+                          ScaledWalk{kbase, sbase, table, block_size, D},
+                          ScaledWalk{kbase + v_offset, sbase + kv_heads * num_slots, table,
+                                     block_size, D},
+                          len, scale, scores.data(), acc.data(), qi.data());
+      } else {
+        const uint16_t* kbase = static_cast<const uint16_t*>(kv) + h * head_stride;
+        decode_head<D>(qrows.data(), static_cast<int>(per_kv),
+                       RowWalk{kbase, table, block_size, D},
+                       RowWalk{kbase + v_offset, table, block_size, D}, len, scale,
+                       scores.data(), acc.data());
+      }
       for (int64_t p = 0; p < per_kv; ++p) {
         uint16_t* o = out + (m * heads + h * per_kv + p) * D;
         for (int i = 0; i < D; i += 16) {
@@ -960,6 +1120,53 @@ void rope_write_impl(const T* qkv, const T* cos, const T* sin, T* kv, const int6
   });
 }
 
+#ifdef EMBER_BF16_DOT
+// One head of d values rounded to int8 with its own float16 scale, as ember/models/attention.py
+// quantize_int8 does it (bit for bit): scale = fp16(max(max|x| / 127, 2^-14)), q = round(x /
+// scale) to nearest even, within +-127.
+inline void quantize_head(const c10::BFloat16* x, int64_t d, int8_t* q, at::Half* scale) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(simd::load16(x + i)));
+  const at::Half s(std::max(_mm512_reduce_max_ps(amax) / 127.f, 6.103515625e-05f));
+  *scale = s;
+  const __m512 sv = _mm512_set1_ps(static_cast<float>(s));
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t i = 0; i < d; i += 16) {
+    const __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(simd::load16(x + i), sv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
+                     _mm512_cvtsepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(v, lo), hi)));
+  }
+}
+
+// rope_write_impl into an int8 cache (kv int8, kv_scale [2, kv_heads, num_slots] float16):
+// the rotated k, rounded to bfloat16 first (as the torch path holds it), and v, quantized.
+void rope_write_i8(const c10::BFloat16* qkv, const c10::BFloat16* cos, const c10::BFloat16* sin,
+                   int8_t* kv, at::Half* kv_scale, const int64_t* slots, c10::BFloat16* q_out,
+                   int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
+                   int64_t num_slots) {
+  const int64_t row = (heads + 2 * kv_heads) * d, v_heads = kv_heads * num_slots;
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    alignas(64) c10::BFloat16 k[kMaxHeadDim];
+    for (int64_t t = begin; t < end; ++t) {
+      const c10::BFloat16* x = qkv + t * row;
+      const c10::BFloat16* c = cos + t * d;
+      const c10::BFloat16* sn = sin + t * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        rope_head(x + h * d, c, sn, q_out + (t * heads + h) * d, d);
+      }
+      const int64_t slot = slots[t];
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t at = h * num_slots + slot;
+        rope_head(x + (heads + h) * d, c, sn, k, d);
+        quantize_head(k, d, kv + at * d, kv_scale + at);
+        quantize_head(x + (heads + kv_heads + h) * d, d, kv + (v_heads + at) * d,
+                      kv_scale + v_heads + at);
+      }
+    }
+  });
+}
+#endif
+
 template <typename T>
 void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
@@ -996,6 +1203,21 @@ void check_float(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
+bool has_bf16_dot();
+
+// An int8 cache's scales: kv int8 [2, kv_heads, blocks, block_size, d] (d 64 or 128) and
+// kv_scale float16 [2, kv_heads, blocks, block_size], both contiguous; only with AVX-512 BF16.
+static void check_int8_cache(const torch::Tensor& kv, const torch::Tensor& kv_scale) {
+  TORCH_CHECK(has_bf16_dot(), "an int8 KV cache needs the AVX-512 BF16 kernels");
+  TORCH_CHECK(kv.scalar_type() == at::kChar && kv.dim() == 5 && kv.is_contiguous() &&
+                  (kv.size(4) == 64 || kv.size(4) == 128),
+              "an int8 cache must be contiguous [2, kv_heads, blocks, block_size, d] int8 "
+              "with d 64 or 128");
+  TORCH_CHECK(kv_scale.scalar_type() == at::kHalf && kv_scale.is_contiguous() &&
+                  kv_scale.dim() == 4 && kv_scale.sizes() == kv.sizes().slice(0, 4),
+              "kv_scale must be contiguous [2, kv_heads, blocks, block_size] float16");
+}
+
 // rms_norm(x [rows, n], weight [n], eps) -> out; with `residual`, residual += x first (in
 // place) and the sum is normalised.
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
@@ -1024,11 +1246,19 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
 // seq_lens [B] int64, scale) -> [B, heads, d]: each request's one new token attends over its
 // first seq_lens[b] cached tokens (its own included: write it first).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
-                               torch::Tensor seq_lens, double scale) {
+                               torch::Tensor seq_lens, double scale,
+                               c10::optional<torch::Tensor> kv_scale) {
   TORCH_CHECK(q.device().is_cpu() && q.stride(-1) == 1, "q must be on the CPU, its last "
               "dimension contiguous");
-  check_float(kv, "kv");
-  TORCH_CHECK(kv.scalar_type() == q.scalar_type(), "kv must have q's dtype");
+  if (kv_scale.has_value()) {
+    check_int8_cache(kv, *kv_scale);
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.stride(1) == q.size(2),
+                "with an int8 cache, q must be bfloat16 [B, heads, d], each row's heads "
+                "contiguous");
+  } else {
+    check_float(kv, "kv");
+    TORCH_CHECK(kv.scalar_type() == q.scalar_type(), "kv must have q's dtype");
+  }
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 5, "q must be [B, heads, d], kv 5-D");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
               block_tables.is_contiguous() && seq_lens.is_contiguous(),
@@ -1049,7 +1279,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor 
   if (q.scalar_type() == at::kBFloat16 && (d == 64 || d == 128) && q.stride(1) == d) {
     auto run = [&](auto impl) {
       impl(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), q.stride(0),
-           q.stride(1), reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>()),
+           q.stride(1), kv.data_ptr(),
+           kv_scale.has_value() ? kv_scale->data_ptr<at::Half>() : nullptr,
            block_tables.data_ptr<int64_t>(), lens,
            reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), members, heads,
            kv_heads, num_blocks, block_size, block_tables.size(1), static_cast<float>(scale));
@@ -1085,15 +1316,21 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor 
 // k and v into the cache at `slots`, returns the rotated q.
 torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                          torch::Tensor kv, torch::Tensor slots, int64_t heads,
-                         int64_t kv_heads) {
-  for (auto* t : {&qkv, &cos, &sin, &kv}) check_float(*t, "rope_write inputs");
+                         int64_t kv_heads, c10::optional<torch::Tensor> kv_scale) {
+  for (auto* t : {&qkv, &cos, &sin}) check_float(*t, "rope_write inputs");
+  if (kv_scale.has_value()) {
+    check_int8_cache(kv, *kv_scale);
+    TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "with an int8 cache, qkv must be bfloat16");
+  } else {
+    check_float(kv, "kv");
+  }
   const int64_t tokens = qkv.size(0), d = kv.size(4);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * d && kv.dim() == 5 &&
                   kv.size(1) == kv_heads && d % 2 == 0,
               "qkv must be [T, (heads + 2 kv_heads) * head_dim] for this cache");
   TORCH_CHECK(cos.numel() == tokens * d && sin.numel() == tokens * d, "cos/sin: [T, 1, d]");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
-                  kv.scalar_type() == qkv.scalar_type(),
+                  (kv_scale.has_value() || kv.scalar_type() == qkv.scalar_type()),
               "qkv, cos, sin and kv must share a dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == tokens,
@@ -1104,6 +1341,15 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "a slot is outside the cache");
   }
   auto q = torch::empty({tokens, heads, d}, qkv.options());
+#ifdef EMBER_BF16_DOT
+  if (kv_scale.has_value()) {
+    rope_write_i8(qkv.data_ptr<at::BFloat16>(), cos.data_ptr<at::BFloat16>(),
+                  sin.data_ptr<at::BFloat16>(), kv.data_ptr<int8_t>(),
+                  kv_scale->data_ptr<at::Half>(), slot, q.data_ptr<at::BFloat16>(), tokens,
+                  heads, kv_heads, d, num_slots);
+    return q;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_write", [&] {
     rope_write_impl<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(),
                               sin.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(),
@@ -1138,13 +1384,16 @@ bool has_bf16_dot() {  // whether the AVX-512 BF16 kernels are built
 // -> [n, heads, d]: the request's n new tokens, the last n of its seq_len cached tokens (write
 // them first), attend causally over its context. d is 64 or 128; only with AVX-512 BF16.
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
-                                int64_t seq_len, double scale) {
+                                int64_t seq_len, double scale,
+                                c10::optional<torch::Tensor> kv_scale) {
   TORCH_CHECK(has_bf16_dot(), "prefill_attention needs a CPU with AVX-512 BF16");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
               "q must be [n, heads, d] on the CPU, each row's heads contiguous");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv.scalar_type() == at::kBFloat16,
-              "prefill_attention runs on bfloat16 q and kv");
+  if (kv_scale.has_value()) check_int8_cache(kv, *kv_scale);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 &&
+                  (kv_scale.has_value() || kv.scalar_type() == at::kBFloat16),
+              "prefill_attention runs on bfloat16 q and a bfloat16 (or int8) kv");
   TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous(), "kv must be a contiguous 5-D cache");
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = kv.size(1), num_blocks = kv.size(2), block_size = kv.size(3);
@@ -1163,7 +1412,8 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor
 #ifdef EMBER_BF16_DOT
   auto run = [&](auto impl) {
     impl(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), q.stride(0),
-         reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>()), table, seq_len,
+         kv.data_ptr(), kv_scale.has_value() ? kv_scale->data_ptr<at::Half>() : nullptr,
+         table, seq_len,
          reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, heads, kv_heads,
          num_blocks, block_size, static_cast<float>(scale));
   };
@@ -1353,10 +1603,14 @@ class DecodeStack {
   // x [T, hidden] (the embeddings), cos, sin [T, 1, d], kv: each layer's cache [2, kv_heads,
   // blocks, block_size, d], slots [T], block_tables [T, max_blocks], seq_lens [T] (int64; the
   // new token included) -> the final norm's output [T, hidden]. All bfloat16.
+  // With kv_scales (one per layer, [2, kv_heads, blocks, block_size] float16), the caches are
+  // int8 (ember/models/attention.py PagedKV); empty: bfloat16.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                        const std::vector<torch::Tensor>& kv, torch::Tensor slots,
+                        const std::vector<torch::Tensor>& kv,
+                        const std::vector<torch::Tensor>& kv_scales, torch::Tensor slots,
                         torch::Tensor block_tables, torch::Tensor seq_lens) const {
-    check_inputs(x, cos, sin, kv, slots, block_tables, seq_lens);
+    check_inputs(x, cos, sin, kv, kv_scales, slots, block_tables, seq_lens);
+    const bool int8 = !kv_scales.empty();
     const int64_t t = x.size(0), qkv_n = layers_[0].qkv.n, inter = layers_[0].down.k;
     const auto opts = x.options();
     auto residual = x.clone();
@@ -1375,15 +1629,23 @@ class DecodeStack {
       linear(layer.qkv, h, qkv);
       const auto& cache = kv[l];
       const int64_t blocks = cache.size(2), block_size = cache.size(3);
-      rope_write_impl(qkv.data_ptr<at::BFloat16>(), cos.data_ptr<at::BFloat16>(),
-                      sin.data_ptr<at::BFloat16>(), cache.data_ptr<at::BFloat16>(),
+      at::Half* kv_scale = int8 ? kv_scales[l].data_ptr<at::Half>() : nullptr;
+      if (int8) {
+        rope_write_i8(qkv.data_ptr<at::BFloat16>(), cos.data_ptr<at::BFloat16>(),
+                      sin.data_ptr<at::BFloat16>(), cache.data_ptr<int8_t>(), kv_scale,
                       slots.data_ptr<int64_t>(), q.data_ptr<at::BFloat16>(), t, heads_,
                       kv_heads_, d_, blocks * block_size);
+      } else {
+        rope_write_impl(qkv.data_ptr<at::BFloat16>(), cos.data_ptr<at::BFloat16>(),
+                        sin.data_ptr<at::BFloat16>(), cache.data_ptr<at::BFloat16>(),
+                        slots.data_ptr<int64_t>(), q.data_ptr<at::BFloat16>(), t, heads_,
+                        kv_heads_, d_, blocks * block_size);
+      }
       auto attend = d_ == 64 ? decode::decode_attention_bf16<64>
                              : decode::decode_attention_bf16<128>;
-      attend(bits(q), heads_ * d_, d_, bits(cache), block_tables.data_ptr<int64_t>(),
-             seq_lens.data_ptr<int64_t>(), bits(att), t, heads_, kv_heads_, blocks, block_size,
-             block_tables.size(1), scale_);
+      attend(bits(q), heads_ * d_, d_, cache.data_ptr(), kv_scale,
+             block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), bits(att), t,
+             heads_, kv_heads_, blocks, block_size, block_tables.size(1), scale_);
       linear(layer.o, att.view({t, heads_ * d_}), out);
       rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
       linear(layer.gate_up, h, gate_up);
@@ -1422,7 +1684,8 @@ class DecodeStack {
   }
 
   void check_inputs(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                    const std::vector<torch::Tensor>& kv, const torch::Tensor& slots,
+                    const std::vector<torch::Tensor>& kv,
+                    const std::vector<torch::Tensor>& kv_scales, const torch::Tensor& slots,
                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens) const {
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
                     x.size(1) == hidden_ && x.is_contiguous() && x.size(0) >= 1,
@@ -1434,12 +1697,17 @@ class DecodeStack {
                   "cos and sin must be [T, 1, head_dim] contiguous bfloat16");
     }
     TORCH_CHECK(kv.size() == layers_.size(), "one KV cache per layer");
-    for (const auto& cache : kv) {
-      TORCH_CHECK(cache.scalar_type() == at::kBFloat16 && cache.is_contiguous() &&
+    TORCH_CHECK(kv_scales.empty() || kv_scales.size() == kv.size(),
+                "kv_scales: none (bfloat16 caches) or one per layer (int8 caches)");
+    const auto dtype = kv_scales.empty() ? at::kBFloat16 : at::kChar;
+    for (size_t l = 0; l < kv.size(); ++l) {
+      const auto& cache = kv[l];
+      TORCH_CHECK(cache.scalar_type() == dtype && cache.is_contiguous() &&
                       cache.dim() == 5 && cache.size(0) == 2 && cache.size(1) == kv_heads_ &&
                       cache.size(4) == d_ && cache.sizes() == kv[0].sizes(),
-                  "each KV cache must be a contiguous bfloat16 [2, kv_heads, blocks, "
-                  "block_size, head_dim]");
+                  "each KV cache must be a contiguous bfloat16 (int8, with kv_scales) [2, "
+                  "kv_heads, blocks, block_size, head_dim]");
+      if (!kv_scales.empty()) check_int8_cache(cache, kv_scales[l]);
     }
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                     slots.numel() == t && block_tables.scalar_type() == at::kLong &&
@@ -1470,15 +1738,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // event loop can serve HTTP meanwhile (the engine steps in a thread of its own)
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("rope_write", &rope_write, "RoPE on q and k, k and v written into the paged cache",
-        no_gil);
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("kv"), py::arg("slots"),
+        py::arg("heads"), py::arg("kv_heads"), py::arg("kv_scale") = py::none(), no_gil);
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU's activation: silu(gate) * up", no_gil);
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after a fused residual add", no_gil);
   m.def("decode_attention", &decode_attention, "one query per request over the paged cache",
-        no_gil);
+        py::arg("q"), py::arg("kv"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("kv_scale") = py::none(), no_gil);
   m.def("has_bf16_dot", &has_bf16_dot,
         "whether the AVX-512 BF16 kernels (prefill attention, int8 and int4 linear) are built");
   m.def("prefill_attention", &prefill_attention, "a prompt chunk over its paged context",
-        no_gil);
+        py::arg("q"), py::arg("kv"), py::arg("block_table"), py::arg("seq_len"),
+        py::arg("scale"), py::arg("kv_scale") = py::none(), no_gil);
   m.def("int8_linear", &int8_linear, "x w^T with w int8 in 16-row VNNI panels", no_gil);
   m.def("w8a8_linear", &w8a8_linear, "x w^T on int8 dot products, x quantized per row",
         no_gil);

@@ -210,7 +210,7 @@ def attend_cached(q: Tensor, kv_cache: PagedKV, meta: AttentionMetadata, scale: 
         assert kernels is not None and chunk.block_table is not None
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         out[rows] = kernels.prefill_attention(q[rows], kv_cache.data, chunk.block_table,
-                                              chunk.num_tokens, scale)
+                                              chunk.num_tokens, scale, kv_cache.scale)
     for group in meta.groups:
         out[group.out_rows] = _group_attention(q, kv_cache, group, scale, kernels)
     return out
@@ -219,9 +219,18 @@ def attend_cached(q: Tensor, kv_cache: PagedKV, meta: AttentionMetadata, scale: 
 def prefill_in_kernel(kernels: CpuKernels | None, dtype: torch.dtype, kv_cache: PagedKV
                       ) -> bool:
     """Whether prompt chunks with activations of `dtype` attend in the compiled prefill
-    kernel, reading the cache (a bfloat16 one, not int8)."""
-    return (kernels is not None and kv_cache.scale is None
-            and dtype == kv_cache.data.dtype and kernels.can_prefill(kv_cache.data))
+    kernel, reading the cache (a bfloat16 one, or int8 with bfloat16 activations)."""
+    return (kernels is not None and kernels.can_prefill(kv_cache.data)
+            and (dtype == kv_cache.data.dtype if kv_cache.scale is None
+                 else dtype == torch.bfloat16))
+
+
+def int8_cache_in_kernels(kernels: CpuKernels | None, dtype: torch.dtype, kv_cache: PagedKV
+                          ) -> bool:
+    """Whether the compiled kernels read and write this int8 cache (quantizing k and v as
+    PagedKV.write does, attending over the int8 rows in place): bfloat16 activations, head_dim
+    64 or 128, AVX-512 BF16."""
+    return kv_cache.scale is not None and prefill_in_kernel(kernels, dtype, kv_cache)
 
 
 def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup, scale: float,
@@ -233,12 +242,13 @@ def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup, scale:
     if group.lone is not None and max_n > 1 and prefill_in_kernel(kernels, q.dtype, kv_cache):
         row, seq_len = group.lone
         return kernels.prefill_attention(q[row:row + max_n], kv_cache.data,
-                                         group.block_tables[0], seq_len, scale)
-    if (max_n == 1 and kernels is not None and kv_cache.scale is None
-            and kv_cache.data.dtype == q.dtype):
+                                         group.block_tables[0], seq_len, scale, kv_cache.scale)
+    if max_n == 1 and kernels is not None and (
+            kv_cache.data.dtype == q.dtype if kv_cache.scale is None
+            else int8_cache_in_kernels(kernels, q.dtype, kv_cache)):
         queries = q if group.whole_batch else q[group.rows[:, 0]]
         return kernels.decode_attention(queries, kv_cache.data, group.block_tables,
-                                        group.seq_lens, scale)
+                                        group.seq_lens, scale, kv_cache.scale)
     if group.whole_batch:  # the rows are 0..T-1 in order: no gather of queries
         queries = q.view(members, max_n, *q.shape[1:])
     else:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from ember.config import ModelConfig
 from ember.kernels import CpuKernels
 from ember.models.attention import (AttentionMetadata, DecodeBatch, PagedKV, attend_cached,
-                                    paged_attention, prefill_in_kernel)
+                                    int8_cache_in_kernels, paged_attention, prefill_in_kernel)
 from ember.models.layers import (KERNEL_DTYPES, RMSNorm, SwiGLU, apply_rope, rope_cos_sin,
                                  rope_inv_freq)
 from ember.quant.packed import PackedLinear
@@ -36,7 +36,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         if self._fused_path(qkv, kv_cache, meta):  # decodes: rotate and write in one kernel
             q = self.kernels.rope_write(qkv, cos, sin, kv_cache.data, meta.slot_mapping,
-                                        self.num_heads, self.num_kv_heads)
+                                        self.num_heads, self.num_kv_heads, kv_cache.scale)
             out = attend_cached(q, kv_cache, meta, self.scale, self.kernels)
             return self.o_proj(out.reshape(num_tokens, self.q_size))
         # q and k rotate together: one pass over [T, heads + kv_heads, head_dim]
@@ -50,11 +50,12 @@ class LlamaAttention(nn.Module):
 
     def _fused_path(self, qkv: Tensor, kv_cache: PagedKV, meta: AttentionMetadata) -> bool:
         """Whether the compiled kernels take this step: no bias, a cache in the activations'
-        dtype, and no fresh prompt chunk unless the prefill kernel attends it from the cache
-        (the torch path attends a fresh chunk over its own k and v, which the fused kernel
-        does not hand back)."""
-        return (self.kernels is not None and self.qkv_proj.bias is None
-                and kv_cache.scale is None and qkv.dtype == kv_cache.data.dtype
+        dtype (or an int8 one the kernels read), and no fresh prompt chunk unless the prefill
+        kernel attends it from the cache (the torch path attends a fresh chunk over its own
+        k and v, which the fused kernel does not hand back)."""
+        cache_ok = (qkv.dtype == kv_cache.data.dtype if kv_cache.scale is None
+                    else int8_cache_in_kernels(self.kernels, qkv.dtype, kv_cache))
+        return (self.kernels is not None and self.qkv_proj.bias is None and cache_ok
                 and qkv.dtype in KERNEL_DTYPES and qkv.is_contiguous()
                 and (not meta.fresh or prefill_in_kernel(self.kernels, qkv.dtype, kv_cache)))
 
@@ -113,7 +114,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         decodes = self._stack_step(kv_caches, meta)
         if decodes is not None:  # every layer in one compiled call, on the int4 weights
-            return self.decode_stack.forward(x, cos, sin, [c.data for c in kv_caches],
+            scales = [c.scale for c in kv_caches] if kv_caches[0].scale is not None else []
+            return self.decode_stack.forward(x, cos, sin, [c.data for c in kv_caches], scales,
                                              meta.slot_mapping, decodes.block_tables,
                                              decodes.seq_lens)
         residual = None
@@ -132,7 +134,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _stack_step(self, kv_caches: list[PagedKV], meta: AttentionMetadata
                     ) -> DecodeBatch | None:
-        """The step's requests when decode_stack runs it: only decodes and a bfloat16 cache.
+        """The step's requests when decode_stack runs it: only decodes, and a bfloat16 cache
+        or an int8 one (PagedKV's, quantized and read by the same kernels as the layers').
         Any number of rows: up to 8 the layers would run the same int4 kernels (and the
         stack's output is theirs, bit for bit); beyond, the layers run the dense bfloat16
         copies on oneDNN, which a decode step reads from DRAM at 3x the bytes: steps through
@@ -141,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         if self.decode_stack is None or meta.decodes is None:
             return None
         cache = kv_caches[0]
-        ok = cache.scale is None and cache.data.dtype == torch.bfloat16
+        ok = cache.data.dtype == (torch.bfloat16 if cache.scale is None else torch.int8)
         return meta.decodes if ok else None
 
     def int8_prefill_linears(self) -> list[nn.Module]:

@@ -1,6 +1,8 @@
 """The KV cache's tensors: how many blocks fit a memory budget, and allocating them."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ember.config import CacheConfig, ModelConfig
@@ -30,13 +32,14 @@ def plan_num_blocks(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) 
 
 
 def allocate_kv_caches(model: ModelConfig, num_blocks: int, block_size: int,
-                       dtype: torch.dtype, device: str, kv_cache_dtype: str = "auto"
-                       ) -> list[PagedKV]:
-    """One PagedKV per layer: [2 (K, V), kv_heads, num_blocks, block_size, head_dim]."""
+                       dtype: torch.dtype, device: str, kv_cache_dtype: str = "auto",
+                       zeros: Callable[..., torch.Tensor] | None = None) -> list[PagedKV]:
+    """One PagedKV per layer: [2 (K, V), kv_heads, num_blocks, block_size, head_dim], each
+    tensor made by zeros(shape, dtype, device) (default torch.zeros; the engine passes one
+    that asks for huge pages)."""
+    make = zeros or (lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
     shape = (2, model.num_kv_heads, num_blocks, block_size, model.head_dim)
     if kv_cache_dtype == "int8":
-        return [PagedKV(torch.zeros(shape, dtype=torch.int8, device=device),
-                        torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device))
+        return [PagedKV(make(shape, torch.int8, device), make(shape[:-1], SCALE_DTYPE, device))
                 for _ in range(model.num_layers)]
-    return [PagedKV(torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model.num_layers)]
+    return [PagedKV(make(shape, dtype, device)) for _ in range(model.num_layers)]

@@ -71,6 +71,103 @@ def test_rope_write_rotates_q_and_k_and_fills_the_cache(kernels, dtype, head_dim
         kernels.rope_write(qkv, cos, sin, got_cache.data, slots + 100, heads, kv_heads)
 
 
+def int8_cache(kv_heads: int, num_blocks: int, block_size: int, head_dim: int,
+               g: torch.Generator) -> PagedKV:
+    """A PagedKV int8 cache filled through its own write (random values, scattered scales)."""
+    cache = PagedKV(torch.zeros(2, kv_heads, num_blocks, block_size, head_dim, dtype=torch.int8),
+                    torch.zeros(2, kv_heads, num_blocks, block_size, dtype=torch.float16))
+    slots = num_blocks * block_size
+    spread = torch.rand(slots, kv_heads, 1, generator=g) * 4
+    k, v = (torch.randn(slots, kv_heads, head_dim, generator=g) * spread for _ in range(2))
+    cache.write(k.to(torch.bfloat16), v.to(torch.bfloat16), torch.arange(slots))
+    return cache
+
+
+def test_rope_write_into_an_int8_cache_quantizes_as_paged_kv_does(kernels):
+    """k rotated (and rounded to bfloat16, as the torch path holds it) and v, each head
+    rounded to int8 with its own float16 scale: PagedKV.write's rule. The rotation's last
+    float32 bit may differ (fused multiply-adds), so a value may land one step over."""
+    if not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX-512 BF16: an int8 cache takes the torch path")
+    heads, kv_heads, tokens, blocks, block_size, head_dim = 6, 2, 7, 5, 4, 64
+    g = torch.Generator().manual_seed(11)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 3
+           ).to(torch.bfloat16)
+    positions = torch.tensor([0, 3, 9, 17, 4, 5, 30])
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(head_dim, 10000.0, None), torch.bfloat16)
+    slots = torch.tensor([3, 0, 19, 7, 8, 12, 1])
+    shape = (2, kv_heads, blocks, block_size, head_dim)
+    got = PagedKV(torch.zeros(shape, dtype=torch.int8), torch.zeros(shape[:-1],
+                                                                     dtype=torch.float16))
+    q = kernels.rope_write(qkv, cos, sin, got.data, slots, heads, kv_heads, got.scale)
+    want = PagedKV(torch.zeros_like(got.data), torch.zeros_like(got.scale))
+    x = qkv.view(tokens, heads + 2 * kv_heads, head_dim)
+    qk = apply_rope(x[:, :heads + kv_heads].float(), cos.float(), sin.float())
+    want.write(qk[:, heads:].to(torch.bfloat16), x[:, heads + kv_heads:], slots)
+    close(q, qk[:, :heads], torch.bfloat16)
+    torch.testing.assert_close(got.scale, want.scale, rtol=2e-3, atol=0)
+    steps = (got.data.int() - want.data.int()).abs()
+    assert steps.max() <= 1 and (steps == 0).float().mean() > 0.99
+    assert torch.equal(got.data[:, :, 1], want.data[:, :, 1])      # slots 4-7: only slot 7
+    with pytest.raises(RuntimeError, match="kv_scale"):
+        kernels.rope_write(qkv, cos, sin, got.data, slots, heads, kv_heads, got.scale.float())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("lengths", [[1, 16, 17, 150, 37], [700]])
+def test_decode_attention_reads_an_int8_cache_in_place(kernels, head_dim, lengths):
+    """The int8 path (q rounded to int16, int16 dot products, the scales applied after)
+    against dequantizing the gathered context and attending in float32."""
+    if not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX-512 BF16: an int8 cache takes the torch path")
+    heads, kv_heads, block_size, num_blocks = 9, 3, 16, 60
+    g = torch.Generator().manual_seed(12)
+    cache = int8_cache(kv_heads, num_blocks, block_size, head_dim, g)
+    seq_lens = torch.tensor(lengths)
+    width = -(-int(seq_lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in seq_lens])
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    keys = torch.arange(width * block_size)
+    bias = torch.zeros(len(seq_lens), 1, 1, width * block_size)
+    bias.masked_fill_(keys[None, None, None, :] >= seq_lens[:, None, None, None],
+                      float("-inf"))
+    k, v = cache.gather(tables, torch.float32)
+    want = _matmul_attention(q.float()[:, None], k, v, bias, scale)[:, 0]
+    got = kernels.decode_attention(q, cache.data, tables, seq_lens, scale, cache.scale)
+    close(got, want, torch.bfloat16)
+    strided = torch.cat([q, q], dim=1)[:, :heads]
+    assert torch.equal(kernels.decode_attention(strided, cache.data, tables, seq_lens, scale,
+                                                cache.scale), got)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.decode_attention(q.float(), cache.data, tables, seq_lens, scale, cache.scale)
+
+
+@pytest.mark.parametrize(("head_dim", "new", "seq_len"), [(64, 7, 7), (64, 50, 181),
+                                                          (128, 33, 97)])
+def test_prefill_attention_reads_an_int8_cache(kernels, head_dim, new, seq_len):
+    """Prompt chunks over an int8 cache: its rows made bfloat16 (value * scale, rounded once)
+    as they are packed, against the gathered context dequantized and rounded alike, attended
+    in float32."""
+    if not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX-512 BF16: an int8 cache takes the torch path")
+    heads, kv_heads, block_size, num_blocks = 9, 3, 16, 40
+    g = torch.Generator().manual_seed(13)
+    cache = int8_cache(kv_heads, num_blocks, block_size, head_dim, g)
+    width = -(-seq_len // block_size)
+    table = torch.randperm(num_blocks, generator=g)[:width]
+    q = torch.randn(new, heads, head_dim, generator=g).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    keys = torch.arange(width * block_size)
+    queries = torch.arange(seq_len - new, seq_len)
+    bias = torch.zeros(1, 1, new, width * block_size)
+    bias.masked_fill_((keys[None, :] > queries[:, None])[None, None], float("-inf"))
+    k, v = (x.bfloat16().float() for x in cache.gather(table[None], torch.float32))
+    want = _matmul_attention(q.float()[None], k, v, bias, scale)[0]
+    close(kernels.prefill_attention(q, cache.data, table, seq_len, scale, cache.scale), want,
+          torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(kernels, dtype):
     x = torch.randn(3, 2 * 100, generator=torch.Generator().manual_seed(2)).to(dtype) * 4
@@ -274,13 +371,18 @@ def test_tiny_llama_float32_greedy_tokens_equal_with_and_without_kernels(tiny_ll
     assert outputs["auto"] == outputs["torch"]
 
 
-@pytest.mark.parametrize("chunk", [None, 32])   # whole prompts; prompts cut into chunks
-def test_smollm_bfloat16_kernels_agree_by_the_closeness_rule(smollm_path, chunk):
+@pytest.mark.parametrize(("chunk", "kv_cache_dtype"), [
+    (None, "auto"), (32, "auto"),     # whole prompts; prompts cut into chunks
+    (32, "int8")])                    # an int8 cache: written, read in the kernels
+def test_smollm_bfloat16_kernels_agree_by_the_closeness_rule(smollm_path, chunk,
+                                                             kv_cache_dtype):
     """bfloat16 with and without the kernels (decode and, with AVX-512 BF16, prefill
     attention, fresh and continued chunks)."""
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     prompts = [[1, 504, 3458, 282, 4649, 314]] + PROMPTS[1:]
-    options = {} if chunk is None else {"max_num_batched_tokens": chunk}
+    options = {"kv_cache_dtype": kv_cache_dtype}
+    if chunk is not None:
+        options["max_num_batched_tokens"] = chunk
     outputs = {choice: LLM(str(smollm_path), dtype="bfloat16", quantization="none",
                            kernels=choice, **options).generate(prompts, params)
                for choice in ("torch", "auto")}
@@ -308,13 +410,14 @@ def kernels_have_bf16_dot(llm: LLM) -> bool:
     return kernels is not None and kernels.has_bf16_dot
 
 
-def test_smollm_decode_stack_equals_the_layers(smollm_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_smollm_decode_stack_equals_the_layers(smollm_path, kv_cache_dtype):
     """The default weights on AVX-512 BF16: decode-only steps run every layer in one
     compiled call (decode_stack). Up to 8 rows the layers run the same int4 kernels in the
     same order, so tokens and logprobs are bit-for-bit the same; beyond, the layers run the
     dense bfloat16 copies (the same weights' values, another kernel), and the two agree by the
-    closeness rule."""
-    llm = LLM(str(smollm_path))
+    closeness rule. The same with an int8 KV cache, which both quantize and read alike."""
+    llm = LLM(str(smollm_path), kv_cache_dtype=kv_cache_dtype)
     model = llm.engine.runner.model
     if not kernels_have_bf16_dot(llm):
         pytest.skip("the decode stack needs AVX-512 BF16")
@@ -353,8 +456,10 @@ def test_decode_stack_refuses_inputs_that_do_not_fit(smollm_path):
     one = torch.tensor([1])
     tables = torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="one KV cache per layer"):
-        stack.forward(x, cos, sin, caches[:-1], one, tables, one)
+        stack.forward(x, cos, sin, caches[:-1], [], one, tables, one)
     with pytest.raises(RuntimeError, match="a slot is outside the cache"):
-        stack.forward(x, cos, sin, caches, torch.tensor([1 << 40]), tables, one)
+        stack.forward(x, cos, sin, caches, [], torch.tensor([1 << 40]), tables, one)
     with pytest.raises(RuntimeError, match=r"x must be \[T, hidden\]"):
-        stack.forward(x.float(), cos, sin, caches, one, tables, one)
+        stack.forward(x.float(), cos, sin, caches, [], one, tables, one)
+    with pytest.raises(RuntimeError, match="kv_scales"):
+        stack.forward(x, cos, sin, caches, [torch.zeros(1)], one, tables, one)

@@ -2,7 +2,10 @@
 block ids, hits, misses and eviction order (reference: the rules written in each module)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from ember.kv.block_pool import BlockPool
 from ember.kv.kv_manager import BlockCopy, KVCacheManager, PrefixHit
@@ -270,3 +273,23 @@ def test_eviction_is_leaf_first_whatever_the_policy(policy):
     assert pool.lookup(1) == parent  # the parent became a leaf, and stays cached until needed
     assert pool.allocate(1) == [parent]
     assert pool.allocate(1) == [other]
+
+
+def test_kv_caches_on_huge_pages_are_zeroed_caches_of_the_asked_shape():
+    """huge_page_zeros only advises the OS (transparent huge pages where it takes the
+    advice); the tensors are the zeros torch.zeros makes, and the engine's caches work."""
+    from ember.engine.memory import huge_page_zeros
+    from ember.runner.kv_tensors import allocate_kv_caches
+    config = SimpleNamespace(num_kv_heads=2, head_dim=64, num_layers=3)
+    for kv_dtype in ("auto", "int8"):
+        caches = allocate_kv_caches(config, 300, 16, torch.bfloat16, "cpu", kv_dtype,
+                                    zeros=huge_page_zeros)
+        plain = allocate_kv_caches(config, 300, 16, torch.bfloat16, "cpu", kv_dtype)
+        for got, want in zip(caches, plain):
+            assert torch.equal(got.data, want.data) and got.data.dtype == want.data.dtype
+            assert (got.scale is None) == (want.scale is None)
+            if got.scale is not None:
+                assert torch.equal(got.scale, want.scale)
+        k = torch.randn(4, 2, 64).to(torch.bfloat16)
+        caches[0].write(k, k, torch.tensor([0, 17, 300, 4799]))
+        assert caches[0].data.abs().sum() > 0

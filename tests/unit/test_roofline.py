@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.engine.roofline import (ModelCost, decode_limit, format_report, model_cost,
-                                   prefill_limit)
+from ember.engine.roofline import (ModelCost, best_of_rounds, decode_limit, format_report,
+                                   model_cost, prefill_limit)
 from ember.quant.packed import PackedLinear
 
 
@@ -70,3 +70,21 @@ def test_the_report_calls_weights_cached_only_where_they_fit_the_l3(l3, label):
     text = format_report(report)
     assert f"decode_batch1 tok/s ({label})" in text
     assert "do not fit" in text if l3 < 95_000_000 else "the weights fit" in text
+
+
+def test_best_of_rounds_runs_every_probe_each_round_and_keeps_each_best():
+    """A machine that slows down between rounds: each probe's best comes from the same
+    (fast) round, as the probes alternate."""
+    calls: list[str] = []
+    speed = iter([1.0, 1.0, 0.6, 0.6, 0.8, 0.8])
+
+    def probe(name: str, value: float):
+        def run() -> float:
+            calls.append(name)
+            return value * next(speed)
+        return run
+
+    best = best_of_rounds({"bandwidth": probe("bandwidth", 50.0),
+                           "decode": probe("decode", 300.0)}, rounds=3)
+    assert calls == ["bandwidth", "decode"] * 3
+    assert best == {"bandwidth": 50.0, "decode": 300.0}
