@@ -21,8 +21,8 @@ figures come from running the engine (decode at batch 1 and at --batch, one 1024
 prefill), and each is reported as a percentage of its limit. The read bandwidths and the
 decode runs alternate over three rounds and each figure is its best: the machine's speed
 drifts, and a bandwidth and the decode it bounds are then taken from the same stretch of
-time (best_of_rounds). The weights-fit-in-cache
-bandwidth gives the tighter (higher) limit; both are reported.
+time (best_of_rounds). The weights-fit-in-cache bandwidth gives the tighter (higher) limit;
+both are reported.
 """
 from __future__ import annotations
 

@@ -516,7 +516,6 @@ using namespace simd;
 
 // keys prefetched ahead of the 16 being scored (16-96 measured alike)
 constexpr int64_t kKeysAhead = 16;
-constexpr int kMaxGroup = 16;  // query heads per KV head (the int8 path's stack arrays)
 
 template <int D, class Walk>
 void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* out);
@@ -593,7 +592,8 @@ void values_in_pairs(int G, const RowWalk& values, int64_t len, float* scores, f
       }
       for (int r = 0; r < R; ++r) {
         if (r < rows) {
-          const __m512bh p = pair_of(reinterpret_cast<const uint16_t*>(scores + (r0 + r) * len16) + j);
+          const uint16_t* pr = reinterpret_cast<const uint16_t*>(scores + (r0 + r) * len16);
+          const __m512bh p = pair_of(pr + j);
           for (int i = 0; i < DV / 2; ++i) {
             acc[r][2 * i] = _mm512_dpbf16_ps(acc[r][2 * i], p, lo[i]);
             acc[r][2 * i + 1] = _mm512_dpbf16_ps(acc[r][2 * i + 1], p, hi[i]);
@@ -686,11 +686,11 @@ void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* o
 // read per step, which bounds decode attention at large batches.
 template <int D>
 void decode_head_i8(const uint16_t* const* q, int G, ScaledWalk keys, ScaledWalk values,
-                    int64_t len, float scale, float* scores, float* out, int16_t* qi) {
+                    int64_t len, float scale, float* scores, float* out, int16_t* qi,
+                    float* qscale) {
   constexpr int P = D / 32;  // 32 int16 (16 pairs) per instruction
   const int64_t len16 = (len + 15) / 16 * 16;
-  float qscale[kMaxGroup];
-  for (int r = 0; r < G; ++r) {  // q_r ~ qscale[r] * qi[r]
+  for (int r = 0; r < G; ++r) {  // q_r ~ qscale[r] * qi[r] (qi [G][D], qscale [G]: buffers)
     const c10::BFloat16* qr = reinterpret_cast<const c10::BFloat16*>(q[r]);
     __m512 amax = _mm512_setzero_ps();
     for (int i = 0; i < D; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(qr + i)));
@@ -736,7 +736,8 @@ void decode_head_i8(const uint16_t* const* q, int G, ScaledWalk keys, ScaledWalk
         dots[jj] = _mm512_cvtepi32_ps(acc);
       }
       _mm512_storeu_ps(scores + r * len16 + j0,
-                       _mm512_mul_ps(sum16(dots), _mm512_mul_ps(ks, _mm512_set1_ps(qscale[r]))));
+                       _mm512_mul_ps(sum16(dots),
+                                     _mm512_mul_ps(ks, _mm512_set1_ps(qscale[r]))));
     }
   }
   softmax_and_values<D>(G, values, len, scores, out);
@@ -758,6 +759,7 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
     std::vector<float> scores, acc(per_kv * D);
     std::vector<const uint16_t*> qrows(per_kv);
     std::vector<int16_t> qi(kv_scale ? per_kv * D : 0);
+    std::vector<float> qscale(kv_scale ? per_kv : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t m = task / kv_heads, h = task % kv_heads;
       const int64_t len = seq_lens[m];
@@ -773,7 +775,7 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
                           ScaledWalk{kbase, sbase, table, block_size, D},
                           ScaledWalk{kbase + v_offset, sbase + kv_heads * num_slots, table,
                                      block_size, D},
-                          len, scale, scores.data(), acc.data(), qi.data());
+                          len, scale, scores.data(), acc.data(), qi.data(), qscale.data());
       } else {
         const uint16_t* kbase = static_cast<const uint16_t*>(kv) + h * head_stride;
         decode_head<D>(qrows.data(), static_cast<int>(per_kv),
@@ -1214,7 +1216,9 @@ void rope_write_impl(const T* qkv, const T* cos, const T* sin, T* kv, const int6
 // scale) to nearest even, within +-127.
 inline void quantize_head(const c10::BFloat16* x, int64_t d, int8_t* q, at::Half* scale) {
   __m512 amax = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(simd::load16(x + i)));
+  for (int64_t i = 0; i < d; i += 16) {
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(simd::load16(x + i)));
+  }
   const at::Half s(std::max(_mm512_reduce_max_ps(amax) / 127.f, 6.103515625e-05f));
   *scale = s;
   const __m512 sv = _mm512_set1_ps(static_cast<float>(s));

@@ -113,14 +113,16 @@ def test_rope_write_into_an_int8_cache_quantizes_as_paged_kv_does(kernels):
         kernels.rope_write(qkv, cos, sin, got.data, slots, heads, kv_heads, got.scale.float())
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 9, 3), (128, 9, 3),
+                                                              (64, 20, 1)])  # 20 per KV head
 @pytest.mark.parametrize("lengths", [[1, 16, 17, 150, 37], [700]])
-def test_decode_attention_reads_an_int8_cache_in_place(kernels, head_dim, lengths):
+def test_decode_attention_reads_an_int8_cache_in_place(kernels, head_dim, heads, kv_heads,
+                                                       lengths):
     """The int8 path (q rounded to int16, int16 dot products, the scales applied after)
     against dequantizing the gathered context and attending in float32."""
     if not kernels.has_bf16_dot:
         pytest.skip("this CPU has no AVX-512 BF16: an int8 cache takes the torch path")
-    heads, kv_heads, block_size, num_blocks = 9, 3, 16, 60
+    block_size, num_blocks = 16, 60
     g = torch.Generator().manual_seed(12)
     cache = int8_cache(kv_heads, num_blocks, block_size, head_dim, g)
     seq_lens = torch.tensor(lengths)
