@@ -122,20 +122,9 @@ def test_decode_attention_reads_an_int8_cache_in_place(kernels, head_dim, heads,
     against dequantizing the gathered context and attending in float32."""
     if not kernels.has_bf16_dot:
         pytest.skip("this CPU has no AVX-512 BF16: an int8 cache takes the torch path")
-    block_size, num_blocks = 16, 60
     g = torch.Generator().manual_seed(12)
-    cache = int8_cache(kv_heads, num_blocks, block_size, head_dim, g)
-    seq_lens = torch.tensor(lengths)
-    width = -(-int(seq_lens.max()) // block_size)
-    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in seq_lens])
-    q = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(torch.bfloat16)
-    scale = head_dim ** -0.5
-    keys = torch.arange(width * block_size)
-    bias = torch.zeros(len(seq_lens), 1, 1, width * block_size)
-    bias.masked_fill_(keys[None, None, None, :] >= seq_lens[:, None, None, None],
-                      float("-inf"))
-    k, v = cache.gather(tables, torch.float32)
-    want = _matmul_attention(q.float()[:, None], k, v, bias, scale)[:, 0]
+    cache = int8_cache(kv_heads, 60, 16, head_dim, g)
+    q, tables, seq_lens, scale, want = decode_case(cache, heads, lengths, torch.bfloat16, g)
     got = kernels.decode_attention(q, cache.data, tables, seq_lens, scale, cache.scale)
     close(got, want, torch.bfloat16)
     strided = torch.cat([q, q], dim=1)[:, :heads]
@@ -153,19 +142,10 @@ def test_prefill_attention_reads_an_int8_cache(kernels, head_dim, new, seq_len):
     in float32."""
     if not kernels.has_bf16_dot:
         pytest.skip("this CPU has no AVX-512 BF16: an int8 cache takes the torch path")
-    heads, kv_heads, block_size, num_blocks = 9, 3, 16, 40
     g = torch.Generator().manual_seed(13)
-    cache = int8_cache(kv_heads, num_blocks, block_size, head_dim, g)
-    width = -(-seq_len // block_size)
-    table = torch.randperm(num_blocks, generator=g)[:width]
-    q = torch.randn(new, heads, head_dim, generator=g).to(torch.bfloat16)
-    scale = head_dim ** -0.5
-    keys = torch.arange(width * block_size)
-    queries = torch.arange(seq_len - new, seq_len)
-    bias = torch.zeros(1, 1, new, width * block_size)
-    bias.masked_fill_((keys[None, :] > queries[:, None])[None, None], float("-inf"))
-    k, v = (x.bfloat16().float() for x in cache.gather(table[None], torch.float32))
-    want = _matmul_attention(q.float()[None], k, v, bias, scale)[0]
+    cache = int8_cache(3, 40, 16, head_dim, g)
+    q, table, scale, want = prefill_case(cache, 9, new, seq_len, g,
+                                         context_dtype=torch.bfloat16)
     close(kernels.prefill_attention(q, cache.data, table, seq_len, scale, cache.scale), want,
           torch.bfloat16)
 
@@ -175,6 +155,26 @@ def test_silu_and_mul(kernels, dtype):
     x = torch.randn(3, 2 * 100, generator=torch.Generator().manual_seed(2)).to(dtype) * 4
     gate, up = x.float().chunk(2, dim=-1)
     close(kernels.silu_and_mul(x), F.silu(gate) * up, dtype)
+
+
+def decode_case(cache: PagedKV, heads: int, lengths: list[int], dtype: torch.dtype,
+                g: torch.Generator):
+    """One new token per request over scattered blocks of `cache`: (q, block tables, seq_lens,
+    scale, the reference output: the context gathered (dequantized) and attended with the
+    torch matmul path in float32)."""
+    _, _, num_blocks, block_size, head_dim = cache.data.shape
+    seq_lens = torch.tensor(lengths)
+    width = -(-int(seq_lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in seq_lens])
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    keys = torch.arange(width * block_size)
+    bias = torch.zeros(len(seq_lens), 1, 1, width * block_size)
+    bias.masked_fill_(keys[None, None, None, :] >= seq_lens[:, None, None, None],
+                      float("-inf"))
+    k, v = cache.gather(tables, torch.float32)
+    return q, tables, seq_lens, scale, _matmul_attention(q.float()[:, None], k, v, bias,
+                                                         scale)[:, 0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -187,23 +187,33 @@ def test_decode_attention_reads_the_paged_cache_in_place(kernels, dtype, head_di
     g = torch.Generator().manual_seed(3)
     cache = PagedKV(torch.randn(2, kv_heads, num_blocks, block_size, head_dim,
                                 generator=g).to(dtype))
-    seq_lens = torch.tensor(lengths)
-    width = -(-int(seq_lens.max()) // block_size)
-    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width]
-                          for _ in seq_lens])
-    q = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dtype)
-    scale = head_dim ** -0.5
-    keys = torch.arange(width * block_size)
-    bias = torch.zeros(len(seq_lens), 1, 1, width * block_size)
-    bias.masked_fill_(keys[None, None, None, :] >= seq_lens[:, None, None, None],
-                      float("-inf"))
-    k, v = cache.gather(tables, torch.float32)
-    want = _matmul_attention(q.float()[:, None], k, v, bias, scale)[:, 0]
+    q, tables, seq_lens, scale, want = decode_case(cache, heads, lengths, dtype, g)
+    width = tables.shape[1]
     close(kernels.decode_attention(q, cache.data, tables, seq_lens, scale), want, dtype)
     strided = torch.cat([q, q], dim=1)[:, :heads]          # q as the model hands it over
     close(kernels.decode_attention(strided, cache.data, tables, seq_lens, scale), want, dtype)
     with pytest.raises(RuntimeError, match="seq_lens"):
         kernels.decode_attention(q, cache.data, tables, seq_lens + width * block_size, scale)
+
+
+def prefill_case(cache: PagedKV, heads: int, new: int, seq_len: int, g: torch.Generator,
+                 spare_blocks: int = 0, context_dtype: torch.dtype = torch.float32):
+    """A request's last `new` of seq_len tokens over scattered blocks of `cache` (its block
+    table `spare_blocks` longer than needed): (q, block table, scale, the reference: the
+    context gathered (dequantized, then rounded to context_dtype), attended causally with the
+    torch matmul path in float32)."""
+    _, _, num_blocks, block_size, head_dim = cache.data.shape
+    width = -(-seq_len // block_size)
+    table = torch.randperm(num_blocks, generator=g)[:width + spare_blocks]
+    q = torch.randn(new, heads, head_dim, generator=g).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    keys = torch.arange(width * block_size)
+    queries = torch.arange(seq_len - new, seq_len)
+    bias = torch.zeros(1, 1, new, width * block_size)
+    bias.masked_fill_((keys[None, :] > queries[:, None])[None, None], float("-inf"))
+    k, v = (x.to(context_dtype).float()
+            for x in cache.gather(table[None, :width], torch.float32))
+    return q, table, scale, _matmul_attention(q.float()[None], k, v, bias, scale)[0]
 
 
 @pytest.mark.parametrize(("head_dim", "new", "seq_len"), [
@@ -221,15 +231,7 @@ def test_prefill_attention_is_causal_attention_over_the_paged_context(kernels, h
     cache = PagedKV(torch.randn(2, kv_heads, num_blocks, block_size, head_dim,
                                 generator=g).to(torch.bfloat16))
     width = -(-seq_len // block_size)
-    table = torch.randperm(num_blocks, generator=g)[:width + 1]   # longer than needed
-    q = torch.randn(new, heads, head_dim, generator=g).to(torch.bfloat16)
-    scale = head_dim ** -0.5
-    keys = torch.arange(width * block_size)
-    queries = torch.arange(seq_len - new, seq_len)
-    bias = torch.zeros(1, 1, new, width * block_size)
-    bias.masked_fill_((keys[None, :] > queries[:, None])[None, None], float("-inf"))
-    k, v = cache.gather(table[None, :width], torch.float32)
-    want = _matmul_attention(q.float()[None], k, v, bias, scale)[0]
+    q, table, scale, want = prefill_case(cache, heads, new, seq_len, g, spare_blocks=1)
     got = kernels.prefill_attention(q, cache.data, table, seq_len, scale)
     close(got, want, torch.bfloat16)
     strided = torch.cat([q, q], dim=1)[:, :heads]          # rows as the model hands them over
