@@ -226,7 +226,7 @@ inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
 }
 
-// Ask for the cache lines of p[0, bytes) ahead of their use (into L1).
+// Ask for the cache lines of p[0, bytes) ahead of their use (into L1, or where Hint says).
 template <int Hint = _MM_HINT_T0>
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) {
