@@ -755,12 +755,16 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
   const int64_t per_kv = heads / kv_heads;
   const int64_t num_slots = num_blocks * block_size, head_stride = num_slots * D;
   const int64_t v_offset = kv_heads * head_stride;  // K then V
-  at::parallel_for(0, members * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // requests' contexts differ in length: tasks are handed out as threads come free
+  // (a static split into equal counts left one thread waiting at the end)
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
     std::vector<float> scores, acc(per_kv * D);
     std::vector<const uint16_t*> qrows(per_kv);
     std::vector<int16_t> qi(kv_scale ? per_kv * D : 0);
     std::vector<float> qscale(kv_scale ? per_kv : 0);
-    for (int64_t task = begin; task < end; ++task) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < members * kv_heads; ++task) {
       const int64_t m = task / kv_heads, h = task % kv_heads;
       const int64_t len = seq_lens[m];
       const int64_t* table = block_tables + m * max_blocks;
@@ -791,7 +795,7 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
         }
       }
     }
-  });
+  }
 }
 
 }  // namespace decode
