@@ -134,6 +134,25 @@ def test_decode_attention_reads_an_int8_cache_in_place(kernels, head_dim, heads,
         kernels.decode_attention(q.float(), cache.data, tables, seq_lens, scale, cache.scale)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_attention_kernels_walk_blocks_of_any_size(kernels, int8):
+    """Block sizes that are not a power of two take the division path of the slot lookup
+    (powers of two take shift and mask): decode and prefill attention over 12-token blocks."""
+    if not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX-512 BF16: these kernels take the torch path")
+    g = torch.Generator().manual_seed(14)
+    if int8:
+        cache = int8_cache(3, 50, 12, 64, g)
+    else:
+        cache = PagedKV(torch.randn(2, 3, 50, 12, 64, generator=g).to(torch.bfloat16))
+    q, tables, seq_lens, scale, want = decode_case(cache, 9, [5, 37, 130], torch.bfloat16, g)
+    close(kernels.decode_attention(q, cache.data, tables, seq_lens, scale, cache.scale), want,
+          torch.bfloat16)
+    q, table, scale, want = prefill_case(cache, 9, 20, 101, g, context_dtype=torch.bfloat16)
+    close(kernels.prefill_attention(q, cache.data, table, 101, scale, cache.scale), want,
+          torch.bfloat16)
+
+
 @pytest.mark.parametrize(("head_dim", "new", "seq_len"), [(64, 7, 7), (64, 50, 181),
                                                           (128, 33, 97)])
 def test_prefill_attention_reads_an_int8_cache(kernels, head_dim, new, seq_len):
