@@ -93,15 +93,12 @@ def matmul_gflops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
     return 2 * n ** 3 / _best_time(lambda: a @ b, repeats) / 1e9
 
 
-def measure_machine(weight_bytes: int, int8: bool = False, dram_gb_s: float | None = None,
-                    cached_gb_s: float | None = None) -> Machine:
-    """The peaks, and the two read bandwidths unless given (measured alongside ember's
-    decode by roofline_report)."""
-    return Machine(threads=torch.get_num_threads(),
-                   dram_gb_s=dram_gb_s if dram_gb_s is not None else read_bandwidth(GIB),
-                   cached_gb_s=(cached_gb_s if cached_gb_s is not None
-                                else read_bandwidth(weight_bytes)),
-                   cached_bytes=weight_bytes,
+def measure_machine(weight_bytes: int, int8: bool, dram_gb_s: float,
+                    cached_gb_s: float) -> Machine:
+    """The matmul peaks measured here, beside the two read bandwidths (measured alongside
+    ember's decode by roofline_report)."""
+    return Machine(threads=torch.get_num_threads(), dram_gb_s=dram_gb_s,
+                   cached_gb_s=cached_gb_s, cached_bytes=weight_bytes,
                    fp32_gflops=matmul_gflops(torch.float32),
                    bf16_gflops=matmul_gflops(torch.bfloat16), l3_bytes=l3_cache_bytes(),
                    int8_gops=matmul_gflops(torch.int8) if int8 else 0.0)

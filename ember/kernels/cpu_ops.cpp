@@ -656,16 +656,12 @@ void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* o
     __m512 acc[R][DV];
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; ++j) {
-      const auto* v = values.row(j);
+    for (int64_t j = 0; j < len; ++j) {  // int8 rows (bfloat16 ones took values_in_pairs)
+      const int8_t* v = values.row(j);
       __m512 vf[DV];
       for (int i = 0; i < DV; ++i) {
-        if constexpr (kInt8) {
-          vf[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16 * i))));
-        } else {
-          vf[i] = load16(reinterpret_cast<const c10::BFloat16*>(v) + 16 * i);
-        }
+        vf[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16 * i))));
       }
       for (int r = 0; r < R; ++r) {
         if (r < rows) {

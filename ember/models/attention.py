@@ -225,12 +225,16 @@ def prefill_in_kernel(kernels: CpuKernels | None, dtype: torch.dtype, kv_cache: 
                  else dtype == torch.bfloat16))
 
 
-def int8_cache_in_kernels(kernels: CpuKernels | None, dtype: torch.dtype, kv_cache: PagedKV
-                          ) -> bool:
-    """Whether the compiled kernels read and write this int8 cache (quantizing k and v as
-    PagedKV.write does, attending over the int8 rows in place): bfloat16 activations, head_dim
-    64 or 128, AVX-512 BF16."""
-    return kv_cache.scale is not None and prefill_in_kernel(kernels, dtype, kv_cache)
+def cache_in_kernels(kernels: CpuKernels | None, dtype: torch.dtype, kv_cache: PagedKV
+                     ) -> bool:
+    """Whether the compiled kernels write this cache and attend decodes over it in place,
+    with activations of `dtype`: a cache in that dtype, or an int8 one (k and v quantized as
+    PagedKV.write does) with bfloat16 activations, head_dim 64 or 128, AVX-512 BF16."""
+    if kernels is None:
+        return False
+    if kv_cache.scale is None:
+        return kv_cache.data.dtype == dtype
+    return prefill_in_kernel(kernels, dtype, kv_cache)
 
 
 def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup, scale: float,
@@ -243,9 +247,7 @@ def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup, scale:
         row, seq_len = group.lone
         return kernels.prefill_attention(q[row:row + max_n], kv_cache.data,
                                          group.block_tables[0], seq_len, scale, kv_cache.scale)
-    if max_n == 1 and kernels is not None and (
-            kv_cache.data.dtype == q.dtype if kv_cache.scale is None
-            else int8_cache_in_kernels(kernels, q.dtype, kv_cache)):
+    if max_n == 1 and cache_in_kernels(kernels, q.dtype, kv_cache):
         queries = q if group.whole_batch else q[group.rows[:, 0]]
         return kernels.decode_attention(queries, kv_cache.data, group.block_tables,
                                         group.seq_lens, scale, kv_cache.scale)

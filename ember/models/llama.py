@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from ember.config import ModelConfig
 from ember.kernels import CpuKernels
 from ember.models.attention import (AttentionMetadata, DecodeBatch, PagedKV, attend_cached,
-                                    int8_cache_in_kernels, paged_attention, prefill_in_kernel)
+                                    cache_in_kernels, paged_attention, prefill_in_kernel)
 from ember.models.layers import (KERNEL_DTYPES, RMSNorm, SwiGLU, apply_rope, rope_cos_sin,
                                  rope_inv_freq)
 from ember.quant.packed import PackedLinear
@@ -53,9 +53,8 @@ class LlamaAttention(nn.Module):
         dtype (or an int8 one the kernels read), and no fresh prompt chunk unless the prefill
         kernel attends it from the cache (the torch path attends a fresh chunk over its own
         k and v, which the fused kernel does not hand back)."""
-        cache_ok = (qkv.dtype == kv_cache.data.dtype if kv_cache.scale is None
-                    else int8_cache_in_kernels(self.kernels, qkv.dtype, kv_cache))
-        return (self.kernels is not None and self.qkv_proj.bias is None and cache_ok
+        return (self.qkv_proj.bias is None
+                and cache_in_kernels(self.kernels, qkv.dtype, kv_cache)
                 and qkv.dtype in KERNEL_DTYPES and qkv.is_contiguous()
                 and (not meta.fresh or prefill_in_kernel(self.kernels, qkv.dtype, kv_cache)))
 
