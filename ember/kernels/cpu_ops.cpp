@@ -616,9 +616,41 @@ void values_in_pairs(int G, const RowWalk& values, int64_t len, float* scores, f
   }
 }
 
+// out[r] (float32, [G][D]) = sum_j p[r][j] V_j for int8 V rows widened to float32, each
+// weight p[r][j] already times the row's scale: float32 FMAs, one key at a time.
+template <int D>
+void values_widened(int G, const ScaledWalk& values, int64_t len, const float* scores,
+                    float* out) {
+  const int64_t len16 = (len + 15) / 16 * 16;
+  constexpr int DV = D / 16;
+  constexpr int R = D == 64 ? 4 : 2;  // 16 accumulators
+  for (int r0 = 0; r0 < G; r0 += R) {
+    const int rows = std::min(R, G - r0);
+    __m512 acc[R][DV];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; ++j) {
+      const int8_t* v = values.row(j);
+      __m512 vf[DV];
+      for (int i = 0; i < DV; ++i) {
+        vf[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16 * i))));
+      }
+      for (int r = 0; r < R; ++r) {
+        if (r < rows) {
+          const __m512 w = _mm512_set1_ps(scores[(r0 + r) * len16 + j]);
+          for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_fmadd_ps(w, vf[i], acc[r][i]);
+        }
+      }
+    }
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < DV; ++i) _mm512_storeu_ps(out + (r0 + r) * D + 16 * i, acc[r][i]);
+  }
+}
+
 // Softmax of each of the G rows of scores [G][len16] (the padded tail, repeats of the last
 // key, is zeroed), then out[r] = sum_j p[r][j] * V_j: bfloat16 V in values_in_pairs, int8 V
-// widened to float32 with its scale folded into the weight.
+// in values_widened, its scale folded into the weight here.
 template <int D, class Walk>
 void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* out) {
   constexpr bool kInt8 = std::is_same_v<Walk, ScaledWalk>;
@@ -645,33 +677,10 @@ void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* o
       for (int64_t j = 0; j < len; ++j) sr[j] *= values.scale_of(j);
     }
   }
-  if constexpr (!kInt8) {
+  if constexpr (kInt8) {
+    values_widened<D>(G, values, len, scores, out);
+  } else {
     values_in_pairs<D>(G, values, len, scores, out);
-    return;
-  }
-  constexpr int DV = D / 16;
-  constexpr int R = D == 64 ? 4 : 2;  // 16 accumulators
-  for (int r0 = 0; r0 < G; r0 += R) {
-    const int rows = std::min(R, G - r0);
-    __m512 acc[R][DV];
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; ++j) {  // int8 rows (bfloat16 ones took values_in_pairs)
-      const int8_t* v = values.row(j);
-      __m512 vf[DV];
-      for (int i = 0; i < DV; ++i) {
-        vf[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16 * i))));
-      }
-      for (int r = 0; r < R; ++r) {
-        if (r < rows) {
-          const __m512 w = _mm512_set1_ps(scores[(r0 + r) * len16 + j]);
-          for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_fmadd_ps(w, vf[i], acc[r][i]);
-        }
-      }
-    }
-    for (int r = 0; r < rows; ++r)
-      for (int i = 0; i < DV; ++i) _mm512_storeu_ps(out + (r0 + r) * D + 16 * i, acc[r][i]);
   }
 }
 
