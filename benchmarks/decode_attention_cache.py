@@ -8,7 +8,7 @@ requests of U(200, 400) tokens whose blocks are scattered through it. A "step" i
 kernel once per layer, so that each layer finds its K/V out of the CPU's caches, as in a real
 step (the weights stream through between two visits of a layer). "hot" runs the first
 layer's cache 30 times instead: its blocks stay in L2/L3, which leaves the kernel's own work.
-Best of 5 steps, for bfloat16 and int8 caches and for 16- and 128-token blocks.
+Best of 5 steps, for bfloat16 and int8 caches, 16- and 128-token blocks.
 """
 from __future__ import annotations
 
@@ -62,20 +62,32 @@ def step_ms(kernels: CpuKernels, q: torch.Tensor, caches: list, scales: list,
     return best * 1e3
 
 
-def measure(kernels: CpuKernels, dtype: str, block_size: int) -> dict[str, float]:
+def block_tables(placement: str, blocks: int, width: int, g: torch.Generator) -> torch.Tensor:
+    """[REQUESTS, width] block ids: drawn at random, or one run of adjacent blocks per request
+    (the runs themselves at random places)."""
+    if placement == "random":
+        return torch.randperm(blocks, generator=g)[:REQUESTS * width].view(REQUESTS, width)
+    starts = torch.randperm(blocks // width, generator=g)[:REQUESTS] * width
+    return starts[:, None] + torch.arange(width)[None, :]
+
+
+def measure(kernels: CpuKernels, dtype: str, block_size: int,
+            placements: tuple[str, ...]) -> dict[str, dict[str, float]]:
     g = torch.Generator().manual_seed(0)
     caches, scales = make_caches(dtype, block_size, g)
     width = -(-LONGEST // block_size)
-    blocks = CACHE_TOKENS // block_size
-    tables = torch.randperm(blocks, generator=g)[:REQUESTS * width].view(REQUESTS, width)
     lens = torch.randint(LONGEST // 2, LONGEST + 1, (REQUESTS,), generator=g)
     q = torch.randn(REQUESTS, HEADS, D, generator=g).to(torch.bfloat16)
     row_bytes = D * (1 if dtype == "int8" else 2) + (2 if dtype == "int8" else 0)
     kv_mb = int(lens.sum()) * KV_HEADS * 2 * row_bytes * LAYERS / 1e6
-    cold = step_ms(kernels, q, caches, scales, tables, lens)
-    hot = step_ms(kernels, q, [caches[0]] * LAYERS, [scales[0]] * LAYERS, tables, lens)
-    return {"kv_mb_per_step": kv_mb, "cold_ms": cold, "hot_ms": hot,
-            "cold_gb_s": kv_mb / cold, "cold_over_hot": cold / hot}
+    results = {}
+    for placement in placements:
+        tables = block_tables(placement, CACHE_TOKENS // block_size, width, g).contiguous()
+        cold = step_ms(kernels, q, caches, scales, tables, lens)
+        hot = step_ms(kernels, q, [caches[0]] * LAYERS, [scales[0]] * LAYERS, tables, lens)
+        results[placement] = {"kv_mb_per_step": kv_mb, "cold_ms": cold, "hot_ms": hot,
+                              "cold_gb_s": kv_mb / cold, "cold_over_hot": cold / hot}
+    return results
 
 
 def main() -> None:
@@ -87,13 +99,13 @@ def main() -> None:
         raise SystemExit("these kernels need AVX-512 BF16")
     results = {}
     for dtype in ("bfloat16", "int8"):
-        for block_size in (16, 128):
-            name = f"{dtype} cache, {block_size}-token blocks"
-            results[name] = measure(kernels, dtype, block_size)
-            r = results[name]
-            print(f"{name:34} {r['kv_mb_per_step']:6.0f} MB of K/V per step: cold "
-                  f"{r['cold_ms']:5.2f} ms ({r['cold_gb_s']:4.1f} GB/s), hot {r['hot_ms']:5.2f} ms"
-                  f" ({r['cold_over_hot']:.1f}x)", flush=True)
+        for block_size, placements in ((16, ("random", "contiguous")), (128, ("random",))):
+            for placement, r in measure(kernels, dtype, block_size, placements).items():
+                name = f"{dtype} cache, {block_size}-token blocks, {placement}"
+                results[name] = r
+                print(f"{name:46} {r['kv_mb_per_step']:4.0f} MB of K/V per step: cold "
+                      f"{r['cold_ms']:5.2f} ms ({r['cold_gb_s']:4.1f} GB/s), hot "
+                      f"{r['hot_ms']:5.2f} ms ({r['cold_over_hot']:.1f}x)", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"threads": torch.get_num_threads(),

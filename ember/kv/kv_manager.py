@@ -20,6 +20,8 @@ from ember.kv.block_pool import BlockPool
 from ember.kv.prefix_cache import block_key, extend_keys
 from ember.request import Request
 
+MAX_ROOM_BLOCKS = 64  # room kept after a new request's blocks, at most (block_pool)
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -126,8 +128,14 @@ class KVCacheManager:
             self.pool.touch(computed)
             self._num_cached[request.request_id] = len(computed)
         if computed or num_new > 0:
-            new_blocks = self.pool.allocate(num_new) if num_new > 0 else []
-            table = table + computed + new_blocks
+            held = table + computed
+            # a new request's blocks are followed by room for the rest of it (block_pool)
+            room = 0 if table else min(MAX_ROOM_BLOCKS, cdiv(
+                request.num_prompt_tokens + request.max_tokens, self.block_size)
+                - len(held) - num_new)
+            new_blocks = (self.pool.allocate(num_new, after=held[-1] if held else None,
+                                             room=room) if num_new > 0 else [])
+            table = held + new_blocks
             self._tables[request.request_id] = table
             if hit is not None and hit.partial_tokens:
                 # The source is not held: if this step's allocations evict it, its slots are

@@ -2,6 +2,7 @@
 block ids, hits, misses and eviction order (reference: the rules written in each module)."""
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -19,29 +20,71 @@ def test_pool_hands_out_blocks_in_order_and_reuses_the_oldest_freed_first():
     assert pool.allocate(3) == [2, 3, 4]
     pool.free([3, 1])
     assert pool.num_free_blocks == 3
-    assert pool.allocate(3) == [5, 3, 1]
+    assert pool.allocate(2) == [3, 5]  # 5 (never used) and 3 (freed before 1), ascending
+    assert pool.allocate(1) == [1]
     assert pool.usage() == 1.0
 
 
-def test_shared_blocks_return_only_when_the_last_reference_goes():
-    pool = BlockPool(2)
-    [a] = pool.allocate(1)
-    pool.cache(a, key=7, parent_key=None, depth=0, token_ids=range(16))
-    pool.touch([a])
-    pool.free([a])
-    assert pool.ref_count(a) == 1 and pool.num_free_blocks == 1
-    pool.free([a])
-    assert pool.num_free_blocks == 2 and pool.lookup(7) == a  # idle, still cached
+def test_a_growing_request_takes_the_blocks_after_its_last_while_they_are_empty():
+    pool = BlockPool(8)
+    assert pool.allocate(2) == [0, 1] and pool.allocate(2) == [2, 3]
+    assert pool.allocate(2, after=3) == [4, 5]      # right after 3
+    assert pool.allocate(2, after=1) == [6, 7]      # 2 is in use: the oldest empty blocks
+    pool.free([5, 4])
+    assert pool.allocate(2, after=7) == [4, 5]      # no block after 7: oldest freed, ascending
+    pool.free([0])
+    assert pool.allocate(1) == [0] and pool.num_free_blocks == 0
 
 
-def test_double_free_and_overdraw_are_bugs_not_silence():
-    pool = BlockPool(1)
-    with pytest.raises(RuntimeError):
-        pool.allocate(2)
-    [a] = pool.allocate(1)
-    pool.free([a])
-    with pytest.raises(RuntimeError, match="freed twice"):
-        pool.free([a])
+def test_a_growing_request_evicts_an_idle_cached_leaf_after_it_but_not_a_parked_parent():
+    pool = BlockPool(8)
+    assert pool.allocate(4) == [0, 1, 2, 3]
+    pool.cache(1, key=11, parent_key=None, depth=0, token_ids=range(16))
+    pool.cache(2, key=12, parent_key=11, depth=1, token_ids=range(16))
+    pool.free([2, 1])  # 2: an idle cached leaf; 1: its parent, parked while 2 is cached
+    assert pool.allocate(1, after=0) == [4]         # 1 is parked: not taken out of turn
+    assert pool.allocate(2, after=1) == [2, 5]      # 2 is evicted; 3 is in use
+    assert pool.lookup(12) is None and pool.lookup(11) == 1 and pool.num_evictions == 1
+    assert pool.allocate(1, after=0) == [1]         # 1 is a leaf now
+    assert pool.lookup(11) is None and pool.num_evictions == 2
+    events, _ = pool.events_after(-1)
+    assert [(e.kind, e.block_key) for e in events][-2:] == [("removed", 12), ("removed", 11)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "cost"])
+def test_random_traffic_never_hands_out_a_block_twice(policy):
+    """Requests arrive (with room), grow (after their last block), cache their blocks as
+    chains and finish, at random: every block handed out was free, and the free count is
+    the blocks nobody holds."""
+    rng = random.Random(0)
+    pool = BlockPool(40, policy)
+    tables: dict[int, list[int]] = {}
+    key = 0
+    for step in range(3000):
+        held = {b for table in tables.values() for b in table}
+        op = rng.random()
+        if op < 0.35 and pool.num_free_blocks >= 3:            # a new request
+            n = rng.randint(1, 3)
+            blocks = pool.allocate(n, room=rng.randint(0, 4))
+            assert blocks == sorted(blocks) and not held & set(blocks)
+            tables[step] = blocks
+        elif op < 0.75 and tables and pool.num_free_blocks:    # one grows
+            rid = rng.choice(list(tables))
+            [b] = pool.allocate(1, after=tables[rid][-1])
+            assert b not in held
+            tables[rid].append(b)
+        elif op < 0.85 and tables:                              # one caches its blocks
+            table = tables[rng.choice(list(tables))]
+            parent = None
+            for depth, b in enumerate(table):
+                key += 1
+                pool.cache(b, key, parent, depth, range(4))
+                parent = pool._meta[b].key
+        elif tables:                                            # one finishes
+            pool.free(tables.pop(rng.choice(list(tables)))[::-1])
+        held = {b for table in tables.values() for b in table}
+        assert all(pool.ref_count(b) == 1 for b in held)
+        assert pool.num_free_blocks == pool.num_blocks - len(held)
 
 
 def cached_pool(policy: str, depths: list[int]) -> tuple[BlockPool, list[int]]:
@@ -246,6 +289,32 @@ def test_tables_grow_and_refuse_without_side_effects():
     kv.free(a)
     assert kv.num_free_blocks == 4
     kv.free(make_request("unknown", [1]))
+
+
+def test_block_tables_stay_one_run_while_requests_grow_side_by_side():
+    """Decode attention reads a request's blocks in turn, and adjacent ones stream (the
+    block_pool docstring): a new request's blocks are followed by room for the rest of it
+    (prompt + max_tokens), which a request admitted after it does not take."""
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    a, b = make_request("a", [0] * 8), make_request("b", [1] * 8)   # 8 + max_tokens 8
+    assert kv.allocate_slots(a, 8) and kv.allocate_slots(b, 8)
+    assert kv.block_table("a") == [0, 1] and kv.block_table("b") == [4, 5]
+    for n in (12, 16):
+        assert kv.allocate_slots(a, n) and kv.allocate_slots(b, n)
+    assert kv.block_table("a") == [0, 1, 2, 3] and kv.block_table("b") == [4, 5, 6, 7]
+    assert kv.num_free_blocks == 24
+
+
+def test_room_kept_for_one_request_is_still_free_for_others():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a = make_request("a", [0] * 8)                  # 2 blocks, room for 2 more
+    assert kv.allocate_slots(a, 8) and kv.num_free_blocks == 4
+    b = make_request("b", [1] * 16)
+    assert kv.allocate_slots(b, 16)                 # 2 empty blocks, then a's room
+    assert kv.block_table("b") == [2, 3, 4, 5] and kv.num_free_blocks == 0
+    assert not kv.allocate_slots(a, 12)             # a's room went to b: a waits
+    kv.free(b)
+    assert kv.allocate_slots(a, 12) and kv.block_table("a") == [0, 1, 2]
 
 
 def test_keys_chain_and_depend_on_the_salt():
