@@ -1727,7 +1727,7 @@ class DecodeStack {
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
       if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
-      linear(layer.qkv, h, qkv, layer.o);
+      linear(layer.qkv, h, qkv, &layer.o);
       const auto& cache = kv[l];
       const int64_t blocks = cache.size(2), block_size = cache.size(3);
       at::Half* kv_scale = int8 ? kv_scales[l].data_ptr<at::Half>() : nullptr;
@@ -1747,9 +1747,9 @@ class DecodeStack {
       attend(bits(q), heads_ * d_, d_, cache.data_ptr(), kv_scale,
              block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), bits(att), t,
              heads_, kv_heads_, blocks, block_size, block_tables.size(1), scale_);
-      linear(layer.o, att.view({t, heads_ * d_}), out, layer.gate_up);
+      linear(layer.o, att.view({t, heads_ * d_}), out, &layer.gate_up);
       rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
-      linear(layer.gate_up, h, gate_up, layer.down);
+      linear(layer.gate_up, h, gate_up, &layer.down);
       silu_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), act.data_ptr<at::BFloat16>(), t, inter);
       linear(layer.down, act, out, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
     }
@@ -1788,10 +1788,6 @@ class DecodeStack {
     }
     int4w::matmul(bits(x), x.size(0), x.stride(0), w.q.data_ptr<uint8_t>(), bits(w.scale_min),
                   w.n, w.k, bits(out), ahead);
-  }
-  static void linear(const Int4& w, const torch::Tensor& x, torch::Tensor& out,
-                     const Int4& next) {
-    linear(w, x, out, &next);
   }
 
   void check_inputs(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,

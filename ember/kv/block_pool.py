@@ -156,9 +156,18 @@ class BlockPool:
                 break
             self._room.add(block_id)
             self._later.append(block_id)
-        if len(self._later) > 2 * self.num_blocks:  # drop the stale ids
-            self._later = deque(b for b in dict.fromkeys(self._later)
-                                if b in self._room and self._is_empty(b))
+        self._drop_stale()
+
+    def _drop_stale(self) -> None:
+        """Once the two queues together hold more than twice as many ids as there are blocks,
+        rebuild both from the ids still empty (each once): room in _later, the rest in
+        _empty."""
+        if len(self._empty) + len(self._later) <= 2 * self.num_blocks:
+            return
+        self._empty = deque(b for b in dict.fromkeys(self._empty)
+                            if self._is_empty(b) and b not in self._room)
+        self._later = deque(b for b in dict.fromkeys(self._later)
+                            if self._is_empty(b) and b in self._room)
 
     def _evict(self, block_id: int) -> None:
         self._uncache(block_id)
@@ -176,9 +185,7 @@ class BlockPool:
                 if meta.key is None:
                     self._empty.append(block_id)
                     self._num_empty += 1
-                    if len(self._empty) > 2 * self.num_blocks:  # drop the stale ids
-                        self._empty = deque(b for b in dict.fromkeys(self._empty)
-                                            if self._is_empty(b) and b not in self._room)
+                    self._drop_stale()
                 else:
                     self._clock += 1
                     meta.released = self._clock

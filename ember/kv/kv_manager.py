@@ -130,9 +130,9 @@ class KVCacheManager:
         if computed or num_new > 0:
             held = table + computed
             # a new request's blocks are followed by room for the rest of it (block_pool)
-            room = 0 if table else min(MAX_ROOM_BLOCKS, cdiv(
+            room = 0 if table else min(MAX_ROOM_BLOCKS, max(0, cdiv(
                 request.num_prompt_tokens + request.max_tokens, self.block_size)
-                - len(held) - num_new)
+                - len(held) - num_new))
             new_blocks = (self.pool.allocate(num_new, after=held[-1] if held else None,
                                              room=room) if num_new > 0 else [])
             table = held + new_blocks
