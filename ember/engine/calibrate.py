@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 CALIBRATION_TOKENS = 256
 CALIBRATION_SEED = 0
+SHARP_GROUP = 512   # inputs per activation scale, at most, where input outliers run sharp
 
 
 def calibration_prompt(vocab_size: int, length: int = CALIBRATION_TOKENS,
@@ -36,9 +37,28 @@ def calibration_prompt(vocab_size: int, length: int = CALIBRATION_TOKENS,
     return torch.randint(vocab_size, (length,), generator=generator).tolist()
 
 
-def int8_prefill_targets(model: torch.nn.Module) -> list[PackedLinear]:
-    """The model's int8_prefill_linears that are packed (the others keep their weights)."""
-    return [m for m in model.int8_prefill_linears() if isinstance(m, PackedLinear)]
+def activation_group(in_features: int, largest: int = SHARP_GROUP) -> int:
+    """Inputs per activation scale for a linear with sharp input outliers: the largest
+    multiple of 16 up to `largest` that divides in_features (0, a whole row, if none)."""
+    return max((g for g in range(16, largest + 1, 16) if in_features % g == 0), default=0)
+
+
+def int8_prefill_targets(model: torch.nn.Module) -> dict[PackedLinear, int]:
+    """The model's int8_prefill_linears that are packed, each with its activation group
+    (inputs per scale, 0: a whole row). Linears with sharp input outliers (the down
+    projection) take int8 activations only over int4 weights, one scale per group of up to
+    512 inputs: on the default model that costs +1.4% prompt perplexity where one scale per
+    row cost +2.7% (docs/benchmarks.md); int4's budget is 5% of bfloat16's perplexity,
+    int8 weights' only 1%, so over int8 weights they keep bfloat16."""
+    targets: dict[PackedLinear, int] = {}
+    for module, sharp in model.int8_prefill_linears():
+        if not isinstance(module, PackedLinear):
+            continue
+        if not sharp:
+            targets[module] = 0
+        elif module.method == "int4":
+            targets[module] = activation_group(module.in_features)
+    return targets
 
 
 def prepare_int8_prefill(model: torch.nn.Module) -> None:
@@ -63,7 +83,7 @@ def input_amax(core: EngineCore, token_ids: list[int]) -> dict[PackedLinear, Ten
             seen = x.detach().abs().amax(dim=0).float()
             amax[module] = torch.maximum(amax[module], seen) if module in amax else seen
 
-    modules = int8_prefill_targets(core.runner.model)
+    modules = list(int8_prefill_targets(core.runner.model))
     hooks = [m.register_forward_pre_hook(record) for m in modules]
     try:
         core.add_request("calibration", token_ids, SamplingParams(temperature=0, max_tokens=1),
@@ -87,8 +107,9 @@ def use_int8_prefill(core: EngineCore, kernels: CpuKernels) -> int:
     made from the int8 copy prepare_int8_prefill left. Returns how many linears."""
     room = min(core.max_model_len, core.scheduler.kv.capacity_tokens) - 1  # 1 output token
     prompt = calibration_prompt(core.model_config.vocab_size, min(CALIBRATION_TOKENS, room))
+    groups = int8_prefill_targets(core.runner.model)
     amax = input_amax(core, prompt)
     with large_blocks_mapped_alone():
         for module, seen in amax.items():
-            module.use_int8_dense(kernels, seen)
+            module.use_int8_dense(kernels, seen, act_group=groups[module])
     return len(amax)

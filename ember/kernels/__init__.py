@@ -90,12 +90,14 @@ class CpuKernels:
         return self.ops.int4_linear(x, q, scale_min)
 
     def w8a8_linear(self, x: Tensor, q: Tensor, scales: Tensor, smooth: Tensor,
-                    swiglu: bool = False) -> Tensor:
+                    swiglu: bool = False, group: int = 0) -> Tensor:
         """x [m, k] bfloat16 -> (x * smooth) w^T [m, n] bfloat16 with w = q * scales[:, None]
         (q int8 [n, k], scales and smooth float32 [n], [k]) and each row of x * smooth
-        rounded to int8 with its own scale (max / 127), on oneDNN's int8 GEMM; with `swiglu`,
-        w is [gate | up] and the result [m, n / 2] is silu(gate) * up. AVX-512 BF16 only."""
-        return self.ops.w8a8_linear(x, q, scales, smooth, swiglu)
+        rounded to int8 with its own scale (max / 127), on oneDNN's int8 GEMM; with `group`
+        (dividing k), one scale per `group` inputs of a row and one GEMM per group; with
+        `swiglu`, w is [gate | up] and the result [m, n / 2] is silu(gate) * up. AVX-512
+        BF16 only."""
+        return self.ops.w8a8_linear(x, q, scales, smooth, swiglu, group)
 
     def decode_stack(self, weights: list[Tensor], final_norm: Tensor, heads: int,
                      kv_heads: int, head_dim: int, eps: float, scale: float):

@@ -1104,62 +1104,86 @@ namespace w8a8 {
 
 using namespace simd;
 
-// x [m, k] bfloat16 (row stride `stride`), times smooth [k] per column -> q [m, k] int8 and
-// scale [m]: x * smooth ~ q * scale
+// x [m, k] bfloat16 (row stride `stride`), times smooth [k] per column, in groups of `group`
+// inputs (k % group == 0) -> q [k / group, m, group] int8 (each group's rows together, the
+// operand of one GEMM) and scale [m, k / group]: x * smooth ~ q * scale per row and group
 void quantize_rows(const c10::BFloat16* x, int64_t m, int64_t k, int64_t stride,
-                   const float* smooth, int8_t* q, float* scale) {
+                   const float* smooth, int64_t group, int8_t* q, float* scale) {
+  const int64_t groups = k / group;
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const c10::BFloat16* row = x + r * stride;
-      int8_t* out = q + r * k;
-      auto value = [&](int64_t i) {  // 16 inputs, smoothed
-        return _mm512_mul_ps(load16(row + i), load16(smooth + i));
-      };
-      __m512 amax = _mm512_setzero_ps();
-      int64_t i = 0;
-      for (; i + 16 <= k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(value(i)));
-      float a = _mm512_reduce_max_ps(amax);
-      for (int64_t j = i; j < k; ++j) a = std::max(a, std::fabs(load(row[j]) * smooth[j]));
-      scale[r] = a > 0.f ? a / 127.f : 1.f;
-      const float inv = a > 0.f ? 127.f / a : 0.f;
-      const __m512 inv16 = _mm512_set1_ps(inv);
-      for (i = 0; i + 16 <= k; i += 16) {  // round to nearest even, saturate to int8
-        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(value(i), inv16));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtsepi32_epi8(v));
-      }
-      for (; i < k; ++i) {
-        const float v = std::nearbyint(load(row[i]) * smooth[i] * inv);
-        out[i] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int64_t first = gi * group;
+        const c10::BFloat16* row = x + r * stride + first;
+        const float* sm = smooth + first;
+        int8_t* out = q + (gi * m + r) * group;
+        auto value = [&](int64_t i) {  // 16 inputs, smoothed
+          return _mm512_mul_ps(load16(row + i), load16(sm + i));
+        };
+        __m512 amax = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= group; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(value(i)));
+        float a = _mm512_reduce_max_ps(amax);
+        for (int64_t j = i; j < group; ++j) a = std::max(a, std::fabs(load(row[j]) * sm[j]));
+        scale[r * groups + gi] = a > 0.f ? a / 127.f : 1.f;
+        const float inv = a > 0.f ? 127.f / a : 0.f;
+        const __m512 inv16 = _mm512_set1_ps(inv);
+        for (i = 0; i + 16 <= group; i += 16) {  // round to nearest even, saturate to int8
+          const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(value(i), inv16));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtsepi32_epi8(v));
+        }
+        for (; i < group; ++i) {
+          const float v = std::nearbyint(load(row[i]) * sm[i] * inv);
+          out[i] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
+        }
       }
     }
   });
 }
 
-// acc [m, n] int32 -> out [m, n] bfloat16 = acc * row_scale[r] * col_scale[c]; with `swiglu`,
-// acc holds [gate | up] (n = 2 * half) and out [m, half] = silu(gate) * up, both scaled first.
-void dequantize(const int32_t* acc, int64_t m, int64_t n, const float* row_scale,
-                const float* col_scale, bool swiglu, c10::BFloat16* out) {
+// acc [groups, m, n] int32 -> out [m, n] bfloat16 = sum over groups of acc * row_scale[r, g],
+// times col_scale[c]; with `swiglu`, acc holds [gate | up] (n = 2 * half) and out [m, half] =
+// silu(gate) * up, both scaled first.
+void dequantize(const int32_t* acc, int64_t groups, int64_t m, int64_t n,
+                const float* row_scale, const float* col_scale, bool swiglu,
+                c10::BFloat16* out) {
   const int64_t width = swiglu ? n / 2 : n;
   at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const int32_t* a = acc + r * n;
+      const float* rs = row_scale + r * groups;
       c10::BFloat16* o = out + r * width;
-      const __m512 rs = _mm512_set1_ps(row_scale[r]);
+      auto sum = [&](int64_t c) {  // one output, in float32
+        if (groups == 1) return static_cast<float>(acc[r * n + c]) * (rs[0] * col_scale[c]);
+        float v = 0.f;
+        for (int64_t g = 0; g < groups; ++g) {
+          v = std::fma(static_cast<float>(acc[(g * m + r) * n + c]), rs[g], v);
+        }
+        return v * col_scale[c];
+      };
       auto value = [&](int64_t c) {  // 16 outputs from column c
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(a + c));
-        return _mm512_mul_ps(v, _mm512_mul_ps(rs, _mm512_loadu_ps(col_scale + c)));
+        const __m512 cs = _mm512_loadu_ps(col_scale + c);
+        if (groups == 1) {
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + r * n + c));
+          return _mm512_mul_ps(v, _mm512_mul_ps(_mm512_set1_ps(rs[0]), cs));
+        }
+        __m512 v = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; ++g) {
+          const __m512 part = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + (g * m + r) * n + c));
+          v = _mm512_fmadd_ps(part, _mm512_set1_ps(rs[g]), v);
+        }
+        return _mm512_mul_ps(v, cs);
       };
       int64_t c = 0;
       for (; c + 16 <= width; c += 16) {
         store16(o + c, swiglu ? _mm512_mul_ps(silu16(value(c)), value(width + c)) : value(c));
       }
       for (; c < width; ++c) {
-        const float v = static_cast<float>(a[c]) * row_scale[r] * col_scale[c];
+        const float v = sum(c);
         if (!swiglu) {
           o[c] = c10::BFloat16(v);
           continue;
         }
-        const float u = static_cast<float>(a[width + c]) * row_scale[r] * col_scale[width + c];
+        const float u = sum(width + c);
         const float e = exp_nonpositive(-std::fabs(v));
         o[c] = c10::BFloat16(v * (v >= 0.f ? 1.f : e) / (1.f + e) * u);
       }
@@ -1595,12 +1619,13 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale_
 }
 
 // w8a8_linear(x [m, k] bfloat16 (rows may be strided), w [n, k] int8, w_scale [n] float32,
-// smooth [k] float32, swiglu) -> [m, n] bfloat16 = (x * smooth) w^T with w[r] = q[r] *
-// w_scale[r] and x * smooth rounded to int8 per row (w8a8 above; smooth divides the
-// weight's columns where it was made, SmoothQuant); with swiglu, the product is [gate | up]
-// and the result [m, n / 2] is silu(gate) * up. Only with AVX-512 BF16.
+// smooth [k] float32, swiglu, group) -> [m, n] bfloat16 = (x * smooth) w^T with w[r] = q[r] *
+// w_scale[r] and x * smooth rounded to int8 per row, with one scale per `group` inputs (0: the
+// whole row; else k % group == 0, one GEMM per group; w8a8 above; smooth divides the weight's
+// columns where it was made, SmoothQuant); with swiglu, the product is [gate | up] and the
+// result [m, n / 2] is silu(gate) * up. Only with AVX-512 BF16.
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale,
-                          torch::Tensor smooth, bool swiglu) {
+                          torch::Tensor smooth, bool swiglu, int64_t group) {
   TORCH_CHECK(has_bf16_dot(), "w8a8_linear needs a CPU with AVX-512 BF16");
   check_bf16_rows(x);
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
@@ -1614,15 +1639,24 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
                   smooth.numel() == k,
               "smooth must be [k] contiguous float32");
   TORCH_CHECK(!swiglu || n % 2 == 0, "swiglu needs an even number of outputs (gate | up)");
+  if (group == 0) group = k;
+  TORCH_CHECK(group > 0 && k % group == 0, "group must be 0 (the whole row) or divide the ", k,
+              " inputs, not ", group);
   auto out = torch::empty({m, swiglu ? n / 2 : n}, x.options());
 #ifdef EMBER_BF16_DOT
   if (m > 0) {
-    auto q = torch::empty({m, k}, x.options().dtype(at::kChar));
-    auto row_scale = torch::empty({m}, x.options().dtype(at::kFloat));
+    const int64_t groups = k / group;
+    auto q = torch::empty({groups, m, group}, x.options().dtype(at::kChar));
+    auto row_scale = torch::empty({m, groups}, x.options().dtype(at::kFloat));
     w8a8::quantize_rows(x.data_ptr<at::BFloat16>(), m, k, x.stride(0), smooth.data_ptr<float>(),
-                        q.data_ptr<int8_t>(), row_scale.data_ptr<float>());
-    const auto acc = at::_int_mm(q, w.t());  // oneDNN's int8 GEMM
-    w8a8::dequantize(acc.data_ptr<int32_t>(), m, n, row_scale.data_ptr<float>(),
+                        group, q.data_ptr<int8_t>(), row_scale.data_ptr<float>());
+    auto acc = torch::empty({groups, m, n}, x.options().dtype(at::kInt));
+    const auto wt = w.t();
+    for (int64_t g = 0; g < groups; ++g) {  // oneDNN's int8 GEMM
+      auto part = acc.select(0, g);
+      at::_int_mm_out(part, q.select(0, g), wt.narrow(0, g * group, group));
+    }
+    w8a8::dequantize(acc.data_ptr<int32_t>(), groups, m, n, row_scale.data_ptr<float>(),
                      w_scale.data_ptr<float>(), swiglu, out.data_ptr<at::BFloat16>());
   }
 #endif
@@ -1858,7 +1892,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("kv"), py::arg("block_table"), py::arg("seq_len"),
         py::arg("scale"), py::arg("kv_scale") = py::none(), no_gil);
   m.def("int8_linear", &int8_linear, "x w^T with w int8 in 16-row VNNI panels", no_gil);
-  m.def("w8a8_linear", &w8a8_linear, "x w^T on int8 dot products, x quantized per row",
+  m.def("w8a8_linear", &w8a8_linear, "x w^T on int8 dot products, x quantized per row (or group)",
         no_gil);
   m.def("int8_rows", &int8_rows, "rows of an int8 weight in 16-row VNNI panels", no_gil);
   m.def("int4_linear", &int4_linear, "x w^T with w int4 (groups of 32) in 16-row panels",

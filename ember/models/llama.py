@@ -146,14 +146,15 @@ class LlamaForCausalLM(nn.Module):
         ok = cache.data.dtype == (torch.bfloat16 if cache.scale is None else torch.int8)
         return meta.decodes if ok else None
 
-    def int8_prefill_linears(self) -> list[nn.Module]:
+    def int8_prefill_linears(self) -> list[tuple[nn.Module, bool]]:
         """The projections whose prompt-chunk matmuls may run on int8 activations (SmoothQuant,
-        ember/engine/calibrate.py): q/k/v, o and gate/up. The down projection keeps bfloat16:
-        its input, silu(gate) * up, has the sharpest outliers, and rounding it to int8 alone
-        cost 1.3% perplexity on the default model, more than the other three together."""
-        return [p for layer in self.model.layers
-                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                          layer.mlp.gate_up_proj)]
+        ember/engine/calibrate.py), each with whether its input has sharp outliers: q/k/v, o
+        and gate/up (no), the down projection (yes: its input, silu(gate) * up, has the
+        sharpest outliers per token; rounded to int8 per row it alone cost 2.7% perplexity
+        on the default model, more than the other three together)."""
+        return [pair for layer in self.model.layers
+                for pair in ((layer.self_attn.qkv_proj, False), (layer.self_attn.o_proj, False),
+                             (layer.mlp.gate_up_proj, False), (layer.mlp.down_proj, True))]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""

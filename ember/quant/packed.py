@@ -98,6 +98,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.weight = weight if keep_dense else None
         self.w8a8: CpuKernels | None = None  # set by use_int8_dense
+        self.act_group = 0  # inputs per activation scale in W8A8 matmuls (0: the whole row)
         self.int8_source: tuple[Tensor, Tensor] | None = None  # set by shrink_dense
         # the dense weight in oneDNN's blocked layout (same bytes), so that big batches skip
         # the reorder oneDNN otherwise does on every call: 10-45% faster from 9 to 512 rows
@@ -127,15 +128,18 @@ class PackedLinear(nn.Module):
                               f"{', '.join(METHODS)} or none")
 
     def use_int8_dense(self, kernels: CpuKernels, input_amax: Tensor,
-                       alpha: float = SMOOTH_ALPHA) -> None:
+                       alpha: float = SMOOTH_ALPHA, act_group: int = 0) -> None:
         """Make the dense weight SmoothQuant int8 (module docstring), from the dense bfloat16
         weight if one is kept (it is freed), else its int8 copy (shrink_dense), else the
         packed weight: `input_amax` [in_features] is max |x| per input channel on a
-        calibration prompt. Needs the compiled kernels with AVX-512 BF16."""
+        calibration prompt. Activations get one scale per row, or per `act_group` inputs of
+        a row (dividing in_features). Needs the compiled kernels with AVX-512 BF16."""
         if not self.can_use_int8_dense(kernels):
             raise ConfigError("int8 prefill matmuls need int8 weights or int4 ones on the "
                               "compiled kernels, and AVX-512 BF16; use --prefill-matmul "
                               "bfloat16")
+        if act_group < 0 or (act_group and self.in_features % act_group):
+            raise ValueError(f"act_group {act_group} does not divide {self.in_features} inputs")
         if self.prepacked:  # oneDNN's blocked layout back to rows, once
             self.weight, self.prepacked = self.weight.to_dense(), False
         n = self.out_features
@@ -151,7 +155,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("dense_scales", scale)
         self.register_buffer("smooth", (1 / smooth).contiguous())
         self.weight, self.prepacked, self.w8a8 = None, False, kernels
-        self.int8_source = None
+        self.int8_source, self.act_group = None, act_group
 
     def can_use_int8_dense(self, kernels: CpuKernels | None) -> bool:
         """Whether use_int8_dense can run: the kernels, and a weight to make the int8 from."""
@@ -209,11 +213,12 @@ class PackedLinear(nn.Module):
         """silu(gate) * up of this [gate | up] projection in one pass over the int32 sums
         (where takes_swiglu)."""
         return self.w8a8.w8a8_linear(x, self.dense_q, self.dense_scales, self.smooth,
-                                     swiglu=True)
+                                     swiglu=True, group=self.act_group)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.w8a8 is not None and x.shape[0] > self.max_packed_rows:
-            out = self.w8a8.w8a8_linear(x, self.dense_q, self.dense_scales, self.smooth)
+            out = self.w8a8.w8a8_linear(x, self.dense_q, self.dense_scales, self.smooth,
+                                        group=self.act_group)
             return out if self.bias is None else out + self.bias
         if self.weight is not None and x.shape[0] > self.max_packed_rows:
             if self.prepacked:
@@ -230,7 +235,8 @@ class PackedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        dense = "int8" if self.w8a8 is not None else \
+        dense = ("int8" + (f"/{self.act_group}" if self.act_group else "")) \
+            if self.w8a8 is not None else \
             "bfloat16" if self.weight is not None else "dropped"
         return f"in={self.in_features}, out={self.out_features}, {self.method}, dense={dense}"
 

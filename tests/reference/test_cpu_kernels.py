@@ -330,6 +330,35 @@ def test_w8a8_linear_is_the_rounded_matmul(kernels, m, k, n):
     assert (got.float() - exact).abs().max() < 0.02 * exact.abs().max()
 
 
+@pytest.mark.parametrize(("m", "k", "n", "group"), [(7, 96, 80, 32), (40, 1536, 48, 512)])
+def test_w8a8_linear_in_groups_scales_each_group_of_a_row_alone(kernels, m, k, n, group):
+    """One scale per `group` inputs of a row: the per-group products summed (within float32
+    rounding of that sum, which the kernel fuses); a group with one huge input leaves the
+    row's other groups as precise as they were alone."""
+    if not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX-512 BF16: prompt matmuls stay bfloat16")
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(m, 2 * k, generator=g)
+    x[:, 3] = 500.0                                     # an outlier in the first group
+    x = x.to(torch.bfloat16)[:, :k]
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales, smooth = torch.rand(n, generator=g) / 64, torch.rand(k, generator=g) + 0.5
+    want = sum(_w8a8_reference(x[:, s:s + group], q[:, s:s + group], torch.ones(n),
+                               smooth[s:s + group]) for s in range(0, k, group)) * scales
+    got = kernels.w8a8_linear(x, q, scales, smooth, group=group)
+    close(got, want, torch.bfloat16)
+    rest = slice(group, k)                              # without the outlier's group
+    exact = (x[:, rest].float() * smooth[rest]) @ (q[:, rest].float() * scales[:, None]).T
+    first = _w8a8_reference(x[:, :group], q[:, :group], scales, smooth[:group])
+    grouped_err = (got.float() - first - exact).abs().max()
+    per_row_err = (kernels.w8a8_linear(x, q, scales, smooth).float() - first - exact).abs().max()
+    assert grouped_err < per_row_err / 4
+    assert torch.equal(kernels.w8a8_linear(x, q, scales, smooth, group=k),
+                       kernels.w8a8_linear(x, q, scales, smooth))   # one group: per row
+    with pytest.raises(RuntimeError, match="group"):
+        kernels.w8a8_linear(x, q, scales, smooth, group=k // 2 + 1)
+
+
 def test_w8a8_linear_with_swiglu_is_silu_gate_times_up(kernels):
     if not kernels.has_bf16_dot:
         pytest.skip("this CPU has no AVX-512 BF16: prompt matmuls stay bfloat16")

@@ -15,7 +15,7 @@ from gguf import quants as gguf_quants
 
 from ember import LLM, SamplingParams
 from ember.config import EngineConfig
-from ember.engine.calibrate import calibration_prompt
+from ember.engine.calibrate import activation_group, calibration_prompt
 from ember.engine.perplexity import perplexity
 from ember.errors import ConfigError
 from ember.kernels import load_kernels
@@ -194,37 +194,53 @@ def bf16_prompts(smollm_path):
                prefill_matmul="bfloat16", max_num_batched_tokens=256)
 
 
-def test_auto_prompt_matmuls_are_int8_on_the_qkv_o_and_gate_up_projections(formats,
-                                                                             bf16_prompts):
+def test_auto_prompt_matmuls_are_int8_and_the_down_projection_only_over_int4(formats,
+                                                                              bf16_prompts):
     engine = formats["int4"].engine
     if engine.prefill_matmul != "int8":
         pytest.skip("int8 prompt matmuls need the compiled kernels with AVX-512 BF16")
     assert bf16_prompts.engine.prefill_matmul == "bfloat16"
     assert formats["none"].engine.prefill_matmul == "bfloat16"   # nothing packed there
-    layer = engine.runner.model.model.layers[3]
-    for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
-        assert proj.w8a8 is not None and proj.weight is None and proj.int8_source is None
-    assert layer.mlp.down_proj.w8a8 is None and layer.mlp.down_proj.weight is not None
+    for name in ("int4", "int8"):
+        layer = formats[name].engine.runner.model.model.layers[3]
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
+            assert proj.w8a8 is not None and proj.weight is None and proj.int8_source is None
+            assert proj.act_group == 0                         # one scale per row
+    down = engine.runner.model.model.layers[3].mlp.down_proj
+    assert down.w8a8 is not None and down.act_group == 512     # 1536 inputs, three groups
+    assert down.weight is None and down.int8_source is None
+    down = formats["int8"].engine.runner.model.model.layers[3].mlp.down_proj
+    assert down.w8a8 is None and down.weight is not None       # int8's 1% budget: bfloat16
+    assert bf16_prompts.engine.runner.model.model.layers[3].mlp.down_proj.w8a8 is None
     assert not engine.has_unfinished() and engine.scheduler.kv.num_free_blocks == \
         engine.scheduler.kv.num_blocks                   # calibration left nothing behind
     assert calibration_prompt(100, 16) == calibration_prompt(100, 16)
 
 
-def test_int8_prompt_matmul_perplexity_within_one_percent_of_bfloat16(formats, bf16_prompts):
-    """The prompt path (every chunk on the weights prompt chunks take): int8 activations on
-    the default int4 model against bfloat16 ones on the same model and the bf16 model."""
+@pytest.mark.parametrize(("features", "group"), [(1536, 512), (11008, 256), (14336, 512),
+                                                 (576, 288), (100, 0)])
+def test_sharp_inputs_take_the_largest_activation_group_that_divides_them(features, group):
+    assert activation_group(features) == group
+
+
+def test_int8_prompt_matmul_perplexity_within_each_formats_budget(formats, bf16_prompts):
+    """The prompt path (every chunk on the weights prompt chunks take) against the bf16
+    model: int4 weights (int8 activations on all four projections) within 5%, int8 weights
+    (the down projection on bfloat16) within 1%, the issue's budgets; and the down
+    projection's int8 costs something (the two int4 paths differ)."""
     if formats["int4"].engine.prefill_matmul != "int8":
         pytest.skip("int8 prompt matmuls need the compiled kernels with AVX-512 BF16")
     if not SHAKESPEARE.exists():
         pytest.skip(f"{SHAKESPEARE} is absent (it ships beside the project, not in it)")
-    text = SHAKESPEARE.read_text()[:20000]
-    ids = formats["none"].tokenizer.encode(text, add_special_tokens=False)[:1536]
-    ppl = {name: perplexity(llm.engine, ids, window=512, path="prefill")["perplexity"]
-           for name, llm in (("int8", formats["int4"]), ("bf16", bf16_prompts),
-                             ("none", formats["none"]))}
-    assert abs(ppl["int8"] / ppl["bf16"] - 1) < 0.01, ppl
+    text = SHAKESPEARE.read_text()[:40000]   # 3072 tokens in windows of 1024, as the docs
+    ids = formats["none"].tokenizer.encode(text, add_special_tokens=False)[:3072]
+    ppl = {name: perplexity(llm.engine, ids, window=1024, path="prefill")["perplexity"]
+           for name, llm in (("int4", formats["int4"]), ("int8", formats["int8"]),
+                             ("int4-bf16", bf16_prompts), ("none", formats["none"]))}
+    assert abs(ppl["int4"] / ppl["none"] - 1) < 0.05, ppl
     assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01, ppl
-    assert ppl["int8"] != ppl["bf16"]   # the two paths do differ
+    assert abs(ppl["int4-bf16"] / ppl["none"] - 1) < 0.01, ppl
+    assert ppl["int4"] != ppl["int4-bf16"]   # the two paths do differ
 
 
 def test_calibration_fits_a_small_kv_cache_or_says_what_to_change(smollm_path):
