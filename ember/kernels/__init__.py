@@ -65,6 +65,11 @@ class CpuKernels:
         linears)."""
         return self.ops.has_bf16_dot()   # the build says, once (asked every layer)
 
+    @functools.cached_property
+    def has_int8_dot(self) -> bool:
+        """Whether the build also has the AVX-512 VNNI kernels (int8_linear_a8)."""
+        return self.ops.has_int8_dot()
+
     def can_prefill(self, kv: Tensor) -> bool:
         """Whether prefill_attention (and, for int8, the other attention kernels) runs on
         this cache: a bfloat16 or int8 one with head_dim 64 or 128, on a CPU with AVX-512
@@ -83,6 +88,12 @@ class CpuKernels:
         """x [m, k] bfloat16 -> x w^T [m, n] float32, w[r] = q[r] * scales[r] with q int8 in
         16-row panels: packed [n / 16, k / 2, 16, 2] (pack_int8_panels)."""
         return self.ops.int8_linear(x, packed, scales)
+
+    def int8_linear_a8(self, x: Tensor, packed: Tensor, scales: Tensor, group: int) -> Tensor:
+        """int8_linear with x rounded to int8 first, one scale per `group` inputs of a row
+        (0: the whole row), on int8 dot products (VNNI): twice the multiply-adds per
+        instruction, so ~2x faster where the rows make it compute-bound (from ~12 rows)."""
+        return self.ops.int8_linear_a8(x, packed, scales, group)
 
     def int4_linear(self, x: Tensor, q: Tensor, scale_min: Tensor) -> Tensor:
         """x [m, k] bfloat16 -> x w^T [m, n] bfloat16, w = q * scale + min per group of 32

@@ -1192,6 +1192,110 @@ void dequantize(const int32_t* acc, int64_t groups, int64_t m, int64_t n,
 }
 
 }  // namespace w8a8
+// The output projection on int8 dot products (int4 weight formats: docs/benchmarks.md): rows
+// of x rounded to int8, one scale per `group` inputs, times int8w's panels on the VNNI
+// instruction (vpdpbusd: four int8 products per lane, where bfloat16 does two). The panels'
+// pairs become quads (a 16-bit permute) and unsigned (q + 128), each kGroup panels once per
+// call; the 128 * sum(x) that adds is taken off per row and group.
+#if defined(__AVX512VNNI__)
+#define EMBER_INT8_DOT 1
+namespace int8a8 {
+
+using int8w::kGroup;
+using int8w::kPanel;
+
+constexpr int kTileRows = 3, kTilePanels = 4;  // 12 int32 + 12 float32 accumulators
+
+// Panel p (k / 2 pairs of 16 rows) -> k / 4 operands: 16 rows x 4 inputs, unsigned.
+inline void quads_of_panel(const int8_t* panel, int64_t quads, __m512i* dst) {
+  static const __m512i order = [] {
+    alignas(64) int16_t idx[32];
+    for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<int16_t>(i), idx[2 * i + 1] = static_cast<int16_t>(16 + i);
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t s = 0; s < quads; ++s) {
+    const __m512i v = _mm512_loadu_si512(panel + s * 64);
+    dst[s] = _mm512_xor_si512(_mm512_permutexvar_epi16(order, v), flip);
+  }
+}
+
+// R rows x P panels: per group, int32 dot products; then (sum - 128 xsum) * xscale in float.
+template <int R, int P>
+void tile(const int8_t* xq, int64_t m, int64_t group, const float* xs, const int32_t* xsum,
+          int64_t groups, const __m512i* w, int64_t quads, const float* scales, float* out,
+          int64_t n) {
+  __m512 f[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < P; ++j) f[r][j] = _mm512_setzero_ps();
+  const int64_t per = group / 4;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_si512();
+    const int8_t* rows = xq + g * m * group;  // this group's rows: [m, group]
+    for (int64_t s = 0; s < per; ++s) {
+      __m512i b[P];
+      for (int j = 0; j < P; ++j) b[j] = w[j * quads + g * per + s];
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, rows + r * group + 4 * s, 4);
+        const __m512i a = _mm512_set1_epi32(four);
+        for (int j = 0; j < P; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], b[j], a);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i shift = _mm512_set1_epi32(128 * xsum[r * groups + g]);
+      const __m512 sc = _mm512_set1_ps(xs[r * groups + g]);
+      for (int j = 0; j < P; ++j) {
+        f[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], shift)), sc,
+                                  f[r][j]);
+      }
+    }
+  }
+  for (int j = 0; j < P; ++j) {
+    const __m512 wsc = _mm512_loadu_ps(scales + j * kPanel);
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * n + j * kPanel, _mm512_mul_ps(f[r][j], wsc));
+  }
+}
+
+// out [m, n] float32 = x w^T, x given as quantize_rows left it (q [k / group, m, group], scale
+// [m, k / group]) with xsum [m, k / group] its groups' sums; w as int8w's panels.
+void matmul(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t m, int64_t group,
+            const int8_t* packed, const float* scales, int64_t n, int64_t k, float* out) {
+  const int64_t quads = k / 4, panels = n / kPanel, groups = k / group;
+  const int64_t blocks = (panels + kTilePanels - 1) / kTilePanels;
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> w(kTilePanels * quads);  // ~36 KB at k = 576: in L1/L2 for every row
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t p0 = block * kTilePanels;
+      const int64_t count = std::min<int64_t>(kTilePanels, panels - p0);
+      for (int64_t j = 0; j < count; ++j) {
+        quads_of_panel(packed + (p0 + j) * quads * 64, quads, w.data() + j * quads);
+      }
+      for (int64_t r = 0; r < m; r += kTileRows) {
+        with_rows<kTileRows>(m - r, [&](auto rows) {
+          constexpr int R = decltype(rows)::value;
+          if (count == kTilePanels) {
+            tile<R, kTilePanels>(xq + r * group, m, group, xs + r * groups, xsum + r * groups,
+                                 groups, w.data(), quads, scales + p0 * kPanel,
+                                 out + r * n + p0 * kPanel, n);
+            return;
+          }
+          for (int64_t j = 0; j < count; ++j) {
+            tile<R, 1>(xq + r * group, m, group, xs + r * groups, xsum + r * groups, groups,
+                       w.data() + j * quads, quads, scales + (p0 + j) * kPanel,
+                       out + r * n + (p0 + j) * kPanel, n);
+          }
+        });
+      }
+    }
+  });
+}
+
+}  // namespace int8a8
+#endif  // __AVX512VNNI__
+
 #endif  // EMBER_BF16_DOT
 
 // Rotate one head in place of `out`: out = x * cos + roll(x, d / 2) * sin, with sin's first
@@ -1504,6 +1608,14 @@ bool has_bf16_dot() {  // whether the AVX-512 BF16 kernels are built
 #endif
 }
 
+bool has_int8_dot() {  // whether the AVX-512 VNNI kernels are built too (int8_linear_a8)
+#ifdef EMBER_INT8_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 // prefill_attention(q [n, heads, d] bfloat16 (rows may be strided), kv [2, kv_heads, blocks,
 // block_size, d] bfloat16, block_table [>= ceil(seq_len / block_size)] int64, seq_len, scale)
 // -> [n, heads, d]: the request's n new tokens, the last n of its seq_len cached tokens (write
@@ -1592,6 +1704,50 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     int8w::matmul(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), m, x.stride(0),
                    packed.data_ptr<int8_t>(), scales.data_ptr<float>(), n, k,
                    out.data_ptr<float>());
+  }
+#endif
+  return out;
+}
+
+// int8_linear_a8(x [m, k] bfloat16 (rows may be strided), packed, scales, group) -> [m, n]
+// float32: int8_linear's product with x rounded to int8, one scale per `group` inputs of a row
+// (0: the whole row; else dividing k, a multiple of 4), on int8 dot products (int8a8 above).
+// Only with AVX-512 VNNI and BF16 (has_int8_dot).
+torch::Tensor int8_linear_a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                             int64_t group) {
+  TORCH_CHECK(has_int8_dot(), "int8_linear_a8 needs a CPU with AVX-512 VNNI and BF16");
+  check_bf16_rows(x);
+  check_int8_panels(packed);
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
+  TORCH_CHECK(packed.size(1) * 2 == k, "x has ", k, " inputs, the weight ", packed.size(1) * 2);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == n,
+              "scales must be [n] contiguous float32");
+  if (group == 0) group = k;
+  TORCH_CHECK(group > 0 && group % 4 == 0 && k % group == 0, "group must be 0 (the whole row) "
+              "or a multiple of 4 that divides the ", k, " inputs, not ", group);
+  auto out = torch::empty({m, n}, x.options().dtype(at::kFloat));
+#ifdef EMBER_INT8_DOT
+  if (m > 0) {
+    const int64_t groups = k / group;
+    auto q = torch::empty({groups, m, group}, x.options().dtype(at::kChar));
+    auto xs = torch::empty({m, groups}, x.options().dtype(at::kFloat));
+    auto ones = torch::ones({k}, x.options().dtype(at::kFloat));
+    w8a8::quantize_rows(x.data_ptr<at::BFloat16>(), m, k, x.stride(0), ones.data_ptr<float>(),
+                        group, q.data_ptr<int8_t>(), xs.data_ptr<float>());
+    auto xsum = torch::empty({m, groups}, x.options().dtype(at::kInt));
+    const int8_t* qd = q.data_ptr<int8_t>();
+    int32_t* sums = xsum.data_ptr<int32_t>();
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int8_t* row = qd + (g * m + r) * group;
+        int32_t total = 0;
+        for (int64_t i = 0; i < group; ++i) total += row[i];
+        sums[r * groups + g] = total;
+      }
+    }
+    int8a8::matmul(qd, xs.data_ptr<float>(), sums, m, group, packed.data_ptr<int8_t>(),
+                   scales.data_ptr<float>(), n, k, out.data_ptr<float>());
   }
 #endif
   return out;
@@ -1892,6 +2048,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("kv"), py::arg("block_table"), py::arg("seq_len"),
         py::arg("scale"), py::arg("kv_scale") = py::none(), no_gil);
   m.def("int8_linear", &int8_linear, "x w^T with w int8 in 16-row VNNI panels", no_gil);
+  m.def("int8_linear_a8", &int8_linear_a8, "int8_linear with x rounded to int8 per group",
+        no_gil);
+  m.def("has_int8_dot", &has_int8_dot, "whether this build has AVX-512 VNNI int8 kernels");
   m.def("w8a8_linear", &w8a8_linear, "x w^T on int8 dot products, x quantized per row (or group)",
         no_gil);
   m.def("int8_rows", &int8_rows, "rows of an int8 weight in 16-row VNNI panels", no_gil);

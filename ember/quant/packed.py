@@ -49,6 +49,11 @@ METHODS = ("int8", "int4")
 SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength: half the activations' range moves
 # at this many rows or fewer the packed kernel beats dense bfloat16 (measured: equal near 8)
 PACKED_MAX_ROWS = 8
+# the output projection on int8 activations (int4 formats): above this many rows, where it
+# is compute-bound (equal to bfloat16 activations at 8 rows, 2x faster at 22-32; slower at
+# 1, where reading the weight bounds it), with one scale per this many inputs
+A8_MIN_ROWS = 8
+HEAD_ACT_GROUP = 64
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -245,13 +250,24 @@ class KernelInt8Linear(nn.Module):
     """y = x W^T in float32, W int8 with a float32 scale per output row, on the AVX-512 BF16
     kernel (int8_linear) at every batch size: the output projection, where it beats both the
     packed int8 kernel (2x at 1 row) and bfloat16 (at 8-64 rows, counting the reorder oneDNN
-    does on a weight it cannot keep blocked), so no bfloat16 copy is kept for it."""
+    does on a weight it cannot keep blocked), so no bfloat16 copy is kept for it.
 
-    def __init__(self, linear: nn.Linear, kernels: CpuKernels) -> None:
+    With `act_group` (not None), batches of more than A8_MIN_ROWS rows round x to int8 first,
+    one scale per `act_group` inputs (0: a row), and run on int8 dot products
+    (int8_linear_a8): at 22-32 rows (a busy server's decode step) the projection is
+    compute-bound and that halves it; fewer rows are bound by reading the weight and keep
+    bfloat16 activations. The int4 weight formats use it (their budget allows the rounding;
+    docs/benchmarks.md has the perplexity)."""
+
+    def __init__(self, linear: nn.Linear, kernels: CpuKernels,
+                 act_group: int | None = None) -> None:
         super().__init__()
         q, scale = quantize_int8(linear.weight.detach())
         self.in_features, self.out_features = q.shape[1], q.shape[0]
-        self.kernels = kernels
+        if act_group is not None and (not kernels.has_int8_dot or act_group % 4
+                                      or (act_group and self.in_features % act_group)):
+            act_group = None   # no VNNI kernels here, or a group that does not fit
+        self.kernels, self.act_group = kernels, act_group
         self.register_buffer("packed", pack_int8_panels(q))
         self.register_buffer("scales", scale.float())
 
@@ -265,10 +281,14 @@ class KernelInt8Linear(nn.Module):
         return self.packed.numel() + self.scales.numel() * self.scales.element_size()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.kernels.int8_linear(x.contiguous(), self.packed, self.scales)
+        x = x.contiguous()
+        if self.act_group is not None and x.shape[0] > A8_MIN_ROWS:
+            return self.kernels.int8_linear_a8(x, self.packed, self.scales, self.act_group)
+        return self.kernels.int8_linear(x, self.packed, self.scales)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int8 panels"
+        a8 = "" if self.act_group is None else f", int8 activations/{self.act_group}"
+        return f"in={self.in_features}, out={self.out_features}, int8 panels{a8}"
 
 
 class Int8Embedding(nn.Module):
@@ -329,7 +349,8 @@ def quantize_linears(model: nn.Module, method: str, lm_head_method: str,
     for parent, name, linear in list(linear_modules(model)):
         head = name == "lm_head"
         if head and lm_head_method == "int8" and KernelInt8Linear.fits(linear, kernels):
-            setattr(parent, name, KernelInt8Linear(linear, kernels))
+            act_group = HEAD_ACT_GROUP if method == "int4" else None
+            setattr(parent, name, KernelInt8Linear(linear, kernels, act_group))
             continue
         # the output projection's dense weight may be the embedding's: reordering it would
         # make a second copy, so it stays as it is

@@ -281,6 +281,35 @@ def test_int8_linear_is_the_dequantized_matmul(kernels, m):
         kernels.int8_linear(x[:, :64].contiguous(), pack_int8_panels(q), scales)
 
 
+@pytest.mark.parametrize(("m", "k", "group"), [(1, 96, 0), (4, 96, 32), (7, 576, 64),
+                                               (25, 576, 192), (40, 64, 16)])
+def test_int8_linear_a8_is_the_matmul_of_x_rounded_per_group(kernels, m, k, group):
+    """x rounded to int8 per row and group of inputs (max / 127, round half to even), an
+    exact integer product, the two scales: the reference in float64 (the kernel sums the
+    groups in float32). n = 80: a tile of 4 panels and one left over; tiles of 3 rows and
+    the rest; strided rows. Within int8 rounding of the plain float matmul."""
+    if not kernels.has_int8_dot:
+        pytest.skip("this CPU has no AVX-512 VNNI: the output projection keeps bfloat16 inputs")
+    n, size = 80, group or k
+    g = torch.Generator().manual_seed(11)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) / 64
+    x = torch.randn(m, 2 * k, generator=g).to(torch.bfloat16)[:, :k]
+    v = x.float().view(m, k // size, size)
+    amax = v.abs().amax(dim=2)
+    xq = torch.round(v * (torch.full_like(amax, 127) / amax)[..., None])
+    want = sum((xq[:, i].double() @ q[:, i * size:(i + 1) * size].double().T)
+               * (amax[:, i] / 127).double()[:, None] for i in range(k // size))
+    got = kernels.int8_linear_a8(x, pack_int8_panels(q), scales, group)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got.double(), want * scales.double(), rtol=1e-5,
+                               atol=1e-6 * float(want.abs().max()) * float(scales.max()))
+    exact = x.float() @ (q.float() * scales[:, None]).T
+    assert (got - exact).abs().max() < 0.03 * exact.abs().max()
+    with pytest.raises(RuntimeError, match="group"):
+        kernels.int8_linear_a8(x, pack_int8_panels(q), scales, 6)
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 11])   # register tiles of each shape, two tiles
 def test_int4_linear_is_the_dequantized_matmul(kernels, m):
     """x w^T with w = q * scale + min per group of 32 inputs (scales and minima as the kernel

@@ -19,7 +19,10 @@ from ember.engine.calibrate import activation_group, calibration_prompt
 from ember.engine.perplexity import perplexity
 from ember.errors import ConfigError
 from ember.kernels import load_kernels
+from ember.quant import packed as packed_module
 from ember.quant.packed import (
+    HEAD_ACT_GROUP,
+    KernelInt8Linear,
     PackedLinear,
     dequantize_int4,
     dequantize_int8,
@@ -125,7 +128,9 @@ def test_packed_greedy_tokens_agree_with_bf16_by_the_closeness_rule(formats, met
     assert_greedy_close(ref, got)
 
 
-def test_packed_perplexity_on_shakespeare_within_bounds(formats):
+def test_packed_perplexity_on_shakespeare_within_bounds(formats, monkeypatch):
+    """The decode path (the packed weights, chunks of 512 rows): for int4 its output
+    projection on int8 activations, as busy decode steps run it (above A8_MIN_ROWS)."""
     if not SHAKESPEARE.exists():
         pytest.skip(f"{SHAKESPEARE} is absent (it ships beside the project, not in it)")
     text = SHAKESPEARE.read_text()[:20000]
@@ -133,6 +138,29 @@ def test_packed_perplexity_on_shakespeare_within_bounds(formats):
     ppl = {k: perplexity(formats[k].engine, ids, window=512)["perplexity"] for k in formats}
     assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01, ppl
     assert abs(ppl["int4"] / ppl["none"] - 1) < 0.05, ppl
+    if getattr(formats["int4"].engine.runner.model.lm_head, "act_group", None) is not None:
+        monkeypatch.setattr(packed_module, "A8_MIN_ROWS", 1 << 30)   # bfloat16 inputs only
+        plain_head = perplexity(formats["int4"].engine, ids, window=512)["perplexity"]
+        assert plain_head != ppl["int4"]                  # what was measured was the int8 one
+
+
+def test_output_projection_takes_int8_activations_over_int4_weights_above_a_few_rows(formats):
+    """int4 formats: the output projection rounds its input to int8 per group of
+    HEAD_ACT_GROUP above A8_MIN_ROWS rows (int8_linear_a8), and keeps bfloat16 inputs
+    below; int8 formats keep bfloat16 inputs at every size (their 1% budget)."""
+    heads = {k: formats[k].engine.runner.model.lm_head for k in ("int4", "int8")}
+    if not isinstance(heads["int4"], KernelInt8Linear) or not heads["int4"].kernels.has_int8_dot:
+        pytest.skip("int8 activations need the compiled kernels with AVX-512 VNNI")
+    assert heads["int4"].act_group == HEAD_ACT_GROUP and heads["int8"].act_group is None
+    head, kernels = heads["int4"], heads["int4"].kernels
+    for rows in (1, packed_module.A8_MIN_ROWS, packed_module.A8_MIN_ROWS + 1, 32):
+        x = torch.randn(rows, head.in_features).bfloat16()
+        plain = kernels.int8_linear(x, head.packed, head.scales)
+        a8 = kernels.int8_linear_a8(x, head.packed, head.scales, HEAD_ACT_GROUP)
+        assert not torch.equal(plain, a8)
+        assert torch.equal(head(x), a8 if rows > packed_module.A8_MIN_ROWS else plain)
+        assert torch.equal(heads["int8"](x), kernels.int8_linear(x, heads["int8"].packed,
+                                                                 heads["int8"].scales))
 
 
 def test_int8_prompt_matmuls_smooth_away_an_outlier_channel():
