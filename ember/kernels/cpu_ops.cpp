@@ -1192,25 +1192,30 @@ void dequantize(const int32_t* acc, int64_t groups, int64_t m, int64_t n,
 }
 
 }  // namespace w8a8
+
 // The output projection on int8 dot products (int4 weight formats: docs/benchmarks.md): rows
 // of x rounded to int8, one scale per `group` inputs, times int8w's panels on the VNNI
 // instruction (vpdpbusd: four int8 products per lane, where bfloat16 does two). The panels'
-// pairs become quads (a 16-bit permute) and unsigned (q + 128), each kGroup panels once per
-// call; the 128 * sum(x) that adds is taken off per row and group.
+// pairs become quads (a 16-bit permute) and unsigned (q + 128), kTilePanels panels at a time,
+// once per call; the 128 * sum(x) that adds is taken off per row and group.
 #if defined(__AVX512VNNI__)
 #define EMBER_INT8_DOT 1
 namespace int8a8 {
 
-using int8w::kGroup;
 using int8w::kPanel;
 
 constexpr int kTileRows = 3, kTilePanels = 4;  // 12 int32 + 12 float32 accumulators
 
-// Panel p (k / 2 pairs of 16 rows) -> k / 4 operands: 16 rows x 4 inputs, unsigned.
+// A panel (k / 2 pairs of its 16 rows' inputs) -> k / 4 operands of 16 rows x 4 inputs, each
+// input + 128: 64 bytes hold pairs 2s (rows 0-15) then 2s + 1; row i takes 16-bit words i and
+// 16 + i.
 inline void quads_of_panel(const int8_t* panel, int64_t quads, __m512i* dst) {
   static const __m512i order = [] {
     alignas(64) int16_t idx[32];
-    for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<int16_t>(i), idx[2 * i + 1] = static_cast<int16_t>(16 + i);
+    for (int i = 0; i < 16; ++i) {
+      idx[2 * i] = static_cast<int16_t>(i);
+      idx[2 * i + 1] = static_cast<int16_t>(16 + i);
+    }
     return _mm512_load_si512(idx);
   }();
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -1226,13 +1231,15 @@ void tile(const int8_t* xq, int64_t m, int64_t group, const float* xs, const int
           int64_t groups, const __m512i* w, int64_t quads, const float* scales, float* out,
           int64_t n) {
   __m512 f[R][P];
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
     for (int j = 0; j < P; ++j) f[r][j] = _mm512_setzero_ps();
+  }
   const int64_t per = group / 4;
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acc[R][P];
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
       for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_si512();
+    }
     const int8_t* rows = xq + g * m * group;  // this group's rows: [m, group]
     for (int64_t s = 0; s < per; ++s) {
       __m512i b[P];
@@ -1255,7 +1262,9 @@ void tile(const int8_t* xq, int64_t m, int64_t group, const float* xs, const int
   }
   for (int j = 0; j < P; ++j) {
     const __m512 wsc = _mm512_loadu_ps(scales + j * kPanel);
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * n + j * kPanel, _mm512_mul_ps(f[r][j], wsc));
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(out + r * n + j * kPanel, _mm512_mul_ps(f[r][j], wsc));
+    }
   }
 }
 
