@@ -1695,18 +1695,25 @@ static void check_int8_panels(const torch::Tensor& packed) {
               "packed must be contiguous [n / 16, k / 2, 16, 2] int8");
 }
 
+// x, packed and scales as int8_linear takes them (below); returns n, the outputs.
+static int64_t check_int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                 const torch::Tensor& scales) {
+  check_bf16_rows(x);
+  check_int8_panels(packed);
+  const int64_t k = x.size(1), n = packed.size(0) * 16;
+  TORCH_CHECK(packed.size(1) * 2 == k, "x has ", k, " inputs, the weight ", packed.size(1) * 2);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == n,
+              "scales must be [n] contiguous float32");
+  return n;
+}
+
 // int8_linear(x [m, k] bfloat16 (rows may be strided), packed [n / 16, k / 2, 16, 2] int8,
 // scales [n] float32) -> [m, n] float32 = x w^T with w[r, c] = q[r, c] * scales[r] (the
 // layout is int8w's above). Only with AVX-512 BF16.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales) {
   TORCH_CHECK(has_bf16_dot(), "int8_linear needs a CPU with AVX-512 BF16");
-  check_bf16_rows(x);
-  check_int8_panels(packed);
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
-  TORCH_CHECK(packed.size(1) * 2 == k, "x has ", k, " inputs, the weight ", packed.size(1) * 2);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.numel() == n,
-              "scales must be [n] contiguous float32");
+  const int64_t n = check_int8_linear(x, packed, scales), m = x.size(0), k = x.size(1);
   auto out = torch::empty({m, n}, x.options().dtype(at::kFloat));
 #ifdef EMBER_BF16_DOT
   if (m > 0) {
@@ -1725,13 +1732,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 torch::Tensor int8_linear_a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                              int64_t group) {
   TORCH_CHECK(has_int8_dot(), "int8_linear_a8 needs a CPU with AVX-512 VNNI and BF16");
-  check_bf16_rows(x);
-  check_int8_panels(packed);
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
-  TORCH_CHECK(packed.size(1) * 2 == k, "x has ", k, " inputs, the weight ", packed.size(1) * 2);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.numel() == n,
-              "scales must be [n] contiguous float32");
+  const int64_t n = check_int8_linear(x, packed, scales), m = x.size(0), k = x.size(1);
   if (group == 0) group = k;
   TORCH_CHECK(group > 0 && group % 4 == 0 && k % group == 0, "group must be 0 (the whole row) "
               "or a multiple of 4 that divides the ", k, " inputs, not ", group);
