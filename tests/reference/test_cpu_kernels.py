@@ -336,10 +336,12 @@ def test_int4_linear_is_the_dequantized_matmul(kernels, m):
 
 def _w8a8_reference(x, q, scales, smooth):
     """Each row of x * smooth rounded to int8 by its own max, an exact integer matmul, then
-    the two scales: the kernel's arithmetic in torch (float32, round half to even)."""
+    the two scales: the kernel's arithmetic in torch (float32, round half to even; 127 / max
+    as a true division, which torch's `127 / tensor`, a reciprocal times 127, is not)."""
     v = x.float() * smooth
     amax = v.abs().amax(dim=1)
-    xq = torch.round(v * (127 / amax)[:, None]).clamp(-127, 127).to(torch.int32)
+    xq = torch.round(v * (torch.full_like(amax, 127) / amax)[:, None]).clamp(-127, 127)
+    xq = xq.to(torch.int32)
     return (xq @ q.to(torch.int32).T).float() * ((amax / 127)[:, None] * scales[None, :])
 
 
