@@ -69,10 +69,10 @@ def prepare_int8_prefill(model: torch.nn.Module) -> None:
         module.shrink_dense()
 
 
-def input_amax(core: EngineCore, token_ids: list[int]) -> dict[PackedLinear, Tensor]:
+def input_amax(core: EngineCore, token_ids: list[int], modules: list[PackedLinear]
+               ) -> dict[PackedLinear, Tensor]:
     """Run `token_ids` as one prompt through an idle engine (one prefill step when it fits
-    the step budget) and return max |x| per input channel for each int8_prefill_targets
-    linear."""
+    the step budget) and return max |x| per input channel for each of `modules`."""
     if core.has_unfinished():
         raise RuntimeError("calibration needs an idle engine")
     amax: dict[PackedLinear, Tensor] = {}
@@ -83,7 +83,6 @@ def input_amax(core: EngineCore, token_ids: list[int]) -> dict[PackedLinear, Ten
             seen = x.detach().abs().amax(dim=0).float()
             amax[module] = torch.maximum(amax[module], seen) if module in amax else seen
 
-    modules = list(int8_prefill_targets(core.runner.model))
     hooks = [m.register_forward_pre_hook(record) for m in modules]
     try:
         core.add_request("calibration", token_ids, SamplingParams(temperature=0, max_tokens=1),
@@ -108,7 +107,7 @@ def use_int8_prefill(core: EngineCore, kernels: CpuKernels) -> int:
     room = min(core.max_model_len, core.scheduler.kv.capacity_tokens) - 1  # 1 output token
     prompt = calibration_prompt(core.model_config.vocab_size, min(CALIBRATION_TOKENS, room))
     groups = int8_prefill_targets(core.runner.model)
-    amax = input_amax(core, prompt)
+    amax = input_amax(core, prompt, list(groups))
     with large_blocks_mapped_alone():
         for module, seen in amax.items():
             module.use_int8_dense(kernels, seen, act_group=groups[module])

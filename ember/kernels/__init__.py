@@ -92,7 +92,7 @@ class CpuKernels:
     def int8_linear_a8(self, x: Tensor, packed: Tensor, scales: Tensor, group: int) -> Tensor:
         """int8_linear with x rounded to int8 first, one scale per `group` inputs of a row
         (0: the whole row), on int8 dot products (VNNI): twice the multiply-adds per
-        instruction, so ~2x faster where the rows make it compute-bound (from ~12 rows)."""
+        instruction, so ~2x faster where the rows make it compute-bound (above ~8 rows)."""
         return self.ops.int8_linear_a8(x, packed, scales, group)
 
     def int4_linear(self, x: Tensor, q: Tensor, scale_min: Tensor) -> Tensor:
