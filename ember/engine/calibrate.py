@@ -111,4 +111,7 @@ def use_int8_prefill(core: EngineCore, kernels: CpuKernels) -> int:
     with large_blocks_mapped_alone():
         for module, seen in amax.items():
             module.use_int8_dense(kernels, seen, act_group=groups[module])
+    model = core.runner.model
+    if hasattr(model, "use_int8_decode"):   # batched decode steps on the same int8 weights
+        model.use_int8_decode()
     return len(amax)

@@ -124,7 +124,8 @@ class ModelCost:
     params: int                # multiply-accumulates per token in the linears
     attn_flops_per_context_token: int
     packed_max_rows: int = PACKED_MAX_ROWS  # decode steps up to this batch read the packed
-    #                                         weights (the decode stack: every batch)
+    #                                         weights (a decode stack without int8 weights:
+    #                                         every batch)
     int8_prefill_params: int = 0  # of params, those whose prompt matmuls run on int8
 
 
@@ -144,7 +145,9 @@ def model_cost(model: torch.nn.Module, kv_bytes_per_token: int) -> ModelCost:
             size = module.weight.numel() * module.weight.element_size()
             decode, dense, params = decode + size, dense + size, params + module.weight.numel()
     config = model.config
-    stacked = getattr(model, "decode_stack", None) is not None
+    # the decode stack runs every batch on the packed weights, unless it has the int8 ones
+    stacked = getattr(model, "decode_stack", None) is not None and \
+        not getattr(model, "int8_decode", False)
     return ModelCost(decode, dense, kv_bytes_per_token, params,
                      4 * config.q_size * config.num_layers,
                      packed_max_rows=1 << 30 if stacked else PACKED_MAX_ROWS,
@@ -152,15 +155,19 @@ def model_cost(model: torch.nn.Module, kv_bytes_per_token: int) -> ModelCost:
 
 
 def decode_limit(cost: ModelCost, bandwidth_gb_s: float, batch: int, context: int,
-                 peak_gflops: float) -> float:
+                 peak_gflops: float, int8_gops: float = 0.0) -> float:
     """tok/s at most for `batch` sequences of `context` tokens each decoding one token
-    (batches above cost.packed_max_rows read the dense weights, as ember does then)."""
-    weights = (cost.decode_weight_bytes if batch <= cost.packed_max_rows
-               else cost.dense_weight_bytes)
+    (batches above cost.packed_max_rows read the dense weights, as ember does then, and run
+    the int8 ones, cost.int8_prefill_params, at the int8 peak where it is given)."""
+    dense = batch > cost.packed_max_rows
+    weights = cost.dense_weight_bytes if dense else cost.decode_weight_bytes
     step_bytes = weights + batch * context * cost.kv_bytes_per_token
-    step_flops = batch * (2 * cost.params + context * cost.attn_flops_per_context_token)
-    seconds = max(step_bytes / (bandwidth_gb_s * 1e9), step_flops / (peak_gflops * 1e9))
-    return batch / seconds
+    int8_params = cost.int8_prefill_params if dense and int8_gops else 0
+    compute = batch * (2 * (cost.params - int8_params)
+                       + context * cost.attn_flops_per_context_token) / (peak_gflops * 1e9)
+    if int8_params:
+        compute += batch * 2 * int8_params / (int8_gops * 1e9)
+    return batch / max(step_bytes / (bandwidth_gb_s * 1e9), compute)
 
 
 def prefill_limit(cost: ModelCost, peak_gflops: float, prompt: int,
@@ -223,7 +230,8 @@ def roofline_report(llm, batch: int, context: int = 128, rounds: int = 3) -> dic
     for name, bw in (("cached", machine.cached_gb_s), ("dram", machine.dram_gb_s)):
         for b in (1, batch):
             limits[f"decode_batch{b}_{name}_tok_s"] = decode_limit(cost, bw, b, context,
-                                                                   dense_peak)
+                                                                   dense_peak,
+                                                                   machine.int8_gops)
     limits["prefill_tok_s"] = prefill_limit(cost, dense_peak, prompt, machine.int8_gops)
     percent = {f"decode_batch{b}_of_{name}_limit": 100 * measured[f"decode_batch{b}_tok_s"]
                / limits[f"decode_batch{b}_{name}_tok_s"]

@@ -3,7 +3,8 @@
 `cpu_ops.cpp` holds RMSNorm with the residual add fused in, RoPE fused with the KV-cache write,
 SwiGLU's activation, attention of one new token per request read in place from the paged
 KV cache (no gathered copy), and, on CPUs with AVX-512 BF16, flash attention of a prompt chunk
-over its paged context and int8 and int4 linears, all on bfloat16 dot products. They are
+over its paged context and int8 and int4 linears on bfloat16 dot products, and with VNNI
+too, linears on int8 activations (int8 dot products). They are
 built with the machine's C++ compiler the first time an engine needs them (about 20 s;
 `-march=native`, so the build is keyed by the CPU's flags) and cached by
 torch.utils.cpp_extension under $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions).
@@ -104,10 +105,11 @@ class CpuKernels:
                     swiglu: bool = False, group: int = 0) -> Tensor:
         """x [m, k] bfloat16 -> (x * smooth) w^T [m, n] bfloat16 with w = q * scales[:, None]
         (q int8 [n, k], scales and smooth float32 [n], [k]) and each row of x * smooth
-        rounded to int8 with its own scale (max / 127), on oneDNN's int8 GEMM; with `group`
-        (dividing k), one scale per `group` inputs of a row and one GEMM per group; with
-        `swiglu`, w is [gate | up] and the result [m, n / 2] is silu(gate) * up. AVX-512
-        BF16 only."""
+        rounded to int8 with its own scale (max / 127); with `group` (dividing k), one scale
+        per `group` inputs of a row; with `swiglu`, w is [gate | up] and the result
+        [m, n / 2] is silu(gate) * up. q in rows runs on oneDNN's int8 GEMM (one per group);
+        q in quads (pack_int8_quads; AVX-512 VNNI) on ember's int8 tiles, with the same
+        result bit for bit. AVX-512 BF16 only."""
         return self.ops.w8a8_linear(x, q, scales, smooth, swiglu, group)
 
     def decode_stack(self, weights: list[Tensor], final_norm: Tensor, heads: int,
@@ -133,6 +135,15 @@ def pack_int8_panels(q: Tensor) -> Tensor:
     int8_linear: per 16 rows, each pair of inputs of all 16 rows together."""
     n, k = q.shape
     return q.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def pack_int8_quads(q: Tensor) -> Tensor:
+    """int8 [n, k] (n % 16 == 0, k % 4 == 0) -> [n / 16, k / 4, 16, 4] uint8, q + 128: the
+    operand of the int8 dot-product instruction (unsigned) for 16 rows x 4 inputs, the
+    layout w8a8_linear runs on its own tiles."""
+    n, k = q.shape
+    shifted = (q.to(torch.int16) + 128).to(torch.uint8)
+    return shifted.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
 def pack_int4_panels(q: Tensor, scale: Tensor, minimum: Tensor) -> tuple[Tensor, Tensor]:

@@ -1104,38 +1104,46 @@ namespace w8a8 {
 
 using namespace simd;
 
-// x [m, k] bfloat16 (row stride `stride`), times smooth [k] per column, in groups of `group`
-// inputs (k % group == 0) -> q [k / group, m, group] int8 (each group's rows together, the
-// operand of one GEMM) and scale [m, k / group]: x * smooth ~ q * scale per row and group
+// x [m, k] bfloat16 (row stride `stride`), times smooth [k] per column (nullptr: 1), in groups
+// of `group` inputs (k % group == 0) -> q [k / group, m, group] int8 (each group's rows
+// together, the operand of one GEMM) and scale [m, k / group]: x * smooth ~ q * scale per row
+// and group; with `sums` [m, k / group], each group's sum of q too (int8a8 needs them)
 void quantize_rows(const c10::BFloat16* x, int64_t m, int64_t k, int64_t stride,
-                   const float* smooth, int64_t group, int8_t* q, float* scale) {
+                   const float* smooth, int64_t group, int8_t* q, float* scale,
+                   int32_t* sums = nullptr) {
   const int64_t groups = k / group;
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t gi = 0; gi < groups; ++gi) {
         const int64_t first = gi * group;
         const c10::BFloat16* row = x + r * stride + first;
-        const float* sm = smooth + first;
+        const float* sm = smooth == nullptr ? nullptr : smooth + first;
         int8_t* out = q + (gi * m + r) * group;
         auto value = [&](int64_t i) {  // 16 inputs, smoothed
-          return _mm512_mul_ps(load16(row + i), load16(sm + i));
+          return sm == nullptr ? load16(row + i) : _mm512_mul_ps(load16(row + i), load16(sm + i));
         };
+        auto one = [&](int64_t j) { return sm == nullptr ? load(row[j]) : load(row[j]) * sm[j]; };
         __m512 amax = _mm512_setzero_ps();
         int64_t i = 0;
         for (; i + 16 <= group; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(value(i)));
         float a = _mm512_reduce_max_ps(amax);
-        for (int64_t j = i; j < group; ++j) a = std::max(a, std::fabs(load(row[j]) * sm[j]));
+        for (int64_t j = i; j < group; ++j) a = std::max(a, std::fabs(one(j)));
         scale[r * groups + gi] = a > 0.f ? a / 127.f : 1.f;
         const float inv = a > 0.f ? 127.f / a : 0.f;
         const __m512 inv16 = _mm512_set1_ps(inv);
+        __m512i total = _mm512_setzero_si512();
         for (i = 0; i + 16 <= group; i += 16) {  // round to nearest even, saturate to int8
           const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(value(i), inv16));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtsepi32_epi8(v));
+          total = _mm512_add_epi32(total, v);   // |v| <= 127: the int8 values themselves
         }
+        int32_t sum = _mm512_reduce_add_epi32(total);
         for (; i < group; ++i) {
-          const float v = std::nearbyint(load(row[i]) * sm[i] * inv);
+          const float v = std::nearbyint(one(i) * inv);
           out[i] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
+          sum += out[i];
         }
+        if (sums != nullptr) sums[r * groups + gi] = sum;
       }
     }
   });
@@ -1193,22 +1201,25 @@ void dequantize(const int32_t* acc, int64_t groups, int64_t m, int64_t n,
 
 }  // namespace w8a8
 
-// The output projection on int8 dot products (int4 weight formats: docs/benchmarks.md): rows
-// of x rounded to int8, one scale per `group` inputs, times int8w's panels on the VNNI
-// instruction (vpdpbusd: four int8 products per lane, where bfloat16 does two). The panels'
-// pairs become quads (a 16-bit permute) and unsigned (q + 128), kTilePanels panels at a time,
-// once per call; the 128 * sum(x) that adds is taken off per row and group.
+// int8 dot products on the VNNI instruction (vpdpbusd: four int8 products per lane, where
+// bfloat16 does two), for rows of x rounded to int8 (w8a8::quantize_rows), one scale per
+// `group` inputs. The weight's operand is unsigned: "quads", 16 output rows x 4 inputs per 64
+// bytes, each value q + 128 ([n / 16, k / 4, 16, 4] uint8, pack_int8_quads); the 128 * sum(x)
+// that adds is taken off per row and group. The int4 formats' dense weights are kept so
+// (w8a8_linear: prompt chunks and decode steps above 8 rows); the output projection's int8
+// panels (pairs, for bfloat16 dot products) become quads by a 16-bit permute, kTilePanels
+// panels at a time, once per call (int8_linear_a8).
 #if defined(__AVX512VNNI__)
 #define EMBER_INT8_DOT 1
 namespace int8a8 {
 
 using int8w::kPanel;
+using simd::store16;
 
 constexpr int kTileRows = 3, kTilePanels = 4;  // 12 int32 + 12 float32 accumulators
 
-// A panel (k / 2 pairs of its 16 rows' inputs) -> k / 4 operands of 16 rows x 4 inputs, each
-// input + 128: 64 bytes hold pairs 2s (rows 0-15) then 2s + 1; row i takes 16-bit words i and
-// 16 + i.
+// A panel of int8w's pairs (k / 2 pairs of its 16 rows' inputs) -> k / 4 quads: 64 bytes
+// hold pairs 2s (rows 0-15) then 2s + 1; row i takes 16-bit words i and 16 + i.
 inline void quads_of_panel(const int8_t* panel, int64_t quads, __m512i* dst) {
   static const __m512i order = [] {
     alignas(64) int16_t idx[32];
@@ -1225,81 +1236,213 @@ inline void quads_of_panel(const int8_t* panel, int64_t quads, __m512i* dst) {
   }
 }
 
-// R rows x P panels: per group, int32 dot products; then (sum - 128 xsum) * xscale in float.
+// What a tile writes: float32 products, bfloat16 ones, or silu(gate) * up in bfloat16 (the
+// tile's first P / 2 panels gate, the others the matching up panels).
+enum class Out { kFloat, kBfloat16, kSwiglu };
+
+// x as quantize_rows leaves it: q [k / group, m, group] int8, its scales [m, k / group] and
+// the sums of each row's groups [m, k / group]
+struct Rows {
+  const int8_t* q;
+  const float* scale;
+  const int32_t* sum;
+  int64_t m, group, groups;
+};
+
+// R rows from `first` x P panels (w[j]: panel j's quads, ws[j]: its 16 rows' scales) -> out,
+// row stride `stride`, column j * 16 (kSwiglu: j < P / 2). One group: (sum - 128 xsum) *
+// (xscale * wscale); more: per group (sum - 128 xsum) * xscale summed in float32 (fma), times
+// wscale (w8a8::dequantize's arithmetic, bit for bit).
+// acc += u8 . s8 in fours (vpdpbusd), written out: through the intrinsic, GCC copies every
+// accumulator to another register and back on each use (twice the instructions per step)
+inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+}
+
+// acc[r][j] = the int32 dot products of R rows (row stride `stride`, `per` quads each) with
+// P panels' quads from offset `at`. Not inlined, so that the caller's float32 sums do not
+// take the registers this loop needs.
 template <int R, int P>
-void tile(const int8_t* xq, int64_t m, int64_t group, const float* xs, const int32_t* xsum,
-          int64_t groups, const __m512i* w, int64_t quads, const float* scales, float* out,
-          int64_t n) {
-  __m512 f[R][P];
+__attribute__((noinline)) void dot_quads(const int8_t* rows, int64_t stride,
+                                         const __m512i* const* w, int64_t at, int64_t per,
+                                         __m512i* acc) {
+  __m512i sum[R][P];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < P; ++j) f[r][j] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int j = 0; j < P; ++j) sum[r][j] = _mm512_setzero_si512();
   }
-  const int64_t per = group / 4;
-  for (int64_t g = 0; g < groups; ++g) {
+  const __m512i* wj[P];
+  for (int j = 0; j < P; ++j) wj[j] = w[j] + at;
+  for (int64_t s = 0; s < per; ++s) {
+    __m512i b[P];
+#pragma GCC unroll 16
+    for (int j = 0; j < P; ++j) {   // loaded once per step (GCC would load them per row)
+      b[j] = _mm512_loadu_si512(wj[j] + s);
+      asm("" : "+v"(b[j]));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, rows + r * stride + 4 * s, 4);
+      const __m512i a = _mm512_set1_epi32(four);
+#pragma GCC unroll 16
+      for (int j = 0; j < P; ++j) dpbusd(sum[r][j], b[j], a);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int j = 0; j < P; ++j) _mm512_storeu_si512(acc + r * P + j, sum[r][j]);
+  }
+}
+
+template <int R, int P, Out O>
+void tile(const Rows& x, int64_t first, const __m512i* const* w, const float* const* ws,
+          void* out, int64_t stride) {
+  __m512 f[R][P];
+  const int64_t per = x.group / 4;
+  for (int64_t g = 0; g < x.groups; ++g) {
     __m512i acc[R][P];
+    dot_quads<R, P>(x.q + (g * x.m + first) * x.group, x.group, w, g * per, per, &acc[0][0]);
     for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_si512();
-    }
-    const int8_t* rows = xq + g * m * group;  // this group's rows: [m, group]
-    for (int64_t s = 0; s < per; ++s) {
-      __m512i b[P];
-      for (int j = 0; j < P; ++j) b[j] = w[j * quads + g * per + s];
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, rows + r * group + 4 * s, 4);
-        const __m512i a = _mm512_set1_epi32(four);
-        for (int j = 0; j < P; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], b[j], a);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512i shift = _mm512_set1_epi32(128 * xsum[r * groups + g]);
-      const __m512 sc = _mm512_set1_ps(xs[r * groups + g]);
+      const int64_t at = (first + r) * x.groups + g;
+      const __m512i shift = _mm512_set1_epi32(128 * x.sum[at]);
       for (int j = 0; j < P; ++j) {
-        f[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], shift)), sc,
-                                  f[r][j]);
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], shift));
+        if (x.groups == 1) {
+          f[r][j] = _mm512_mul_ps(v, _mm512_mul_ps(_mm512_set1_ps(x.scale[at]),
+                                                   _mm512_loadu_ps(ws[j])));
+        } else {
+          f[r][j] = g == 0 ? _mm512_mul_ps(v, _mm512_set1_ps(x.scale[at]))
+                           : _mm512_fmadd_ps(v, _mm512_set1_ps(x.scale[at]), f[r][j]);
+        }
       }
     }
   }
-  for (int j = 0; j < P; ++j) {
-    const __m512 wsc = _mm512_loadu_ps(scales + j * kPanel);
-    for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(out + r * n + j * kPanel, _mm512_mul_ps(f[r][j], wsc));
+  if (x.groups > 1) {
+    for (int j = 0; j < P; ++j) {
+      const __m512 wsc = _mm512_loadu_ps(ws[j]);
+      for (int r = 0; r < R; ++r) f[r][j] = _mm512_mul_ps(f[r][j], wsc);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if constexpr (O == Out::kFloat) {
+      float* o = static_cast<float*>(out) + r * stride;
+      for (int j = 0; j < P; ++j) store16(o + j * kPanel, f[r][j]);
+    } else if constexpr (O == Out::kBfloat16) {
+      c10::BFloat16* o = static_cast<c10::BFloat16*>(out) + r * stride;
+      for (int j = 0; j < P; ++j) store16(o + j * kPanel, f[r][j]);
+    } else {
+      c10::BFloat16* o = static_cast<c10::BFloat16*>(out) + r * stride;
+      for (int j = 0; j < P / 2; ++j) {
+        store16(o + j * kPanel, _mm512_mul_ps(silu16(f[r][j]), f[r][j + P / 2]));
+      }
     }
   }
 }
 
-// out [m, n] float32 = x w^T, x given as quantize_rows left it (q [k / group, m, group], scale
-// [m, k / group]) with xsum [m, k / group] its groups' sums; w as int8w's panels.
-void matmul(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t m, int64_t group,
-            const int8_t* packed, const float* scales, int64_t n, int64_t k, float* out) {
-  const int64_t quads = k / 4, panels = n / kPanel, groups = k / group;
-  const int64_t blocks = (panels + kTilePanels - 1) / kTilePanels;
-  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> w(kTilePanels * quads);  // ~36 KB at k = 576: in L1/L2 for every row
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t p0 = block * kTilePanels;
-      const int64_t count = std::min<int64_t>(kTilePanels, panels - p0);
-      for (int64_t j = 0; j < count; ++j) {
-        quads_of_panel(packed + (p0 + j) * quads * 64, quads, w.data() + j * quads);
+// The work of a matmul: blocks of up to kTilePanels panels (kSwiglu: half gate, half up),
+// times row parts when there are too few blocks to keep every thread busy.
+struct Plan {
+  int64_t blocks, parts, tiles_per_part;
+};
+
+inline Plan plan(int64_t block_count, int64_t m) {
+  const int64_t tiles = (m + kTileRows - 1) / kTileRows;
+  const int64_t want = 8 * at::get_num_threads();   // units, for an even split
+  const int64_t parts = std::clamp<int64_t>((want + block_count - 1) / block_count, 1, tiles);
+  return Plan{block_count, parts, (tiles + parts - 1) / parts};
+}
+
+// Runs tile over rows [r0, r1) for `count` panels (w, ws: each panel's quads and scales).
+template <Out O>
+void tiles(const Rows& x, int64_t r0, int64_t r1, int count, const __m512i* const* w,
+           const float* const* ws, void* out, int64_t stride, int64_t column) {
+  const size_t esize = O == Out::kFloat ? sizeof(float) : sizeof(c10::BFloat16);
+  for (int64_t r = r0; r < r1; r += kTileRows) {
+    char* o = static_cast<char*>(out) + (r * stride + column) * esize;
+    with_rows<kTileRows>(r1 - r, [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      if constexpr (O == Out::kSwiglu) {
+        if (count == kTilePanels) return tile<R, kTilePanels, O>(x, r, w, ws, o, stride);
+        return tile<R, 2, O>(x, r, w, ws, o, stride);   // one gate panel and its up panel
+      } else {
+        if (count == kTilePanels) return tile<R, kTilePanels, O>(x, r, w, ws, o, stride);
+        for (int j = 0; j < count; ++j) {
+          tile<R, 1, O>(x, r, w + j, ws + j, o + j * kPanel * esize, stride);
+        }
       }
-      for (int64_t r = 0; r < m; r += kTileRows) {
-        with_rows<kTileRows>(m - r, [&](auto rows) {
-          constexpr int R = decltype(rows)::value;
-          if (count == kTilePanels) {
-            tile<R, kTilePanels>(xq + r * group, m, group, xs + r * groups, xsum + r * groups,
-                                 groups, w.data(), quads, scales + p0 * kPanel,
-                                 out + r * n + p0 * kPanel, n);
-            return;
-          }
-          for (int64_t j = 0; j < count; ++j) {
-            tile<R, 1>(xq + r * group, m, group, xs + r * groups, xsum + r * groups, groups,
-                       w.data() + j * quads, quads, scales + (p0 + j) * kPanel,
-                       out + r * n + (p0 + j) * kPanel, n);
-          }
-        });
+    });
+  }
+}
+
+// out = x w^T for w in quads [n / 16, k / 4, 16, 4] uint8 with scales [n]: [m, n] (kFloat,
+// kBfloat16), or [m, n / 2] silu(gate) * up where w is [gate | up] (kSwiglu; n / 2 % 16 == 0).
+template <Out O>
+void matmul(const Rows& x, const uint8_t* quads, const float* scales, int64_t n, int64_t k,
+            void* out) {
+  const int64_t per_panel = k / 4;
+  [[maybe_unused]] const int64_t panels = n / kPanel;   // kSwiglu: up starts at panels / 2
+  const __m512i* base = reinterpret_cast<const __m512i*>(quads);
+  const int64_t width = O == Out::kSwiglu ? n / 2 : n;
+  const int64_t step = O == Out::kSwiglu ? kTilePanels / 2 : kTilePanels;  // output panels
+  const int64_t out_panels = width / kPanel;
+  const Plan p = plan((out_panels + step - 1) / step, x.m);
+  at::parallel_for(0, p.blocks * p.parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t block = unit / p.parts, part = unit % p.parts;
+      const int64_t r0 = part * p.tiles_per_part * kTileRows;
+      const int64_t r1 = std::min(x.m, r0 + p.tiles_per_part * kTileRows);
+      if (r0 >= r1) continue;
+      const int64_t first = block * step;   // output panel
+      const int count = static_cast<int>(std::min<int64_t>(step, out_panels - first));
+      const __m512i* w[kTilePanels];
+      const float* ws[kTilePanels];
+      for (int j = 0; j < count; ++j) {
+        w[j] = base + (first + j) * per_panel;
+        ws[j] = scales + (first + j) * kPanel;
+        if constexpr (O == Out::kSwiglu) {   // the up panel matching gate panel first + j
+          w[count + j] = base + (panels / 2 + first + j) * per_panel;
+          ws[count + j] = scales + (panels / 2 + first + j) * kPanel;
+        }
       }
+      tiles<O>(x, r0, r1, O == Out::kSwiglu ? 2 * count : count, w, ws, out, width,
+               first * kPanel);
     }
   });
+}
+
+// The output projection: out [m, n] float32 = x w^T with w as int8w's panels (pairs), made
+// quads kTilePanels panels at a time into a buffer (~36 KB at k = 576: in L1/L2 for every row).
+void matmul_pairs(const Rows& x, const int8_t* packed, const float* scales, int64_t n,
+                  int64_t k, float* out) {
+  const int64_t per_panel = k / 4, panels = n / kPanel;
+  const int64_t blocks = (panels + kTilePanels - 1) / kTilePanels;
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> buffer(kTilePanels * per_panel);
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t p0 = block * kTilePanels;
+      const int count = static_cast<int>(std::min<int64_t>(kTilePanels, panels - p0));
+      const __m512i* w[kTilePanels];
+      const float* ws[kTilePanels];
+      for (int j = 0; j < count; ++j) {
+        quads_of_panel(packed + (p0 + j) * per_panel * 64, per_panel,
+                       buffer.data() + j * per_panel);
+        w[j] = buffer.data() + j * per_panel;
+        ws[j] = scales + (p0 + j) * kPanel;
+      }
+      tiles<Out::kFloat>(x, 0, x.m, count, w, ws, out, n, p0 * kPanel);
+    }
+  });
+}
+
+// x [m, k] (row stride `stride`) rounded to int8 for int8a8 into q [m * k], scale and sum
+// [m * k / group] (the caller's buffers) -> the rows as its tiles read them
+inline Rows quantize(const c10::BFloat16* x, int64_t m, int64_t k, int64_t stride,
+                     const float* smooth, int64_t group, int8_t* q, float* scale, int32_t* sum) {
+  w8a8::quantize_rows(x, m, k, stride, smooth, group, q, scale, sum);
+  return Rows{q, scale, sum, m, group, k / group};
 }
 
 }  // namespace int8a8
@@ -1725,6 +1868,24 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return out;
 }
 
+#ifdef EMBER_INT8_DOT
+// x [m, k] bfloat16 rounded to int8 (times smooth, nullptr: 1), one scale per `group` inputs,
+// in tensors of its own: an op's int8a8 operand
+struct Quantized {
+  torch::Tensor q, scale, sum;
+  int8a8::Rows rows;
+  Quantized(const torch::Tensor& x, const float* smooth, int64_t group) {
+    const int64_t m = x.size(0), k = x.size(1), groups = k / group;
+    q = torch::empty({groups, m, group}, x.options().dtype(at::kChar));
+    scale = torch::empty({m, groups}, x.options().dtype(at::kFloat));
+    sum = torch::empty({m, groups}, x.options().dtype(at::kInt));
+    rows = int8a8::quantize(x.data_ptr<at::BFloat16>(), m, k, x.stride(0), smooth, group,
+                            q.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                            sum.data_ptr<int32_t>());
+  }
+};
+#endif
+
 // int8_linear_a8(x [m, k] bfloat16 (rows may be strided), packed, scales, group) -> [m, n]
 // float32: int8_linear's product with x rounded to int8, one scale per `group` inputs of a row
 // (0: the whole row; else dividing k, a multiple of 4), on int8 dot products (int8a8 above).
@@ -1739,25 +1900,9 @@ torch::Tensor int8_linear_a8(torch::Tensor x, torch::Tensor packed, torch::Tenso
   auto out = torch::empty({m, n}, x.options().dtype(at::kFloat));
 #ifdef EMBER_INT8_DOT
   if (m > 0) {
-    const int64_t groups = k / group;
-    auto q = torch::empty({groups, m, group}, x.options().dtype(at::kChar));
-    auto xs = torch::empty({m, groups}, x.options().dtype(at::kFloat));
-    auto ones = torch::ones({k}, x.options().dtype(at::kFloat));
-    w8a8::quantize_rows(x.data_ptr<at::BFloat16>(), m, k, x.stride(0), ones.data_ptr<float>(),
-                        group, q.data_ptr<int8_t>(), xs.data_ptr<float>());
-    auto xsum = torch::empty({m, groups}, x.options().dtype(at::kInt));
-    const int8_t* qd = q.data_ptr<int8_t>();
-    int32_t* sums = xsum.data_ptr<int32_t>();
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t g = 0; g < groups; ++g) {
-        const int8_t* row = qd + (g * m + r) * group;
-        int32_t total = 0;
-        for (int64_t i = 0; i < group; ++i) total += row[i];
-        sums[r * groups + g] = total;
-      }
-    }
-    int8a8::matmul(qd, xs.data_ptr<float>(), sums, m, group, packed.data_ptr<int8_t>(),
-                   scales.data_ptr<float>(), n, k, out.data_ptr<float>());
+    const Quantized xq(x, nullptr, group);
+    int8a8::matmul_pairs(xq.rows, packed.data_ptr<int8_t>(), scales.data_ptr<float>(), n, k,
+                         out.data_ptr<float>());
   }
 #endif
   return out;
@@ -1784,33 +1929,58 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale_
   return out;
 }
 
-// w8a8_linear(x [m, k] bfloat16 (rows may be strided), w [n, k] int8, w_scale [n] float32,
-// smooth [k] float32, swiglu, group) -> [m, n] bfloat16 = (x * smooth) w^T with w[r] = q[r] *
-// w_scale[r] and x * smooth rounded to int8 per row, with one scale per `group` inputs (0: the
-// whole row; else k % group == 0, one GEMM per group; w8a8 above; smooth divides the weight's
-// columns where it was made, SmoothQuant); with swiglu, the product is [gate | up] and the
-// result [m, n / 2] is silu(gate) * up. Only with AVX-512 BF16.
+// w8a8_linear(x [m, k] bfloat16 (rows may be strided), w, w_scale [n] float32, smooth [k]
+// float32, swiglu, group) -> [m, n] bfloat16 = (x * smooth) w^T with w[r] = q[r] * w_scale[r]
+// and x * smooth rounded to int8 per row, with one scale per `group` inputs (0: the whole row;
+// else dividing k; smooth divides the weight's columns where it was made, SmoothQuant); with
+// swiglu, the product is [gate | up] and the result [m, n / 2] is silu(gate) * up. w is
+// either q [n, k] int8, on oneDNN's int8 GEMM (one per group; w8a8 above), or q in quads
+// [n / 16, k / 4, 16, 4] uint8 (pack_int8_quads: q + 128), on int8a8's tiles (AVX-512 VNNI;
+// group a multiple of 4, and n / 2 a multiple of 16 with swiglu). The same sums either way,
+// and the same arithmetic after them. Only with AVX-512 BF16.
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale,
                           torch::Tensor smooth, bool swiglu, int64_t group) {
   TORCH_CHECK(has_bf16_dot(), "w8a8_linear needs a CPU with AVX-512 BF16");
   check_bf16_rows(x);
-  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
-              "w must be contiguous [n, k] int8");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  TORCH_CHECK(w.size(1) == k, "x has ", k, " inputs, the weight ", w.size(1));
+  const bool quads = w.dim() == 4;
+  if (quads) {
+    TORCH_CHECK(has_int8_dot(), "w8a8_linear on quads needs a CPU with AVX-512 VNNI");
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) == 16 && w.size(3) == 4 &&
+                    w.is_contiguous(),
+                "w in quads must be contiguous [n / 16, k / 4, 16, 4] uint8");
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
+                "w must be contiguous [n, k] int8, or quads [n / 16, k / 4, 16, 4] uint8");
+  }
+  const int64_t m = x.size(0), k = x.size(1), n = quads ? w.size(0) * 16 : w.size(0);
+  TORCH_CHECK((quads ? w.size(1) * 4 : w.size(1)) == k, "x has ", k, " inputs, the weight ",
+              quads ? w.size(1) * 4 : w.size(1));
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
                   w_scale.numel() == n,
               "w_scale must be [n] contiguous float32");
   TORCH_CHECK(smooth.scalar_type() == at::kFloat && smooth.is_contiguous() &&
                   smooth.numel() == k,
               "smooth must be [k] contiguous float32");
-  TORCH_CHECK(!swiglu || n % 2 == 0, "swiglu needs an even number of outputs (gate | up)");
+  TORCH_CHECK(!swiglu || n % (quads ? 32 : 2) == 0, "swiglu needs [gate | up] outputs, ",
+              quads ? "each half a multiple of 16" : "an even number");
   if (group == 0) group = k;
-  TORCH_CHECK(group > 0 && k % group == 0, "group must be 0 (the whole row) or divide the ", k,
-              " inputs, not ", group);
+  TORCH_CHECK(group > 0 && k % group == 0 && (!quads || group % 4 == 0), "group must be 0 "
+              "(the whole row) or divide the ", k, " inputs", quads ? " (a multiple of 4)" : "",
+              ", not ", group);
   auto out = torch::empty({m, swiglu ? n / 2 : n}, x.options());
 #ifdef EMBER_BF16_DOT
-  if (m > 0) {
+  if (m > 0 && quads) {
+#ifdef EMBER_INT8_DOT
+    const Quantized xq(x, smooth.data_ptr<float>(), group);
+    const auto* wq = w.data_ptr<uint8_t>();
+    const float* ws = w_scale.data_ptr<float>();
+    if (swiglu) {
+      int8a8::matmul<int8a8::Out::kSwiglu>(xq.rows, wq, ws, n, k, out.data_ptr());
+    } else {
+      int8a8::matmul<int8a8::Out::kBfloat16>(xq.rows, wq, ws, n, k, out.data_ptr());
+    }
+#endif
+  } else if (m > 0) {
     const int64_t groups = k / group;
     auto q = torch::empty({groups, m, group}, x.options().dtype(at::kChar));
     auto row_scale = torch::empty({m, groups}, x.options().dtype(at::kFloat));
@@ -1901,6 +2071,46 @@ class DecodeStack {
     }
   }
 
+  // From now on, steps of more than `max_packed_rows` rows run every projection on int8 dot
+  // products (w8a8_linear's arithmetic: x rounded to int8 per row or group, times smooth):
+  // per layer, for qkv, o, gate_up and down in turn, the weight in quads (pack_int8_quads),
+  // its scales [n] and smooth [k] float32 (12 tensors), and `groups` their activation groups
+  // (4 per layer; 0: a whole row). Only with AVX-512 VNNI.
+  void use_int8(std::vector<torch::Tensor> tensors, std::vector<int64_t> groups,
+                int64_t max_packed_rows) {
+    TORCH_CHECK(has_int8_dot(), "int8 decode steps need a CPU with AVX-512 VNNI");
+    TORCH_CHECK(tensors.size() == 12 * layers_.size() && groups.size() == 4 * layers_.size(),
+                "use_int8: 12 tensors and 4 groups per layer");
+    TORCH_CHECK(max_packed_rows >= 0, "max_packed_rows must be >= 0");
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      Layer& layer = layers_[l];
+      Int8* linears[4] = {&layer.qkv8, &layer.o8, &layer.gate_up8, &layer.down8};
+      const Int4* int4s[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+      for (int i = 0; i < 4; ++i) {
+        const auto& quads = tensors[12 * l + 3 * i];
+        const auto& scale = tensors[12 * l + 3 * i + 1];
+        const auto& smooth = tensors[12 * l + 3 * i + 2];
+        const int64_t n = int4s[i]->n, k = int4s[i]->k;
+        int64_t group = groups[4 * l + i];
+        if (group == 0) group = k;
+        TORCH_CHECK(quads.scalar_type() == at::kByte && quads.is_contiguous() &&
+                        quads.dim() == 4 && quads.size(0) * 16 == n && quads.size(1) * 4 == k &&
+                        quads.size(2) == 16 && quads.size(3) == 4,
+                    "layer ", l, ": int8 weights must be quads [n / 16, k / 4, 16, 4] uint8 "
+                    "of the int4 ones' shape");
+        TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                        scale.numel() == n && smooth.scalar_type() == at::kFloat &&
+                        smooth.is_contiguous() && smooth.numel() == k,
+                    "layer ", l, ": scales [n] and smooth [k] must be contiguous float32");
+        TORCH_CHECK(group > 0 && group % 4 == 0 && k % group == 0 && (i != 2 || n % 32 == 0),
+                    "layer ", l, ": an activation group must be a multiple of 4 dividing k");
+        *linears[i] = Int8{quads, scale, smooth, n, k, group};
+      }
+    }
+    max_packed_rows_ = max_packed_rows;
+    int8_ = true;
+  }
+
   // x [T, hidden] (the embeddings), cos, sin [T, 1, d], kv: each layer's cache [2, kv_heads,
   // blocks, block_size, d], slots [T], block_tables [T, max_blocks], seq_lens [T] (int64; the
   // new token included) -> the final norm's output [T, hidden]. All bfloat16.
@@ -1919,6 +2129,13 @@ class DecodeStack {
     auto qkv = torch::empty({t, qkv_n}, opts), q = torch::empty({t, heads_, d_}, opts);
     auto att = torch::empty({t, heads_, d_}, opts), gate_up = torch::empty({t, 2 * inter}, opts);
     auto act = torch::empty({t, inter}, opts);
+    const bool a8 = int8_ && t > max_packed_rows_;
+    Int8Rows scratch;
+    if (a8) {   // the widest input is the down projection's
+      scratch.q.resize(t * inter);
+      scratch.scale.resize(t * inter / 4);
+      scratch.sum.resize(t * inter / 4);
+    }
     auto* r = residual.data_ptr<at::BFloat16>();
     auto* hp = h.data_ptr<at::BFloat16>();
     auto* op = out.data_ptr<at::BFloat16>();
@@ -1927,7 +2144,11 @@ class DecodeStack {
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
       if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
-      linear(layer.qkv, h, qkv, &layer.o);
+      if (a8) {
+        linear8(layer.qkv8, h, qkv, scratch);
+      } else {
+        linear(layer.qkv, h, qkv, &layer.o);
+      }
       const auto& cache = kv[l];
       const int64_t blocks = cache.size(2), block_size = cache.size(3);
       at::Half* kv_scale = int8 ? kv_scales[l].data_ptr<at::Half>() : nullptr;
@@ -1947,6 +2168,13 @@ class DecodeStack {
       attend(bits(q), heads_ * d_, d_, cache.data_ptr(), kv_scale,
              block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), bits(att), t,
              heads_, kv_heads_, blocks, block_size, block_tables.size(1), scale_);
+      if (a8) {
+        linear8(layer.o8, att.view({t, heads_ * d_}), out, scratch);
+        rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
+        linear8(layer.gate_up8, h, act, scratch, true);
+        linear8(layer.down8, act, out, scratch);
+        continue;
+      }
       linear(layer.o, att.view({t, heads_ * d_}), out, &layer.gate_up);
       rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
       linear(layer.gate_up, h, gate_up, &layer.down);
@@ -1962,10 +2190,39 @@ class DecodeStack {
     torch::Tensor q, scale_min;
     int64_t n, k;
   };
+  struct Int8 {
+    torch::Tensor quads, scale, smooth;
+    int64_t n = 0, k = 0, group = 0;
+  };
   struct Layer {
     torch::Tensor in_norm, post_norm;
     Int4 qkv, o, gate_up, down;
+    Int8 qkv8, o8, gate_up8, down8;   // set by use_int8
   };
+  // Scratch for x rounded to int8 (int8a8's operand), sized for a step's widest input
+  struct Int8Rows {
+    std::vector<int8_t> q;
+    std::vector<float> scale;
+    std::vector<int32_t> sum;
+  };
+
+  // out = x w^T on int8 dot products (bfloat16), or with `swiglu` silu(gate) * up of it
+  static void linear8(const Int8& w, const torch::Tensor& x, torch::Tensor& out,
+                      Int8Rows& scratch, bool swiglu = false) {
+#ifdef EMBER_INT8_DOT
+    const auto rows = int8a8::quantize(x.data_ptr<at::BFloat16>(), x.size(0), w.k, x.stride(0),
+                                       w.smooth.data_ptr<float>(), w.group, scratch.q.data(),
+                                       scratch.scale.data(), scratch.sum.data());
+    const auto* quads = w.quads.data_ptr<uint8_t>();
+    if (swiglu) {
+      int8a8::matmul<int8a8::Out::kSwiglu>(rows, quads, w.scale.data_ptr<float>(), w.n, w.k,
+                                           out.data_ptr());
+    } else {
+      int8a8::matmul<int8a8::Out::kBfloat16>(rows, quads, w.scale.data_ptr<float>(), w.n, w.k,
+                                             out.data_ptr());
+    }
+#endif
+  }
 
   static Int4 int4(torch::Tensor q, torch::Tensor scale_min) {
     check_int4_panels(q, scale_min);
@@ -2034,6 +2291,8 @@ class DecodeStack {
   }
 
   std::vector<Layer> layers_;
+  bool int8_ = false;           // use_int8 was called
+  int64_t max_packed_rows_ = 0;
   torch::Tensor final_norm_;
   int64_t heads_, kv_heads_, d_, hidden_;
   float eps_, scale_;
@@ -2070,6 +2329,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t, int64_t, double,
                     double>())
-      .def("forward", &DecodeStack::forward, "a decode step through every layer", no_gil);
+      .def("forward", &DecodeStack::forward, "a decode step through every layer", no_gil)
+      .def("use_int8", &DecodeStack::use_int8, "steps above max_packed_rows on int8 quads");
 #endif
 }

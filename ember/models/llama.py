@@ -97,6 +97,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.decode_stack = None  # set by use_kernels where it applies
+        self.int8_decode = False  # set by use_int8_decode: the stack's big batches on int8
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta,
@@ -125,7 +126,8 @@ class LlamaForCausalLM(nn.Module):
     def use_kernels(self, kernels: CpuKernels | None) -> None:
         """Run the norms and decode attention on compiled CPU kernels (None: torch only);
         call it after quantizing: where every layer's linears are int4 on the kernels, steps
-        that only decode run through all layers in one call (decode_stack)."""
+        that only decode run through all layers in one call (decode_stack; use_int8_decode
+        later gives it the int8 weights for steps of more than 8 rows)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaAttention, SwiGLU)):
                 module.kernels = kernels
@@ -135,16 +137,40 @@ class LlamaForCausalLM(nn.Module):
                     ) -> DecodeBatch | None:
         """The step's requests when decode_stack runs it: only decodes, and a bfloat16 cache
         or an int8 one (PagedKV's, quantized and read by the same kernels as the layers').
-        Any number of rows: up to 8 the layers would run the same int4 kernels (and the
-        stack's output is theirs, bit for bit); beyond, the layers run the dense bfloat16
-        copies on oneDNN, which a decode step reads from DRAM at 3x the bytes: steps through
-        the stack are 1.18-1.65x faster there (12-48 rows, docs/benchmarks.md). Prompt chunks
-        keep the dense weights."""
+        Any number of rows: up to 8 the layers would run the same int4 kernels; beyond, with
+        int8 prompt matmuls (use_int8_decode), the same int8 tiles as the layers, so the
+        stack's output is theirs, bit for bit, either way. Without them the stack keeps the
+        int4 weights above 8 rows too, where the layers would run the dense bfloat16 copies
+        on oneDNN (which a decode step reads from DRAM at 3x the bytes: the stack was
+        1.18-1.65x faster there, 12-48 rows, docs/benchmarks.md)."""
         if self.decode_stack is None or meta.decodes is None:
             return None
         cache = kv_caches[0]
         ok = cache.data.dtype == (torch.bfloat16 if cache.scale is None else torch.int8)
         return meta.decodes if ok else None
+
+    def use_int8_decode(self) -> bool:
+        """After the int8 prompt matmuls are set up (use_int8_dense): decode steps of more than
+        max_packed_rows rows run the decode stack on the same int8 weights (w8a8_linear's
+        arithmetic, so such a step computes what the layers would). Where a linear's int8
+        weight is not in quads, or there is no stack, nothing changes; returns whether it
+        applies."""
+        if self.decode_stack is None:
+            return False
+        tensors, groups, rows = [], [], set()
+        for layer in self.model.layers:
+            for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                      layer.mlp.down_proj):
+                if not (isinstance(p, PackedLinear) and p.int8_quads):
+                    return False
+                tensors += [p.dense_q, p.dense_scales, p.smooth]
+                groups.append(p.act_group)
+                rows.add(p.max_packed_rows)
+        if len(rows) != 1:
+            return False
+        self.decode_stack.use_int8(tensors, groups, rows.pop())
+        self.int8_decode = True
+        return True
 
     def int8_prefill_linears(self) -> list[tuple[nn.Module, bool]]:
         """The projections whose prompt-chunk matmuls may run on int8 activations (SmoothQuant,

@@ -18,9 +18,13 @@ the number of rows; `keep_dense=False` drops it to save memory at the cost of pr
 The dense weight is either bfloat16, kept in oneDNN's own blocked layout where oneDNN runs the
 matmul (the same bytes; it saves the reorder oneDNN would do on every call), or, after
 `use_int8_dense`, int8 with a scale per output row for "W8A8" matmuls: each row of activations
-is rounded to int8 on the fly and the product runs on oneDNN's int8 GEMM (VNNI dot products,
-twice bfloat16's multiply-accumulates per instruction): 1.4-1.8x bfloat16's speed from 64 to
-512 rows on this machine, at half the memory (w8a8_linear in ember/kernels). Rounding
+is rounded to int8 on the fly and the product runs on int8 dot products (VNNI, twice
+bfloat16's multiply-accumulates per instruction): 1.4-1.8x bfloat16's speed from 64 to 512
+rows, at half the memory (w8a8_linear in ember/kernels). Where the CPU has VNNI the int8
+weight is kept in "quads" (pack_int8_quads) for ember's own int8 tiles, which beat oneDNN's
+int8 GEMM at every size (1.03-1.16x at 256-512 rows, 1.3-2.4x at 9-64: oneDNN reorders the
+weight on every call), so decode steps of more than 8 rows run on it too (the decode stack,
+ember/models/llama.py); elsewhere it stays in rows for oneDNN. Rounding
 activations to 8 bits hurts where a few input channels are much larger than the rest, so the
 int8 weight is made SmoothQuant's way: input channel j of the weight is multiplied by
 s_j = max|x_j|^a / max|w_j|^(1 - a) (max|x_j| seen on a calibration prompt, a = 0.5) and the
@@ -41,6 +45,7 @@ from ember.kernels import (
     CpuKernels,
     pack_int4_panels,
     pack_int8_panels,
+    pack_int8_quads,
     unpack_int4_panels,
 )
 
@@ -156,11 +161,25 @@ class PackedLinear(nn.Module):
         scale = torch.empty(n)
         for rows in chunks:
             q[rows], scale[rows] = quantize_int8(self._float_rows(rows) * smooth)
+        if self.quads_fit(kernels, act_group):  # ember's int8 tiles, else oneDNN's GEMM
+            q = pack_int8_quads(q)
         self.register_buffer("dense_q", q)
         self.register_buffer("dense_scales", scale)
         self.register_buffer("smooth", (1 / smooth).contiguous())
         self.weight, self.prepacked, self.w8a8 = None, False, kernels
         self.int8_source, self.act_group = None, act_group
+
+    def quads_fit(self, kernels: CpuKernels, act_group: int) -> bool:
+        """Whether the int8 dense weight can be kept in quads (pack_int8_quads) for ember's
+        own int8 tiles: VNNI, and sizes that fit them (outputs in pairs of 16-row panels,
+        inputs and groups in fours)."""
+        return (kernels.has_int8_dot and self.out_features % 32 == 0
+                and self.in_features % 4 == 0 and act_group % 4 == 0)
+
+    @property
+    def int8_quads(self) -> bool:
+        """Whether the int8 dense weight is in quads (use_int8_dense)."""
+        return self.w8a8 is not None and self.dense_q.dim() == 4
 
     def can_use_int8_dense(self, kernels: CpuKernels | None) -> bool:
         """Whether use_int8_dense can run: the kernels, and a weight to make the int8 from."""

@@ -51,6 +51,19 @@ def test_with_the_decode_stack_every_decode_batch_reads_the_packed_weights():
     cost = model_cost(model, 100)
     assert decode_limit(cost, 50, 16, 0, 10**9) == pytest.approx(
         16 / (cost.decode_weight_bytes / 50e9))
+    model.int8_decode = True                               # (what use_int8_decode sets)
+    assert model_cost(model, 100).packed_max_rows == 8     # big batches on the int8 copies
+
+
+def test_big_decode_batches_run_the_int8_linears_at_the_int8_peak():
+    cost = ModelCost(decode_weight_bytes=10**8, dense_weight_bytes=10**8,
+                     kv_bytes_per_token=0, params=10**8, attn_flops_per_context_token=0,
+                     int8_prefill_params=6 * 10**7)
+    # batch 64: 5.12 GFLOP at 1000 GFLOP/s (5.12 ms) + 7.68 GOP at 2000 GOP/s (3.84 ms);
+    # the 0.1 GB read at 50 GB/s takes 2 ms
+    assert decode_limit(cost, 50, 64, 0, 1000, int8_gops=2000) == pytest.approx(64 / 0.00896)
+    assert decode_limit(cost, 50, 64, 0, 1000) == pytest.approx(64 / 0.0128)  # no int8 peak
+    assert decode_limit(cost, 50, 8, 0, 1000, int8_gops=2000) == pytest.approx(8 / 0.002)
 
 
 @pytest.mark.parametrize(("l3", "label"), [(32 << 20, "weight-size read"),
