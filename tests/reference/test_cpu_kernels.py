@@ -345,16 +345,21 @@ def _w8a8_reference(x, q, scales, smooth):
     return (xq @ q.to(torch.int32).T).float() * ((amax / 127)[:, None] * scales[None, :])
 
 
+def _w8a8_operands(m: int, k: int, n: int, seed: int):
+    """x [m, k] bfloat16 with strided rows, q [n, k] int8, scales [n] and smooth [k]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 2 * k, generator=g).to(torch.bfloat16)[:, :k]
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    return x, q, torch.rand(n, generator=g) / 64, torch.rand(k, generator=g) + 0.5
+
+
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 96, 80), (7, 100, 80), (33, 100, 34)])
 def test_w8a8_linear_is_the_rounded_matmul(kernels, m, k, n):
     """Bit for bit the reference above (inputs with a 16-lane tail, strided rows, an odd
     number of outputs), and within int8 rounding of the float matmul it approximates."""
     if not kernels.has_bf16_dot:
         pytest.skip("this CPU has no AVX-512 BF16: prompt matmuls stay bfloat16")
-    g = torch.Generator().manual_seed(8)
-    x = torch.randn(m, 2 * k, generator=g).to(torch.bfloat16)[:, :k]
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scales, smooth = torch.rand(n, generator=g) / 64, torch.rand(k, generator=g) + 0.5
+    x, q, scales, smooth = _w8a8_operands(m, k, n, seed=8)
     got = kernels.w8a8_linear(x, q, scales, smooth)
     assert torch.equal(got, _w8a8_reference(x, q, scales, smooth).to(torch.bfloat16))
     exact = (x.float() * smooth) @ (q.float() * scales[:, None]).T
@@ -416,10 +421,7 @@ def test_w8a8_linear_on_quads_is_the_same_as_on_rows(kernels, m, k, n, group, sw
     leftover rows and panels, row parts, groups, SwiGLU and strided rows."""
     if not kernels.has_int8_dot:
         pytest.skip("this CPU has no AVX-512 VNNI: int8 weights stay in rows")
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(m, 2 * k, generator=g).to(torch.bfloat16)[:, :k]
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scales, smooth = torch.rand(n, generator=g) / 64, torch.rand(k, generator=g) + 0.5
+    x, q, scales, smooth = _w8a8_operands(m, k, n, seed=11)
     quads = pack_int8_quads(q)
     assert quads.shape == (n // 16, k // 4, 16, 4) and quads.dtype == torch.uint8
     assert int(quads[1, 2, 3, 1]) == int(q[16 + 3, 4 * 2 + 1]) + 128
