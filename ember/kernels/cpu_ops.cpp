@@ -2127,9 +2127,10 @@ class DecodeStack {
     auto residual = x.clone();
     auto h = torch::empty({t, hidden_}, opts), out = torch::empty({t, hidden_}, opts);
     auto qkv = torch::empty({t, qkv_n}, opts), q = torch::empty({t, heads_, d_}, opts);
-    auto att = torch::empty({t, heads_, d_}, opts), gate_up = torch::empty({t, 2 * inter}, opts);
-    auto act = torch::empty({t, inter}, opts);
     const bool a8 = int8_ && t > max_packed_rows_;
+    auto att = torch::empty({t, heads_, d_}, opts), act = torch::empty({t, inter}, opts);
+    // int8 steps write silu(gate) * up straight into act: no [gate | up] buffer
+    auto gate_up = a8 ? torch::Tensor() : torch::empty({t, 2 * inter}, opts);
     Int8Rows scratch;
     if (a8) {   // the widest input is the down projection's
       scratch.q.resize(t * inter);

@@ -149,28 +149,26 @@ class LlamaForCausalLM(nn.Module):
         ok = cache.data.dtype == (torch.bfloat16 if cache.scale is None else torch.int8)
         return meta.decodes if ok else None
 
-    def use_int8_decode(self) -> bool:
+    def use_int8_decode(self) -> None:
         """After the int8 prompt matmuls are set up (use_int8_dense): decode steps of more than
         max_packed_rows rows run the decode stack on the same int8 weights (w8a8_linear's
-        arithmetic, so such a step computes what the layers would). Where a linear's int8
-        weight is not in quads, or there is no stack, nothing changes; returns whether it
-        applies."""
+        arithmetic, so such a step computes what the layers would), and int8_decode says so.
+        Where a linear's int8 weight is not in quads, or there is no stack, nothing changes."""
         if self.decode_stack is None:
-            return False
+            return
         tensors, groups, rows = [], [], set()
         for layer in self.model.layers:
             for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                       layer.mlp.down_proj):
                 if not (isinstance(p, PackedLinear) and p.int8_quads):
-                    return False
+                    return
                 tensors += [p.dense_q, p.dense_scales, p.smooth]
                 groups.append(p.act_group)
                 rows.add(p.max_packed_rows)
         if len(rows) != 1:
-            return False
+            return
         self.decode_stack.use_int8(tensors, groups, rows.pop())
         self.int8_decode = True
-        return True
 
     def int8_prefill_linears(self) -> list[tuple[nn.Module, bool]]:
         """The projections whose prompt-chunk matmuls may run on int8 activations (SmoothQuant,
