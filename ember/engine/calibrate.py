@@ -106,12 +106,11 @@ def use_int8_prefill(core: EngineCore, kernels: CpuKernels) -> int:
     made from the int8 copy prepare_int8_prefill left. Returns how many linears."""
     room = min(core.max_model_len, core.scheduler.kv.capacity_tokens) - 1  # 1 output token
     prompt = calibration_prompt(core.model_config.vocab_size, min(CALIBRATION_TOKENS, room))
-    groups = int8_prefill_targets(core.runner.model)
+    model = core.runner.model
+    groups = int8_prefill_targets(model)
     amax = input_amax(core, prompt, list(groups))
     with large_blocks_mapped_alone():
         for module, seen in amax.items():
             module.use_int8_dense(kernels, seen, act_group=groups[module])
-    model = core.runner.model
-    if hasattr(model, "use_int8_decode"):   # batched decode steps on the same int8 weights
-        model.use_int8_decode()
+    model.use_int8_decode()   # batched decode steps on the same int8 weights
     return len(amax)
