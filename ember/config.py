@@ -15,7 +15,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 SUPPORTED_ROPE_SCALING = ("linear", "llama3")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu", "cost")
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "model", "int8")  # auto: int8 with int4 weights on the kernels
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats (ember/quant/packed.py)
 PREFILL_MATMULS = ("auto", "bfloat16", "int8")  # dense matmuls over 8 rows (ember/quant/packed.py)
 KERNELS = ("auto", "torch")  # compiled CPU kernels where they build, or the torch path alone
@@ -103,7 +103,7 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides the memory budget (tests, tiny caches)
     enable_prefix_caching: bool = True
     eviction_policy: str = "lru"   # which idle cached block to give up first: lru, lfu, cost
-    kv_cache_dtype: str = "auto"   # auto (the model's dtype) or int8
+    kv_cache_dtype: str = "auto"   # auto (int8 with int4 weights on the kernels), model, int8
 
     def __post_init__(self) -> None:
         check_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)

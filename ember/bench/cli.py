@@ -9,6 +9,8 @@ import argparse
 import importlib
 from collections.abc import Callable
 
+from ember.config import KV_CACHE_DTYPES
+
 WORKLOADS = ("random", "shared-prefix", "chat-sessions", "jsonl")
 
 
@@ -110,7 +112,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--model", default=None)
     off.add_argument("--dtype", default="auto")
     off.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
-    off.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    off.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     off.add_argument("--repeats", type=int, default=3)
     off.add_argument("--batch-size", type=int, default=32)
     off.add_argument("--seed", type=int, default=0)

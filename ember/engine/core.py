@@ -15,7 +15,8 @@ from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kernels import load_kernels
 from ember.kv.kv_manager import KVCacheManager
 from ember.request import FinishReason, Request, RequestOptions, SamplingParams
-from ember.runner.kv_tensors import GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks
+from ember.runner.kv_tensors import (GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks,
+                                    resolve_kv_cache_dtype)
 from ember.runner.runner import ModelRunner
 from ember.sampling.grammar import Grammars
 from ember.scheduler.scheduler import Scheduler
@@ -88,11 +89,12 @@ class EngineCore:
         gc.collect()  # before the KV cache is allocated: loading peaks lower
         return_free_memory()
         block_size = config.cache.block_size
-        num_blocks = plan_num_blocks(self.model_config, config.cache, self.dtype)
-        kv_dtype = config.cache.kv_cache_dtype
+        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.quantization,
+                                          self.dtype, self.model_config.head_dim, kernels)
+        num_blocks = plan_num_blocks(self.model_config, config.cache, self.dtype, kv_dtype)
         self.cache_info = CacheInfo(num_blocks, block_size,
                                     kv_bytes_per_token(self.model_config, self.dtype, kv_dtype),
-                                    kv_dtype if kv_dtype != "auto" else
+                                    kv_dtype if kv_dtype != "model" else
                                     str(self.dtype).removeprefix("torch."))
         log.info("loaded %s (%s, %s, weights %s, prefill matmuls %s, %s kernels, on %s); %s",
                  self.model_path.name, self.model_config.architecture,

@@ -57,13 +57,14 @@ class CpuKernels:
     def decode_attention(self, q: Tensor, kv: Tensor, block_tables: Tensor, seq_lens: Tensor,
                          scale: float, kv_scale: Tensor | None = None) -> Tensor:
         """q [B, heads, d], kv [2, kv_heads, blocks, block_size, d] -> [B, heads, d]; with
-        `kv_scale` [2, kv_heads, blocks, block_size] float16, kv is int8 (AVX-512 BF16)."""
+        `kv_scale` [2, kv_heads, blocks, block_size] float16, kv is int8 (has_bf16_dot)."""
         return self.ops.decode_attention(q, kv, block_tables, seq_lens, scale, kv_scale)
 
     @functools.cached_property
     def has_bf16_dot(self) -> bool:
         """Whether the build has the AVX-512 BF16 kernels (prefill attention, int8 and int4
-        linears)."""
+        linears, attention over an int8 cache); built where the CPU also has VNNI, as every
+        CPU with AVX-512 BF16 does."""
         return self.ops.has_bf16_dot()   # the build says, once (asked every layer)
 
     @functools.cached_property

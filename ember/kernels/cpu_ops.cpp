@@ -16,7 +16,8 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VNNI__)  // every CPU with AVX-512 BF16 has VNNI (int8 decode attention)
 #include <immintrin.h>
 #define EMBER_BF16_DOT 1  // attention on bfloat16 dot products (vdpbf16ps), 16-lane loops
 #endif
@@ -273,6 +274,18 @@ struct ScaledWalk {
       : base(b), scale(s), slot(table, block_size), d(dim) {}
   const int8_t* row(int64_t j) const { return base + slot(j) * d; }
   float scale_of(int64_t j) const { return static_cast<float>(scale[slot(j)]); }
+  // whether rows j0 .. j0 + 15 (j0 % 16 == 0) always lie in one block, one after another
+  bool runs16() const { return slot.block_size % 16 == 0; }
+  // the scales of rows j0 .. j0 + 15 (j0 % 16 == 0, j0 < len) in float32, 0 past len
+  __m512 scales16(int64_t j0, int64_t len) const {
+    if (runs16()) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + slot(j0)));
+      return _mm512_maskz_mov_ps(first_lanes(len - j0), _mm512_cvtph_ps(h));
+    }
+    alignas(64) float s[16];
+    for (int jj = 0; jj < 16; ++jj) s[jj] = j0 + jj < len ? scale_of(j0 + jj) : 0.f;
+    return _mm512_load_ps(s);
+  }
   // row j in bfloat16 (value * scale, rounded once), written to buf [d] (d % 16 == 0)
   const uint16_t* bf16_row(int64_t j, uint16_t* buf) const {
     const int8_t* v = row(j);
@@ -516,6 +529,9 @@ using namespace simd;
 
 // keys prefetched ahead of the 16 being scored (16-96 measured alike)
 constexpr int64_t kKeysAhead = 16;
+// int8 rows (one cache line each at D = 64) asked for into L2 this far ahead as well: over
+// scattered blocks 12.5-15.3 -> 11.1-11.5 ms for 30 layers of 32 x ~300 (32 and 64 alike)
+constexpr int64_t kFarAhead = 32;
 
 template <int D, class Walk>
 void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* out);
@@ -555,6 +571,18 @@ void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, 
     }
   }
   softmax_and_values<D>(G, values, len, scores, out);
+}
+
+// 32 dims summed on products of two rows interleaved 16 bits at a time (unpacklo / unpackhi
+// work within 128-bit lanes: lane l of `lo` holds dim 8 (l / 4) + l % 4 of the 32, `hi` the
+// same + 4), put back in order and times s into o[0, 32).
+inline void store_pairs_in_order(float* o, __m512 lo, __m512 hi, __m512 s) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22,
+                                          23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28,
+                                           29, 30, 31);
+  _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), s));
+  _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), s));
 }
 
 // out[r] (float32, [G][D]) = sum_j p[r][j] V_j for bfloat16 V rows on bfloat16 dot products,
@@ -601,56 +629,99 @@ void values_in_pairs(int G, const RowWalk& values, int64_t len, float* scores, f
         }
       }
     }
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22,
-                                            23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28,
-                                             29, 30, 31);
     for (int r = 0; r < rows; ++r) {
       for (int i = 0; i < DV / 2; ++i) {
-        float* o = out + (r0 + r) * D + 32 * i;
-        _mm512_storeu_ps(o, _mm512_permutex2var_ps(acc[r][2 * i], first, acc[r][2 * i + 1]));
-        _mm512_storeu_ps(o + 16,
-                         _mm512_permutex2var_ps(acc[r][2 * i], second, acc[r][2 * i + 1]));
+        store_pairs_in_order(out + (r0 + r) * D + 32 * i, acc[r][2 * i], acc[r][2 * i + 1],
+                             _mm512_set1_ps(1.f));
       }
     }
   }
 }
 
-// out[r] (float32, [G][D]) = sum_j p[r][j] V_j for int8 V rows widened to float32, each
-// weight p[r][j] already times the row's scale: float32 FMAs, one key at a time.
+// out[r] (float32, [G][D]) = sum_j p[r][j] V_j for int8 V rows on int16 dot products, two
+// keys per instruction (vpdpwssd), as values_in_pairs does in bfloat16: each row r's weights
+// (already times the value scales) rounded to int16 against their largest (pq, in place over
+// the floats), the rows widened to int16 and interleaved 16 bits at a time. A lane's int32 sum
+// grows by at most 2 * 32767 * 128 a pair, so every 128 pairs it is added to `out` in float32
+// and restarted; pscale[r] turns the sums back into weights.
 template <int D>
-void values_widened(int G, const ScaledWalk& values, int64_t len, const float* scores,
-                    float* out) {
+void values_in_int16_pairs(int G, const ScaledWalk& values, int64_t len, float* scores,
+                           float* out) {
   const int64_t len16 = (len + 15) / 16 * 16;
-  constexpr int DV = D / 16;
-  constexpr int R = D == 64 ? 4 : 2;  // 16 accumulators
+  alignas(64) static const int8_t kZeroRow[kMaxHeadDim] = {};  // an odd last key's partner
+  constexpr int DV = D / 16, R = D == 64 ? 4 : 2;  // R x DV int32 accumulators: 16
+  constexpr int64_t kFlushPairs = 128;
   for (int r0 = 0; r0 < G; r0 += R) {
     const int rows = std::min(R, G - r0);
-    __m512 acc[R][DV];
+    float pscale[R];
+    for (int r = 0; r < rows; ++r) {  // row r's weights to int16 over the first half of it
+      float* sr = scores + (r0 + r) * len16;
+      __m512 mx = _mm512_setzero_ps();
+      for (int64_t j = 0; j < len16; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+      const float top = _mm512_reduce_max_ps(mx);
+      pscale[r] = top / 32767.f;
+      const __m512 inv = _mm512_set1_ps(top > 0.f ? 32767.f / top : 0.f);
+      int16_t* pq = reinterpret_cast<int16_t*>(sr);
+      for (int64_t j = 0; j < len16; j += 16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pq + j),
+                            _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(
+                                _mm512_mul_ps(_mm512_loadu_ps(sr + j), inv))));
+      }
+      for (int i = 0; i < D; ++i) out[(r0 + r) * D + i] = 0.f;
+    }
+    __m512i acc[R][DV];
+    auto flush = [&] {  // the int32 sums into out (float32), restarted
+      for (int r = 0; r < rows; ++r) {
+        for (int i = 0; i < DV; ++i) {
+          float* o = out + (r0 + r) * D + 16 * i;
+          _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_cvtepi32_ps(acc[r][i])));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_setzero_si512();
+    };
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; ++j) {
-      const int8_t* v = values.row(j);
-      __m512 vf[DV];
-      for (int i = 0; i < DV; ++i) {
-        vf[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16 * i))));
+      for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < len; j += 2) {
+      if (j > 0 && j % (2 * kFlushPairs) == 0) flush();
+      const int8_t* a = values.row(j);
+      const int8_t* b = j + 1 < len ? values.row(j + 1) : kZeroRow;
+      __m512i lo[DV / 2], hi[DV / 2];
+      for (int i = 0; i < DV / 2; ++i) {
+        const __m512i va = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * i)));
+        const __m512i vb = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * i)));
+        lo[i] = _mm512_unpacklo_epi16(va, vb);
+        hi[i] = _mm512_unpackhi_epi16(va, vb);
       }
       for (int r = 0; r < R; ++r) {
         if (r < rows) {
-          const __m512 w = _mm512_set1_ps(scores[(r0 + r) * len16 + j]);
-          for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_fmadd_ps(w, vf[i], acc[r][i]);
+          int32_t pair;  // weights j and j + 1 (the pad past len is 0)
+          std::memcpy(&pair, reinterpret_cast<const int16_t*>(scores + (r0 + r) * len16) + j,
+                      sizeof(pair));
+          const __m512i p = _mm512_set1_epi32(pair);
+          for (int i = 0; i < DV / 2; ++i) {
+            acc[r][2 * i] = _mm512_dpwssd_epi32(acc[r][2 * i], p, lo[i]);
+            acc[r][2 * i + 1] = _mm512_dpwssd_epi32(acc[r][2 * i + 1], p, hi[i]);
+          }
         }
       }
     }
-    for (int r = 0; r < rows; ++r)
-      for (int i = 0; i < DV; ++i) _mm512_storeu_ps(out + (r0 + r) * D + 16 * i, acc[r][i]);
+    flush();
+    for (int r = 0; r < rows; ++r) {  // lanes back in order, times the weights' scale
+      for (int i = 0; i < DV / 2; ++i) {
+        float* o = out + (r0 + r) * D + 32 * i;
+        store_pairs_in_order(o, _mm512_loadu_ps(o), _mm512_loadu_ps(o + 16),
+                             _mm512_set1_ps(pscale[r]));
+      }
+    }
   }
 }
 
 // Softmax of each of the G rows of scores [G][len16] (the padded tail, repeats of the last
 // key, is zeroed), then out[r] = sum_j p[r][j] * V_j: bfloat16 V in values_in_pairs, int8 V
-// in values_widened, its scale folded into the weight here.
+// in values_in_int16_pairs, its scale folded into the weight here.
 template <int D, class Walk>
 void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* out) {
   constexpr bool kInt8 = std::is_same_v<Walk, ScaledWalk>;
@@ -671,78 +742,124 @@ void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* o
     }
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
     for (int64_t j = 0; j < len16; j += 16) {
-      _mm512_storeu_ps(sr + j, _mm512_mul_ps(_mm512_loadu_ps(sr + j), inv));
-    }
-    if constexpr (kInt8) {
-      for (int64_t j = 0; j < len; ++j) sr[j] *= values.scale_of(j);
+      __m512 p = _mm512_mul_ps(_mm512_loadu_ps(sr + j), inv);
+      if constexpr (kInt8) p = _mm512_mul_ps(p, values.scales16(j, len));
+      _mm512_storeu_ps(sr + j, p);
     }
   }
   if constexpr (kInt8) {
-    values_widened<D>(G, values, len, scores, out);
+    values_in_int16_pairs<D>(G, values, len, scores, out);
   } else {
     values_in_pairs<D>(G, values, len, scores, out);
   }
 }
 
-// The same over an int8 cache: each query head is rounded to int16 with its own scale (15
-// bits; the int8 keys are exact), a score is int16 dot products (vpdpwssd: pairs of products
-// summed into 16 int32 lanes) of q and the key row widened to int16, times the two scales;
-// the values are widened to float32 (softmax_and_values). Half the bytes of bfloat16 K and V
-// read per step, which bounds decode attention at large batches.
+// Four keys' rows (D int8 each) as D / 16 registers: register c holds dims 16c .. 16c + 15
+// of key b in its 128-bit lane b (a 4 x 4 transposition of 16-byte chunks per 64 bytes).
+template <int D>
+inline void quad_of_keys(const int8_t* const* rows, __m512i* t) {
+  for (int h = 0; h < D / 64; ++h) {
+    const __m512i r0 = _mm512_loadu_si512(rows[0] + 64 * h);
+    const __m512i r1 = _mm512_loadu_si512(rows[1] + 64 * h);
+    const __m512i r2 = _mm512_loadu_si512(rows[2] + 64 * h);
+    const __m512i r3 = _mm512_loadu_si512(rows[3] + 64 * h);
+    const __m512i a = _mm512_shuffle_i64x2(r0, r1, 0x44), b = _mm512_shuffle_i64x2(r0, r1, 0xEE);
+    const __m512i c = _mm512_shuffle_i64x2(r2, r3, 0x44), d = _mm512_shuffle_i64x2(r2, r3, 0xEE);
+    t[4 * h] = _mm512_shuffle_i64x2(a, c, 0x88);
+    t[4 * h + 1] = _mm512_shuffle_i64x2(a, c, 0xDD);
+    t[4 * h + 2] = _mm512_shuffle_i64x2(b, d, 0x88);
+    t[4 * h + 3] = _mm512_shuffle_i64x2(b, d, 0xDD);
+  }
+}
+
+// The same over an int8 cache, on int8 dot products (vpdpbusd: four unsigned x signed byte
+// products summed per int32 lane). Each query head is rounded to int16 with its own scale (15
+// bits, as before: the int8 keys are exact) and split into bytes, q = 256 hi + lo with hi
+// signed and lo unsigned; a key's score is 256 (sum (k + 128) hi - 128 sum hi) + sum lo k,
+// times the two scales: two instructions a key and head at D = 64, no widening. Four keys
+// share a register, one per 128-bit lane (quad_of_keys), so their 16 partial sums fold in
+// three adds where sum16 transposes sixteen registers. The values on int16 dot products
+// (values_in_int16_pairs). Half the bytes of bfloat16 K and V read per step.
 template <int D>
 void decode_head_i8(const uint16_t* const* q, int G, ScaledWalk keys, ScaledWalk values,
-                    int64_t len, float scale, float* scores, float* out, int16_t* qi,
-                    float* qscale) {
-  constexpr int P = D / 32;  // 32 int16 (16 pairs) per instruction
+                    int64_t len, float scale, float* scores, float* out, int8_t* qbytes,
+                    float* qscale, int32_t* qbias) {
+  constexpr int C = D / 16;  // 16-byte chunks of a row
   const int64_t len16 = (len + 15) / 16 * 16;
-  for (int r = 0; r < G; ++r) {  // q_r ~ qscale[r] * qi[r] (qi [G][D], qscale [G]: buffers)
+  for (int r = 0; r < G; ++r) {  // q_r ~ qscale[r] (256 hi + lo); qbytes [G][hi D, lo D]
     const c10::BFloat16* qr = reinterpret_cast<const c10::BFloat16*>(q[r]);
     __m512 amax = _mm512_setzero_ps();
     for (int i = 0; i < D; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(qr + i)));
     const float a = _mm512_reduce_max_ps(amax);
     qscale[r] = a / 32767.f * scale;
     const __m512 inv = _mm512_set1_ps(a > 0.f ? 32767.f / a : 0.f);
+    int8_t* hi = qbytes + r * 2 * D;
+    __m512i hsum = _mm512_setzero_si512();
     for (int i = 0; i < D; i += 16) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + r * D + i),
-                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
-                              _mm512_mul_ps(load16(qr + i), inv))));
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(qr + i), inv));
+      const __m512i h = _mm512_srai_epi32(v, 8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), _mm512_cvtepi32_epi8(h));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + D + i),
+                       _mm512_cvtepi32_epi8(_mm512_and_si512(v, _mm512_set1_epi32(255))));
+      hsum = _mm512_add_epi32(hsum, h);
     }
+    qbias[r] = 32768 * _mm512_reduce_add_epi32(hsum);
   }
+  // lane 4b + a of a folded sum is key 4a + b: back in order
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
   auto prefetch_row = [](const int8_t* row) { prefetch_bytes(row, D); };
   for (int64_t j = 0; j < std::min<int64_t>(kKeysAhead, len); ++j) prefetch_row(keys.row(j));
-  alignas(64) int16_t wide[16][D];  // 16 keys widened to int16, once for the G heads
+  __m512i kt[4][C], ku[4][C];  // 16 keys by quads; ku = kt + 128 (unsigned)
   for (int64_t j0 = 0; j0 < len16; j0 += 16) {
     for (int64_t j = j0 + kKeysAhead; j < std::min(j0 + kKeysAhead + 16, len); ++j) {
       prefetch_row(keys.row(j));
     }
     for (int64_t j = j0; j < std::min(j0 + 16, len); ++j) prefetch_row(values.row(j));
-    alignas(64) float kscale[16];
-    for (int jj = 0; jj < 16; ++jj) {
-      const int64_t j = std::min(j0 + jj, len - 1);
-      const int8_t* row = keys.row(j);
-      kscale[jj] = keys.scale_of(j);
-      for (int i = 0; i < P; ++i) {
-        _mm512_store_si512(wide[jj] + 32 * i, _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                                                  reinterpret_cast<const __m256i*>(row + 32 * i))));
-      }
+    for (int64_t j = j0 + kFarAhead; j < std::min(j0 + kFarAhead + 16, len); ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(keys.row(j)), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(values.row(j)), _MM_HINT_T1);
     }
-    const __m512 ks = _mm512_load_ps(kscale);
+    const int8_t* rows[16];
+    if (keys.runs16()) {  // one block: rows past len are in it (their scores are zeroed)
+      const int8_t* first = keys.row(j0);
+      for (int jj = 0; jj < 16; ++jj) rows[jj] = first + jj * D;
+    } else {
+      for (int jj = 0; jj < 16; ++jj) rows[jj] = keys.row(std::min(j0 + jj, len - 1));
+    }
+    for (int a = 0; a < 4; ++a) {
+      quad_of_keys<D>(rows + 4 * a, kt[a]);
+      for (int c = 0; c < C; ++c) ku[a][c] = _mm512_xor_si512(kt[a][c], bias);
+    }
+    const __m512 ks = keys.scales16(j0, len);  // 0 past len
     for (int r = 0; r < G; ++r) {
-      __m512i qv[P];
-      for (int i = 0; i < P; ++i) qv[i] = _mm512_loadu_si512(qi + r * D + 32 * i);
-      __m512 dots[16];
-#pragma GCC unroll 16
-      for (int jj = 0; jj < 16; ++jj) {
-        __m512i acc = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int i = 0; i < P; ++i) {
-          acc = _mm512_dpwssd_epi32(acc, qv[i], _mm512_load_si512(wide[jj] + 32 * i));
-        }
-        dots[jj] = _mm512_cvtepi32_ps(acc);
+      const int8_t* hi = qbytes + r * 2 * D;
+      __m512i qh[C], ql[C];
+      for (int c = 0; c < C; ++c) {
+        qh[c] = _mm512_broadcast_i32x4(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi + 16 * c)));
+        ql[c] = _mm512_broadcast_i32x4(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi + D + 16 * c)));
       }
+      __m512i part[4];
+      for (int a = 0; a < 4; ++a) {
+        __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
+        for (int c = 0; c < C; ++c) {
+          sh = _mm512_dpbusd_epi32(sh, ku[a][c], qh[c]);
+          sl = _mm512_dpbusd_epi32(sl, ql[c], kt[a][c]);
+        }
+        part[a] = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
+      }
+      const __m512i x = _mm512_add_epi32(_mm512_unpacklo_epi32(part[0], part[1]),
+                                         _mm512_unpackhi_epi32(part[0], part[1]));
+      const __m512i y = _mm512_add_epi32(_mm512_unpacklo_epi32(part[2], part[3]),
+                                         _mm512_unpackhi_epi32(part[2], part[3]));
+      const __m512i z = _mm512_sub_epi32(_mm512_add_epi32(_mm512_unpacklo_epi64(x, y),
+                                                          _mm512_unpackhi_epi64(x, y)),
+                                         _mm512_set1_epi32(qbias[r]));
+      const __m512 dots = _mm512_permutexvar_ps(order, _mm512_cvtepi32_ps(z));
       _mm512_storeu_ps(scores + r * len16 + j0,
-                       _mm512_mul_ps(sum16(dots),
-                                     _mm512_mul_ps(ks, _mm512_set1_ps(qscale[r]))));
+                       _mm512_mul_ps(dots, _mm512_mul_ps(ks, _mm512_set1_ps(qscale[r]))));
     }
   }
   softmax_and_values<D>(G, values, len, scores, out);
@@ -766,8 +883,9 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
   {
     std::vector<float> scores, acc(per_kv * D);
     std::vector<const uint16_t*> qrows(per_kv);
-    std::vector<int16_t> qi(kv_scale ? per_kv * D : 0);
+    std::vector<int8_t> qbytes(kv_scale ? per_kv * 2 * D : 0);
     std::vector<float> qscale(kv_scale ? per_kv : 0);
+    std::vector<int32_t> qbias(kv_scale ? per_kv : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < members * kv_heads; ++task) {
       const int64_t m = task / kv_heads, h = task % kv_heads;
@@ -784,7 +902,8 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
                           ScaledWalk{kbase, sbase, table, block_size, D},
                           ScaledWalk{kbase + v_offset, sbase + kv_heads * num_slots, table,
                                      block_size, D},
-                          len, scale, scores.data(), acc.data(), qi.data(), qscale.data());
+                          len, scale, scores.data(), acc.data(), qbytes.data(), qscale.data(),
+                          qbias.data());
       } else {
         const uint16_t* kbase = static_cast<const uint16_t*>(kv) + h * head_stride;
         decode_head<D>(qrows.data(), static_cast<int>(per_kv),

@@ -482,7 +482,7 @@ def test_tiny_llama_float32_greedy_tokens_equal_with_and_without_kernels(tiny_ll
 
 
 @pytest.mark.parametrize(("chunk", "kv_cache_dtype"), [
-    (None, "auto"), (32, "auto"),     # whole prompts; prompts cut into chunks
+    (None, "model"), (32, "model"),   # whole prompts; prompts cut into chunks
     (32, "int8")])                    # an int8 cache: written, read in the kernels
 def test_smollm_bfloat16_kernels_agree_by_the_closeness_rule(smollm_path, chunk,
                                                              kv_cache_dtype):
@@ -520,7 +520,7 @@ def kernels_have_bf16_dot(llm: LLM) -> bool:
     return kernels is not None and kernels.has_bf16_dot
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["model", "int8"])
 def test_smollm_decode_stack_equals_the_layers(smollm_path, kv_cache_dtype):
     """The default weights on AVX-512 BF16: decode-only steps run every layer in one
     compiled call (decode_stack). Up to 8 rows the layers run the same int4 kernels in the
@@ -560,7 +560,7 @@ def test_smollm_decode_stack_equals_the_layers(smollm_path, kv_cache_dtype):
 
 
 def test_decode_stack_refuses_inputs_that_do_not_fit(smollm_path):
-    llm = LLM(str(smollm_path))
+    llm = LLM(str(smollm_path), kv_cache_dtype="model")  # bfloat16 caches, no scales
     stack = llm.engine.runner.model.decode_stack
     if stack is None:
         pytest.skip("the decode stack needs AVX-512 BF16")

@@ -45,25 +45,49 @@ def bf16_pair(smollm_path):
     """The default model in bf16 with bf16 and int8 KV, stepping 32 tokens at a time so that
     most tokens attend over cached K and V."""
     return {kv: LLM(str(smollm_path), dtype="bfloat16", kv_cache_dtype=kv,
-                    max_num_batched_tokens=32) for kv in ("auto", "int8")}
+                    max_num_batched_tokens=32) for kv in ("model", "int8")}
 
 
 def test_int8_kv_fits_at_least_1_9x_the_tokens_of_bf16(bf16_pair):
-    bf16, int8 = (bf16_pair[k].engine.cache_info for k in ("auto", "int8"))
+    bf16, int8 = (bf16_pair[k].engine.cache_info for k in ("model", "int8"))
     assert int8.num_tokens >= 1.9 * bf16.num_tokens
     assert int8.dtype == "int8" and bf16.dtype == "bfloat16"
 
 
 def test_int8_kv_greedy_tokens_agree_with_bf16_by_the_closeness_rule(bf16_pair):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
-    prompts = [bf16_pair["auto"].chat_prompt([{"role": "user", "content": p}])
+    prompts = [bf16_pair["model"].chat_prompt([{"role": "user", "content": p}])
                for p in CHAT_PROMPTS]
-    ref, got = (bf16_pair[k].generate(prompts, params) for k in ("auto", "int8"))
+    ref, got = (bf16_pair[k].generate(prompts, params) for k in ("model", "int8"))
     assert_greedy_close(ref, got)
 
 
 def test_int8_kv_perplexity_within_1_percent_of_bf16(bf16_pair):
-    ids = bf16_pair["auto"].tokenizer.encode(default_corpus(), add_special_tokens=False)[:1024]
+    ids = bf16_pair["model"].tokenizer.encode(default_corpus(), add_special_tokens=False)[:1024]
     base, quant = (perplexity(bf16_pair[k].engine, ids, window=512)["perplexity"]
-                   for k in ("auto", "int8"))
+                   for k in ("model", "int8"))
     assert abs(quant / base - 1) < 0.01, (base, quant)
+
+
+def test_the_default_cache_is_int8_where_the_kernels_read_it_and_a_fresh_prompt_sees_bf16(
+        smollm_path):
+    """kv_cache_dtype auto: int8 with int4 weights (the default) where the compiled attention
+    kernels read it (AVX-512 BF16 and VNNI), else the model's dtype (int8 and dense weights
+    keep it). A fresh prompt attends over its own k and v as computed, not as rounded into
+    the int8 cache: its first token's logprobs are the bfloat16 cache's, bit for bit; later
+    tokens read the int8 cache."""
+    auto = LLM(str(smollm_path))
+    assert LLM(str(smollm_path), quantization="int8").engine.cache_info.dtype == "bfloat16"
+    kernels = auto.engine.runner.model.model.norm.kernels
+    if kernels is None or not kernels.has_bf16_dot:
+        assert auto.engine.cache_info.dtype == "bfloat16"
+        pytest.skip("this CPU has no AVX-512 BF16 and VNNI: the cache stays bfloat16")
+    assert auto.engine.cache_info.dtype == "int8"
+    model = LLM(str(smollm_path), kv_cache_dtype="model")
+    assert model.engine.cache_info.dtype == "bfloat16"
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    prompts = [auto.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    got, want = (llm.generate(prompts, params) for llm in (auto, model))
+    for g, w in zip(got, want):
+        assert g.outputs[0].logprobs[0] == w.outputs[0].logprobs[0]
+    assert_greedy_close(want, got)

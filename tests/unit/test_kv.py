@@ -354,7 +354,7 @@ def test_kv_caches_on_huge_pages_are_zeroed_caches_of_the_asked_shape():
     from ember.engine.memory import huge_page_zeros
     from ember.runner.kv_tensors import allocate_kv_caches
     config = SimpleNamespace(num_kv_heads=2, head_dim=64, num_layers=3)
-    for kv_dtype in ("auto", "int8"):
+    for kv_dtype in ("model", "int8"):
         caches = allocate_kv_caches(config, 300, 16, torch.bfloat16, "cpu", kv_dtype,
                                     zeros=huge_page_zeros)
         plain = allocate_kv_caches(config, 300, 16, torch.bfloat16, "cpu", kv_dtype)
