@@ -72,12 +72,16 @@ class CpuKernels:
         """Whether the build also has the AVX-512 VNNI kernels (int8_linear_a8)."""
         return self.ops.has_int8_dot()
 
+    def attends_head_dim(self, head_dim: int) -> bool:
+        """Whether the AVX-512 attention kernels (prefill, and any over an int8 cache) are
+        built here for heads of this size: 64 or 128."""
+        return head_dim in PREFILL_HEAD_DIMS and self.has_bf16_dot
+
     def can_prefill(self, kv: Tensor) -> bool:
         """Whether prefill_attention (and, for int8, the other attention kernels) runs on
         this cache: a bfloat16 or int8 one with head_dim 64 or 128, on a CPU with AVX-512
         BF16."""
-        return (kv.dtype in (torch.bfloat16, torch.int8) and kv.shape[-1] in PREFILL_HEAD_DIMS
-                and self.has_bf16_dot)
+        return kv.dtype in (torch.bfloat16, torch.int8) and self.attends_head_dim(kv.shape[-1])
 
     def prefill_attention(self, q: Tensor, kv: Tensor, block_table: Tensor, seq_len: int,
                           scale: float, kv_scale: Tensor | None = None) -> Tensor:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 import torch
 
 from ember.config import CacheConfig, ModelConfig
-from ember.kernels import PREFILL_HEAD_DIMS, CpuKernels
+from ember.kernels import CpuKernels
 from ember.models.attention import PagedKV
 
 GIB = 1 << 30
@@ -24,8 +24,8 @@ def resolve_kv_cache_dtype(name: str, quantization: str, dtype: torch.dtype, hea
     An explicit choice is kept (int8 without the kernels takes the torch path)."""
     if name != "auto":
         return name
-    reads_int8 = (quantization == "int4" and kernels is not None and kernels.has_bf16_dot
-                  and dtype == torch.bfloat16 and head_dim in PREFILL_HEAD_DIMS)
+    reads_int8 = (quantization == "int4" and dtype == torch.bfloat16 and kernels is not None
+                  and kernels.attends_head_dim(head_dim))
     return "int8" if reads_int8 else "model"
 
 
