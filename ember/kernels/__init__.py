@@ -44,11 +44,13 @@ class CpuKernels:
         return self.ops.rms_norm(x, residual, weight, eps)
 
     def rope_write(self, qkv: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, slots: Tensor,
-                   heads: int, kv_heads: int, kv_scale: Tensor | None = None) -> Tensor:
+                   heads: int, kv_heads: int, kv_scale: Tensor | None = None,
+                   k_out: Tensor | None = None) -> Tensor:
         """qkv [T, (heads + 2 kv_heads) * d] -> q [T, heads, d] after RoPE; k (rotated) and v
         are written into kv [2, kv_heads, blocks, block_size, d] at `slots` [T]. With
-        `kv_scale` the cache is int8 (PagedKV's): k and v are quantized as it does."""
-        return self.ops.rope_write(qkv, cos, sin, kv, slots, heads, kv_heads, kv_scale)
+        `kv_scale` the cache is int8 (PagedKV's): k and v are quantized as it does, and
+        `k_out` [T, kv_heads, d] bfloat16, if given, receives the rotated k unrounded."""
+        return self.ops.rope_write(qkv, cos, sin, kv, slots, heads, kv_heads, kv_scale, k_out)
 
     def silu_and_mul(self, x: Tensor) -> Tensor:
         """x [T, 2n] -> silu(x[:, :n]) * x[:, n:]."""

@@ -1640,13 +1640,14 @@ inline void quantize_head(const c10::BFloat16* x, int64_t d, int8_t* q, at::Half
 
 // rope_write_impl into an int8 cache (kv int8, kv_scale [2, kv_heads, num_slots] float16):
 // the rotated k, rounded to bfloat16 first (as the torch path holds it), and v, quantized.
+// With k_out ([tokens, kv_heads, d]), the rotated k is kept there too, before its rounding.
 void rope_write_i8(const c10::BFloat16* qkv, const c10::BFloat16* cos, const c10::BFloat16* sin,
                    int8_t* kv, at::Half* kv_scale, const int64_t* slots, c10::BFloat16* q_out,
                    int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
-                   int64_t num_slots) {
+                   int64_t num_slots, c10::BFloat16* k_out = nullptr) {
   const int64_t row = (heads + 2 * kv_heads) * d, v_heads = kv_heads * num_slots;
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
-    alignas(64) c10::BFloat16 k[kMaxHeadDim];
+    alignas(64) c10::BFloat16 buffer[kMaxHeadDim];
     for (int64_t t = begin; t < end; ++t) {
       const c10::BFloat16* x = qkv + t * row;
       const c10::BFloat16* c = cos + t * d;
@@ -1657,6 +1658,7 @@ void rope_write_i8(const c10::BFloat16* qkv, const c10::BFloat16* cos, const c10
       const int64_t slot = slots[t];
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t at = h * num_slots + slot;
+        c10::BFloat16* k = k_out != nullptr ? k_out + (t * kv_heads + h) * d : buffer;
         rope_head(x + (heads + h) * d, c, sn, k, d);
         quantize_head(k, d, kv + at * d, kv_scale + at);
         quantize_head(x + (heads + kv_heads + h) * d, d, kv + (v_heads + at) * d,
@@ -1813,18 +1815,26 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor 
 
 // rope_write(qkv [T, (heads + 2 kv_heads) * d], cos, sin [T, 1, d], kv [2, kv_heads, blocks,
 // block_size, d], slots [T] int64, heads, kv_heads) -> q [T, heads, d]: rotates q and k, writes
-// k and v into the cache at `slots`, returns the rotated q.
+// k and v into the cache at `slots`, returns the rotated q. With an int8 cache, k_out [T,
+// kv_heads, d] bfloat16 receives the rotated k as well, before it is rounded to int8.
 torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                          torch::Tensor kv, torch::Tensor slots, int64_t heads,
-                         int64_t kv_heads, c10::optional<torch::Tensor> kv_scale) {
+                         int64_t kv_heads, c10::optional<torch::Tensor> kv_scale,
+                         c10::optional<torch::Tensor> k_out) {
   for (auto* t : {&qkv, &cos, &sin}) check_float(*t, "rope_write inputs");
   if (kv_scale.has_value()) {
     check_int8_cache(kv, *kv_scale);
     TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "with an int8 cache, qkv must be bfloat16");
   } else {
     check_float(kv, "kv");
+    TORCH_CHECK(!k_out.has_value(), "k_out is for an int8 cache (a bfloat16 one holds k as is)");
   }
   const int64_t tokens = qkv.size(0), d = kv.size(4);
+  if (k_out.has_value()) {
+    TORCH_CHECK(k_out->scalar_type() == at::kBFloat16 && k_out->is_contiguous() &&
+                    k_out->numel() == tokens * kv_heads * d,
+                "k_out must be [T, kv_heads, head_dim] contiguous bfloat16");
+  }
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * d && kv.dim() == 5 &&
                   kv.size(1) == kv_heads && d % 2 == 0,
               "qkv must be [T, (heads + 2 kv_heads) * head_dim] for this cache");
@@ -1846,7 +1856,8 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
     rope_write_i8(qkv.data_ptr<at::BFloat16>(), cos.data_ptr<at::BFloat16>(),
                   sin.data_ptr<at::BFloat16>(), kv.data_ptr<int8_t>(),
                   kv_scale->data_ptr<at::Half>(), slot, q.data_ptr<at::BFloat16>(), tokens,
-                  heads, kv_heads, d, num_slots);
+                  heads, kv_heads, d, num_slots,
+                  k_out.has_value() ? k_out->data_ptr<at::BFloat16>() : nullptr);
     return q;
   }
 #endif
@@ -2425,7 +2436,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("rope_write", &rope_write, "RoPE on q and k, k and v written into the paged cache",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("kv"), py::arg("slots"),
-        py::arg("heads"), py::arg("kv_heads"), py::arg("kv_scale") = py::none(), no_gil);
+        py::arg("heads"), py::arg("kv_heads"), py::arg("kv_scale") = py::none(),
+        py::arg("k_out") = py::none(), no_gil);
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU's activation: silu(gate) * up", no_gil);
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after a fused residual add", no_gil);
   m.def("decode_attention", &decode_attention, "one query per request over the paged cache",
@@ -2446,7 +2458,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x w^T with w int4 (groups of 32) in 16-row panels",
         no_gil);
 #ifdef EMBER_BF16_DOT
-  py::class_<DecodeStack>(m, "DecodeStack")
+  // module_local: two builds may share a process (an A/B of two sources loads both)
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t, int64_t, double,
                     double>())
       .def("forward", &DecodeStack::forward, "a decode step through every layer", no_gil)

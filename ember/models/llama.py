@@ -35,30 +35,27 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         if self._fused_path(qkv, kv_cache, meta):  # decodes: rotate and write in one kernel
+            # a fresh prompt chunk attends over its own k and v as computed, not their int8
+            # rounding (attend_cached): the kernel hands the rotated k back
+            new_k = qkv.new_empty(num_tokens, self.num_kv_heads, self.head_dim) \
+                if meta.fresh and kv_cache.scale is not None else None
             q = self.kernels.rope_write(qkv, cos, sin, kv_cache.data, meta.slot_mapping,
-                                        self.num_heads, self.num_kv_heads, kv_cache.scale)
-            new_kv = self._new_kv(qkv, cos, sin) if meta.fresh and kv_cache.scale is not None \
-                else None
+                                        self.num_heads, self.num_kv_heads, kv_cache.scale,
+                                        new_k)
+            new_kv = None if new_k is None else (new_k, self._v(qkv))
             out = attend_cached(q, kv_cache, meta, self.scale, self.kernels, new_kv)
             return self.o_proj(out.reshape(num_tokens, self.q_size))
         # q and k rotate together: one pass over [T, heads + kv_heads, head_dim]
         qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads,
-                                                     self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels)
+        out = paged_attention(q, k, self._v(qkv), kv_cache, meta, self.scale, self.kernels)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
-    def _new_kv(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """The step's k (rotated) and v, [T, kv_heads, head_dim] each, as computed: a fresh
-        prompt chunk attends over these rather than their int8 rounding (attend_cached)."""
-        num_tokens = qkv.shape[0]
-        k = apply_rope(qkv[:, self.q_size:self.q_size + self.kv_size].view(
-            num_tokens, self.num_kv_heads, self.head_dim).float(), cos.float(), sin.float())
-        k = k.to(qkv.dtype)  # rounded once, as rope_write rounds the k it writes
-        return k, qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads,
-                                                           self.head_dim)
+    def _v(self, qkv: Tensor) -> Tensor:
+        """v's columns of qkv as [T, kv_heads, head_dim] (a view)."""
+        return qkv[:, self.q_size + self.kv_size:].view(qkv.shape[0], self.num_kv_heads,
+                                                        self.head_dim)
 
     def _fused_path(self, qkv: Tensor, kv_cache: PagedKV, meta: AttentionMetadata) -> bool:
         """Whether the compiled kernels take this step: no bias, a cache in the activations'

@@ -176,14 +176,14 @@ class Sampler:
         masked, matchers = self._constrain(logits, requests)
         processed = process_logits(masked, batch)
         _let_finished_grammars_stop(processed, requests, matchers)
-        tokens = processed.argmax(dim=-1)
+        tokens = argmax_rows(processed)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
             probs = sampling_probs(processed[random_rows], _rows(batch, random_rows))
             noise = torch.empty_like(probs)
             for j, row in enumerate(random_rows):
                 noise[j].exponential_(generator=self._generator(requests[row]))
-            tokens[random_rows] = (probs / noise).argmax(dim=-1)
+            tokens[random_rows] = argmax_rows(probs / noise)
         token_list = tokens.tolist()
         for matcher, token_id in zip(matchers, token_list):
             if matcher is not None and not matcher.accept(token_id):
@@ -209,6 +209,30 @@ class Sampler:
             top = tuple(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist()))
             out.append(SampledLogprob(chosen[i], top))
         return out
+
+
+ARGMAX_BLOCK = 256
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """x [B, V] -> [B] long: each row's first index of its largest value, as x.argmax(-1).
+
+    torch's CPU argmax walks a long row in one scalar loop (1.1 ms for 32 x 49152 here,
+    where amax takes 0.05): so take the block of ARGMAX_BLOCK values that holds the row's
+    maximum first (the first such block: argmax of the blocks' maxima), then the argmax
+    within it. A row with NaNs may get any NaN's index (torch: the first)."""
+    b, v = x.shape
+    n = v - v % ARGMAX_BLOCK
+    if n < 8 * ARGMAX_BLOCK:   # short rows: one call is quicker
+        return x.argmax(dim=-1)
+    blocks = x[:, :n].view(b, n // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    best = blocks.amax(dim=-1).argmax(dim=-1)
+    index = best * ARGMAX_BLOCK + blocks[torch.arange(b, device=x.device), best].argmax(dim=-1)
+    if n == v:
+        return index
+    tail = x[:, n:].argmax(dim=-1) + n   # wins only when larger: the blocks come first
+    larger = x.gather(1, tail[:, None])[:, 0] > x.gather(1, index[:, None])[:, 0]
+    return torch.where(larger, tail, index)
 
 
 def _let_finished_grammars_stop(logits: Tensor, requests: list[Request],

@@ -111,6 +111,19 @@ def test_rope_write_into_an_int8_cache_quantizes_as_paged_kv_does(kernels):
     assert torch.equal(got.data[:, :, 1], want.data[:, :, 1])      # slots 4-7: only slot 7
     with pytest.raises(RuntimeError, match="kv_scale"):
         kernels.rope_write(qkv, cos, sin, got.data, slots, heads, kv_heads, got.scale.float())
+    # k_out: the rotated k before its rounding to int8, which rounds to the cache's int8 k
+    k_out = torch.empty(tokens, kv_heads, head_dim, dtype=torch.bfloat16)
+    again = PagedKV(torch.zeros_like(got.data), torch.zeros_like(got.scale))
+    q2 = kernels.rope_write(qkv, cos, sin, again.data, slots, heads, kv_heads, again.scale,
+                            k_out)
+    assert torch.equal(q2, q) and torch.equal(again.data, got.data)
+    close(k_out, qk[:, heads:], torch.bfloat16)
+    rounded = PagedKV(torch.zeros_like(got.data), torch.zeros_like(got.scale))
+    rounded.write(k_out, x[:, heads + kv_heads:], slots)
+    assert torch.equal(rounded.data, got.data) and torch.equal(rounded.scale, got.scale)
+    with pytest.raises(RuntimeError, match="k_out"):
+        kernels.rope_write(qkv, cos, sin, got.data, slots, heads, kv_heads, got.scale,
+                           k_out[:3])
 
 
 @pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 9, 3), (128, 9, 3),

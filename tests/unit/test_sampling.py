@@ -13,7 +13,8 @@ import torch
 from ember.errors import BadSamplingParams
 from ember.request import Request, SamplingParams
 from ember.sampling import processors as P
-from ember.sampling.sampler import Sampler, build_sampling_batch, process_logits
+from ember.sampling.sampler import (ARGMAX_BLOCK, Sampler, argmax_rows,
+                                    build_sampling_batch, process_logits)
 
 VOCAB = 8
 _ids = itertools.count()
@@ -184,3 +185,15 @@ def test_logprobs_are_the_model_distribution():
     assert [v for _, v in lp.top] == pytest.approx(want[[4, 0, 7]].tolist())
     _, [none] = sampler.sample(LOGITS.clone(), [req(temperature=0)])
     assert none is None
+
+
+@pytest.mark.parametrize("vocab", [1000, 8 * ARGMAX_BLOCK, 49152, 49152 + 77])
+def test_argmax_rows_is_torch_argmax_first_index_on_ties(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g).half().float()   # coarse values: natural ties
+    x[1, 3] = x[1, vocab - 1] = 50.0           # a tie across the first block and the tail
+    x[2, vocab - 1] = 60.0                     # the tail alone holds the maximum
+    x[3, ARGMAX_BLOCK + 5] = x[3, 2 * ARGMAX_BLOCK - 1] = 70.0   # a tie within one block
+    x[4] = float("-inf")                       # nothing allowed: index 0, as torch says
+    x[5, 7] = x[5, vocab // 2] = 80.0          # a tie across blocks
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
