@@ -103,17 +103,21 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) 
     return counts
 
 
-def process_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Bias, bans and penalties: what both greedy and random choice see. [B, V] float32."""
+def process_logits(logits: Tensor, batch: SamplingBatch, in_place: bool = False) -> Tensor:
+    """Bias, bans and penalties: what both greedy and random choice see. [B, V] float32.
+    With `in_place`, `logits` may be overwritten (the caller reads them no more)."""
     if batch.bias is not None:
-        logits = P.apply_logit_bias(logits, *batch.bias)
+        logits = P.apply_logit_bias(logits, *batch.bias, in_place=in_place)
+        in_place = True   # a tensor of our own from here on
     if batch.repetition is not None:
         logits = P.apply_repetition_penalty(logits, batch.seen, batch.repetition)
+        in_place = True
     if batch.counts is not None:
         logits = P.apply_presence_frequency_penalties(logits, batch.counts, batch.presence,
                                                       batch.frequency)
+        in_place = True
     if batch.banned is not None:
-        logits = P.mask_tokens(logits, *batch.banned)
+        logits = P.mask_tokens(logits, *batch.banned, in_place=in_place)
     return logits
 
 
@@ -174,7 +178,9 @@ class Sampler:
         """logits [B, V] float32, one row per request -> a token per row (+ logprobs if asked)."""
         batch = build_sampling_batch(requests, logits.shape[-1], logits.device)
         masked, matchers = self._constrain(logits, requests)
-        processed = process_logits(masked, batch)
+        # the model's own logits are read again only for logprobs; a masked copy never
+        processed = process_logits(masked, batch,
+                                   in_place=masked is not logits or batch.num_logprobs is None)
         _let_finished_grammars_stop(processed, requests, matchers)
         tokens = argmax_rows(processed)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]

@@ -185,6 +185,21 @@ def test_logprobs_are_the_model_distribution():
     assert [v for _, v in lp.top] == pytest.approx(want[[4, 0, 7]].tolist())
     _, [none] = sampler.sample(LOGITS.clone(), [req(temperature=0)])
     assert none is None
+    # a bias (applied in place where no logprobs are asked) never reaches them either
+    [token], [lp] = sampler.sample(LOGITS.clone(), [req(temperature=0, logprobs=1,
+                                                       logit_bias={7: 100.0})])
+    assert token == 7 and lp.logprob == pytest.approx(float(want[7]))
+
+
+def test_in_place_processing_equals_the_copy():
+    biases = [{1: 2.0, 3: -1.5}, None, {0: 0.25, 7: -100.0}]
+    requests = [req(temperature=0, logit_bias=b, min_tokens=2) for b in biases]
+    batch = build_sampling_batch(requests, VOCAB, torch.device("cpu"))
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
+    want = process_logits(logits, batch)
+    mine = logits.clone()
+    assert process_logits(mine, batch, in_place=True) is mine
+    assert torch.equal(mine, want) and not torch.equal(logits, want)
 
 
 @pytest.mark.parametrize("vocab", [1000, 8 * ARGMAX_BLOCK, 49152, 49152 + 77])
