@@ -175,7 +175,8 @@ class Sampler:
 
     def sample(self, logits: Tensor, requests: list[Request]
                ) -> tuple[list[int], list[SampledLogprob | None]]:
-        """logits [B, V] float32, one row per request -> a token per row (+ logprobs if asked)."""
+        """logits [B, V] float32, one row per request -> a token per row (+ logprobs if asked).
+        Overwrites `logits` where no row asks for logprobs (the runner reads them no more)."""
         batch = build_sampling_batch(requests, logits.shape[-1], logits.device)
         masked, matchers = self._constrain(logits, requests)
         # the model's own logits are read again only for logprobs; a masked copy never

@@ -1,0 +1,142 @@
+"""Two builds of ember/kernels/cpu_ops.cpp in one process, call against call.
+
+    .venv/bin/python benchmarks/kernel_ab.py --old-source OLD.cpp [--new-source NEW.cpp]
+        [--rows 32] [--steps 120] [--out results/kernel_ab.json]
+
+This machine's speed drifts by 10-30% from hour to hour, so two processes run one after the
+other compare the hours as much as the code. Here both sources are built as extensions of
+their own (`git show HEAD~1:ember/kernels/cpu_ops.cpp > OLD.cpp` gives the previous commit's),
+one engine on the default model serves both, and each decode step alternates between the two
+builds' decode stacks (the order flips every step), `--rows` requests of U(250, 350)-token
+prompts decoding. Reported per build: the decode stack's time per step and the output
+projection's (int8_linear_a8 on the model's head, `--rows` rows), with the median and
+quartiles of the paired ratios new / old. The engine's other kernels come from NEW (the
+installed source by default).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch.utils.cpp_extension import load
+
+from ember.bench.workloads import default_corpus
+from ember.config import EngineConfig
+from ember.engine.core import EngineCore
+from ember.kernels import SOURCE, CpuKernels, _put_ninja_on_path
+from ember.models.llama import _build_decode_stack
+from ember.request import RequestOptions, SamplingParams
+
+
+GLOBAL_CLASS = 'py::class_<DecodeStack>(m, "DecodeStack")'
+
+
+def build(name: str, source: Path, folder: Path) -> ModuleType:
+    """`source` built as extension `name`. Sources older than the change that made the
+    DecodeStack class module-local are copied with it made so: two builds registering the
+    class globally cannot share a process."""
+    text = source.read_text()
+    if GLOBAL_CLASS in text:
+        source = folder / f"{name}.cpp"
+        source.write_text(text.replace(GLOBAL_CLASS, GLOBAL_CLASS[:-1] +
+                                       ", py::module_local())"))
+    _put_ninja_on_path()
+    return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native",
+                                                                 "-fopenmp"],
+                extra_ldflags=["-fopenmp"])
+
+
+class TimedStack:
+    """A decode stack whose forward times itself into `times` while `on[0]`."""
+
+    def __init__(self, stack, times: list[float], on: list[bool]) -> None:
+        self.stack, self.times, self.on = stack, times, on
+
+    def forward(self, *args):
+        start = time.perf_counter()
+        out = self.stack.forward(*args)
+        if self.on[0]:
+            self.times.append(time.perf_counter() - start)
+        return out
+
+
+def summary(old: list[float], new: list[float]) -> dict:
+    ratios = sorted(b / a for a, b in zip(old, new))
+    quartile = lambda f: ratios[round(f * (len(ratios) - 1))]  # noqa: E731
+    return {"old_ms_median": statistics.median(old) * 1e3,
+            "new_ms_median": statistics.median(new) * 1e3,
+            "old_ms_mean": statistics.mean(old) * 1e3, "new_ms_mean": statistics.mean(new) * 1e3,
+            "new_over_old_p25": quartile(0.25), "new_over_old_p50": quartile(0.5),
+            "new_over_old_p75": quartile(0.75), "pairs": len(ratios)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old-source", type=Path, required=True)
+    ap.add_argument("--new-source", type=Path, default=SOURCE)
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=120, help="pairs of steps per round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        builds = {"old": build("ember_ab_old", args.old_source, Path(folder)),
+                  "new": build("ember_ab_new", args.new_source, Path(folder))}
+    core = EngineCore(EngineConfig.from_options())
+    model = core.runner.model
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    head_times: dict[str, list[float]] = {"old": [], "new": []}
+    on = [False]
+    stacks = {}
+    for name, ops in builds.items():
+        model.decode_stack = _build_decode_stack(model, CpuKernels(ops))
+        if model.decode_stack is None:
+            raise SystemExit("no decode stack here (it needs AVX-512 BF16 and int4 weights)")
+        model.use_int8_decode()
+        stacks[name] = TimedStack(model.decode_stack, times[name], on)
+    head = model.lm_head
+    x = torch.randn(args.rows, head.in_features, dtype=torch.bfloat16)
+    ids = core.tokenizer.encode(default_corpus())
+    rng = random.Random(0)
+    for round_ in range(args.rounds):
+        requests = []
+        for i in range(args.rows):
+            n = rng.randint(250, 350)
+            start = rng.randrange(0, len(ids) - n)
+            requests.append(core.add_request(
+                f"r{round_}-{i}", ids[start:start + n],
+                SamplingParams(temperature=0, max_tokens=2 * args.steps + 20, ignore_eos=True),
+                RequestOptions(prefix_cache=False)))
+        while not all(r.output_token_ids for r in requests):
+            core.step()
+        on[0] = True
+        for step in range(args.steps):
+            for name in ("old", "new") if step % 2 == 0 else ("new", "old"):
+                model.decode_stack = stacks[name]
+                core.step()
+                if head.act_group is not None:
+                    start = time.perf_counter()
+                    builds[name].int8_linear_a8(x, head.packed, head.scales, head.act_group)
+                    head_times[name].append(time.perf_counter() - start)
+        on[0] = False
+        while core.has_unfinished():
+            core.step()
+    result = {"rows": args.rows, "old_source": str(args.old_source),
+              "new_source": str(args.new_source), "decode_stack": summary(times["old"], times["new"])}
+    if head_times["old"]:
+        result["output_projection"] = summary(head_times["old"], head_times["new"])
+    print(json.dumps(result, indent=1))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
