@@ -1,4 +1,5 @@
-"""Pure functions (logits, state) -> logits. Every tensor is [batch, vocab] unless noted."""
+"""Functions (logits, state) -> logits. Every tensor is [batch, vocab] unless noted. They return
+a new tensor, except where `in_place` lets the sparse ones (bias, bans) write into theirs."""
 from __future__ import annotations
 
 import torch
