@@ -232,7 +232,7 @@ def argmax_rows(x: Tensor) -> Tensor:
     n = v - v % ARGMAX_BLOCK
     if n < 8 * ARGMAX_BLOCK:   # short rows: one call is quicker
         return x.argmax(dim=-1)
-    blocks = x[:, :n].view(b, n // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    blocks = x[:, :n].reshape(b, n // ARGMAX_BLOCK, ARGMAX_BLOCK)   # a view where x allows
     best = blocks.amax(dim=-1).argmax(dim=-1)
     index = best * ARGMAX_BLOCK + blocks[torch.arange(b, device=x.device), best].argmax(dim=-1)
     if n == v:

@@ -212,3 +212,5 @@ def test_argmax_rows_is_torch_argmax_first_index_on_ties(vocab):
     x[4] = float("-inf")                       # nothing allowed: index 0, as torch says
     x[5, 7] = x[5, vocab // 2] = 80.0          # a tie across blocks
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    strided = x.t().contiguous().t()           # the same rows, not contiguous
+    assert torch.equal(argmax_rows(strided), x.argmax(dim=-1))
