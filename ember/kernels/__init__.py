@@ -192,11 +192,13 @@ def _cpu_key() -> str:
     return hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:10]
 
 
-def build_cpu_ops(verbose: bool = False) -> ModuleType:
-    """Compile (or load the cached build of) cpu_ops.cpp. Raises on a failed build."""
+def build_cpu_ops(verbose: bool = False, source: Path = SOURCE, name: str | None = None
+                  ) -> ModuleType:
+    """Compile (or load the cached build of) cpu_ops.cpp, or another `source` of it as
+    extension `name` (benchmarks/kernel_ab.py builds two). Raises on a failed build."""
     from torch.utils.cpp_extension import load
     _put_ninja_on_path()
-    return load(name=f"ember_cpu_ops_{_cpu_key()}", sources=[str(SOURCE)],
+    return load(name=name or f"ember_cpu_ops_{_cpu_key()}", sources=[str(source)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=verbose)
 

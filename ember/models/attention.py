@@ -216,7 +216,7 @@ def attend_cached(q: Tensor, kv_cache: PagedKV, meta: AttentionMetadata, scale: 
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         if kv_cache.scale is not None and new_kv is not None:
             k, v = new_kv  # the chunk's own k and v as one bfloat16 block: [2, kv_heads, 1, n, d]
-            own = torch.stack((k[rows], v[rows])).transpose(1, 2).unsqueeze(2).contiguous()
+            own = torch.stack((k[rows].transpose(0, 1), v[rows].transpose(0, 1))).unsqueeze(2)
             out[rows] = kernels.prefill_attention(q[rows], own, ONE_BLOCK, chunk.num_tokens,
                                                   scale)
             continue
