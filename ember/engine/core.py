@@ -83,6 +83,7 @@ class EngineCore:
             model = apply_quantization(load_model(files, self.model_config, self.dtype,
                                                   config.device), self.quantization, kernels)
         model.use_kernels(kernels)
+        model.cache_rope(self.max_model_len, self.dtype)
         if self.prefill_matmul == "int8":  # bfloat16 copies out before the KV cache comes
             prepare_int8_prefill(model)
         del files  # the file's metadata (~170 MB of Python objects for a GGUF) goes now,

@@ -1066,8 +1066,8 @@ namespace int4w {
 
 constexpr int kPanel = 16, kGroupK = 32;
 
-// R input rows against P panels (P x 2 chains of dot products per row, so that the
-// instruction's latency is hidden even at one row).
+// R input rows against P panels (P x 2 x S chains of dot products per row, S = 2 where
+// P = 1 and R <= 2, so that the instruction's latency is hidden even at one row).
 // While they run, `ahead` panels at pf_q / pf_sm are prefetched, a group's share per group:
 // the weights stream from DRAM (they do not fit in cache), and the hardware prefetcher alone
 // leaves a step's weight reads at ~30 GB/s where a plain read reaches ~50-70.
@@ -1088,9 +1088,12 @@ void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t
       _mm_prefetch(pf_q + (g * ahead * 4 + i) * 64, _MM_HINT_T0);
     }
     for (int64_t i = 0; i < ahead; ++i) _mm_prefetch(pf_sm + (g * ahead + i) * 64, _MM_HINT_T0);
-    __m512 even[R][P], odd[R][P];
-    for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < P; ++j) even[r][j] = odd[r][j] = _mm512_setzero_ps();
+    constexpr int S = P == 1 && R <= 2 ? 2 : 1;   // chains per operand half
+    __m512 even[S][R][P], odd[S][R][P];
+    for (int s = 0; s < S; ++s) {
+      for (int r = 0; r < R; ++r) {
+        for (int j = 0; j < P; ++j) even[s][r][j] = odd[s][r][j] = _mm512_setzero_ps();
+      }
     }
     for (int c = 0; c < 8; ++c) {
       for (int j = 0; j < P; ++j) {
@@ -1101,8 +1104,16 @@ void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t
         const __m512bh b1 = simd::as_bh(_mm512_or_si512(_mm512_srli_epi16(w, 4), bias));
         for (int r = 0; r < R; ++r) {
           const uint16_t* xr = x + r * x_stride + g * kGroupK + 4 * c;
-          even[r][j] = _mm512_dpbf16_ps(even[r][j], simd::pair_of(xr), b0);
-          odd[r][j] = _mm512_dpbf16_ps(odd[r][j], simd::pair_of(xr + 2), b1);
+          even[c % S][r][j] = _mm512_dpbf16_ps(even[c % S][r][j], simd::pair_of(xr), b0);
+          odd[c % S][r][j] = _mm512_dpbf16_ps(odd[c % S][r][j], simd::pair_of(xr + 2), b1);
+        }
+      }
+    }
+    for (int s = 1; s < S; ++s) {
+      for (int r = 0; r < R; ++r) {
+        for (int j = 0; j < P; ++j) {
+          even[0][r][j] = _mm512_add_ps(even[0][r][j], even[s][r][j]);
+          odd[0][r][j] = _mm512_add_ps(odd[0][r][j], odd[s][r][j]);
         }
       }
     }
@@ -1113,7 +1124,7 @@ void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t
       const __m512 min = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), scale,  // min - 128 scale
                                           simd::load16(group_sm + kPanel));
       for (int r = 0; r < R; ++r) {
-        acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(even[r][j], odd[r][j]), scale, acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(even[0][r][j], odd[0][r][j]), scale, acc[r][j]);
         acc[r][j] = _mm512_fmadd_ps(min, _mm512_set1_ps(xsum[r * groups + g]), acc[r][j]);
       }
     }
@@ -1151,9 +1162,14 @@ void run_panels(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t 
   for (; p < end; ++p) run(std::integral_constant<int, 1>{}, p);
 }
 
-// More panels at once where fewer rows leave registers free (R x P x 3 accumulators).
+// Panels multiplied at once. At one or two rows (the weights' bytes bound the step) one: a
+// thread then reads its panels as one stream, where four panels side by side made four
+// short streams that DRAM served at ~0.8x the rate (a batch-1 decode step 0.83x the time
+// with one; docs/benchmarks.md); the latency of the dot products is hidden by two chains per
+// operand half instead (S in panels_rows). At 3-4 rows the products bound it and two panels
+// at once keep the registers busy (R x P x 3 accumulators).
 template <int R>
-constexpr int kPanelsAtOnce = R == 1 ? 4 : R == 2 ? 3 : R <= 4 ? 2 : 1;
+constexpr int kPanelsAtOnce = R <= 2 ? 1 : R <= 4 ? 2 : 1;
 
 // The weight a caller multiplies next (DecodeStack: the next projection), or none.
 struct Next {

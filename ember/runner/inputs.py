@@ -18,6 +18,7 @@ compiled decode stack, which attends them in one call whatever their lengths.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,8 @@ class ModelInputs:
     input_ids: Tensor        # [T] long
     positions: Tensor        # [T] long
     attn: AttentionMetadata
-    logits_indices: Tensor   # [S] long: rows whose next-token distribution is sampled
+    logits_indices: Tensor | None  # [S] long: rows whose next-token distribution is
+    #                                sampled; None: every row, in order (a step of decodes)
     sampling_requests: list[Request]  # [S], in the order of logits_indices
 
 
@@ -81,73 +83,115 @@ def _cheap_enough(group: list[_Member]) -> bool:
     return padded <= GROUP_WASTE * sum(x.num_new * x.seq_len for x in group)
 
 
-def _block_tables(members: list[_Member], block_size: int) -> Tensor:
-    """[G, widest] long: each member's context blocks, 0-padded."""
+class _LongColumns:
+    """A step's int64 index columns, gathered as lists and made into one tensor, then handed
+    back as views: one allocation and one copy to the device instead of one per column. In a
+    decode step each torch call costs tens of microseconds (the weights have just streamed
+    through the caches), and a batch-1 step made ten of these."""
+
+    def __init__(self) -> None:
+        self._values: list[int] = []
+        self._shapes: list[tuple[int, ...]] = []
+
+    def add(self, values: list[int], shape: tuple[int, ...] | None = None) -> int:
+        """Queue `values` (laid out as `shape`, default flat); returns its index in build()."""
+        self._values.extend(values)
+        self._shapes.append(shape if shape is not None else (len(values),))
+        return len(self._shapes) - 1
+
+    def build(self, device: torch.device) -> list[Tensor]:
+        flat = torch.tensor(self._values, dtype=torch.long, device=device)
+        sizes = [math.prod(shape) for shape in self._shapes]
+        return [t if len(shape) == 1 else t.view(shape)
+                for t, shape in zip(flat.split(sizes), self._shapes)]
+
+
+def _block_tables(members: list[_Member], block_size: int, columns: _LongColumns) -> int:
+    """[G, widest]: each member's context blocks, 0-padded (queued in `columns`)."""
     width = max(cdiv(m.seq_len, block_size) for m in members)
-    return torch.tensor([m.block_ids[:cdiv(m.seq_len, block_size)] +
-                         [0] * (width - cdiv(m.seq_len, block_size)) for m in members],
-                        dtype=torch.long)
+    table: list[int] = []
+    for m in members:
+        used = cdiv(m.seq_len, block_size)
+        table += m.block_ids[:used] + [0] * (width - used)
+    return columns.add(table, (len(members), width))
 
 
-def build_group(members: list[_Member], block_size: int, device: torch.device,
-                num_rows: int) -> AttentionGroup:
-    """One group's tensors; `num_rows` is the step's flat batch size. Plain lists first:
-    a step of decodes (every member one new token) builds in a few small tensors."""
+@dataclass(frozen=True)
+class _GroupColumns:
+    """One group's columns, queued; group() makes the AttentionGroup once they are built."""
+
+    rows: int
+    valid: int
+    tables: int
+    out_rows: int
+    seq_lens: int
+    num_new: int
+    whole_batch: bool
+    lone: tuple[int, int] | None
+
+    def group(self, built: list[Tensor], block_size: int) -> AttentionGroup:
+        return AttentionGroup(built[self.rows], built[self.valid].bool(), built[self.tables],
+                              built[self.out_rows], built[self.seq_lens], built[self.num_new],
+                              block_size, self.whole_batch, self.lone)
+
+
+def queue_group(members: list[_Member], block_size: int, num_rows: int,
+                columns: _LongColumns) -> _GroupColumns:
+    """One group's index lists, queued in `columns`; `num_rows` is the step's flat batch size."""
     max_n = max(m.num_new for m in members)
     row_lists = [[m.row + min(i, m.num_new - 1) for i in range(max_n)] for m in members]
-    rows = torch.tensor(row_lists, dtype=torch.long)
-    tables = _block_tables(members, block_size)
-    seq_lens = torch.tensor([m.seq_len for m in members], dtype=torch.long)
-    num_new = torch.tensor([m.num_new for m in members], dtype=torch.long)
-    no_padding = all(m.num_new == max_n for m in members)
-    if no_padding:
-        valid, out_rows = torch.ones(rows.shape, dtype=torch.bool), rows.view(-1)
-    else:
-        valid = torch.arange(max_n)[None, :] < num_new[:, None]
-        out_rows = rows[valid]
-    whole_batch = no_padding and [r for rs in row_lists for r in rs] == list(range(num_rows))
+    flat_rows = [r for rs in row_lists for r in rs]
+    valid = [int(i < m.num_new) for m in members for i in range(max_n)]
+    out_rows = [r for r, ok in zip(flat_rows, valid) if ok]
+    whole_batch = len(out_rows) == len(flat_rows) and flat_rows == list(range(num_rows))
     lone = (members[0].row, members[0].seq_len) if len(members) == 1 else None
-    return AttentionGroup(rows.to(device), valid.to(device), tables.to(device),
-                          out_rows.to(device), seq_lens.to(device), num_new.to(device),
-                          block_size, whole_batch, lone)
+    return _GroupColumns(columns.add(flat_rows, (len(members), max_n)),
+                         columns.add(valid, (len(members), max_n)),
+                         _block_tables(members, block_size, columns), columns.add(out_rows),
+                         columns.add([m.seq_len for m in members]),
+                         columns.add([m.num_new for m in members]), whole_batch, lone)
 
 
 def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    fresh: list[FreshChunk] = []
+    fresh: list[tuple[int, int, int]] = []   # row, tokens, block table column
     members: list[_Member] = []
     logits_rows: list[int] = []
     sampling: list[Request] = []
+    columns = _LongColumns()
     for item in plan.scheduled:
         row = len(token_ids)
         token_ids.extend(item.request.all_token_ids[item.start:item.end])
         positions.extend(range(item.start, item.end))
         slots.extend(_slots(item, block_size))
         if item.start == 0 and item.num_new_tokens > 1:
-            table = item.block_ids[:cdiv(item.end, block_size)]
-            fresh.append(FreshChunk(row, item.num_new_tokens,
-                                    torch.tensor(table, dtype=torch.long, device=device)))
+            table = columns.add(item.block_ids[:cdiv(item.end, block_size)])
+            fresh.append((row, item.num_new_tokens, table))
         else:
             members.append(_Member(row, item.num_new_tokens, item.end, item.block_ids))
         if item.samples:
             logits_rows.append(row + item.num_new_tokens - 1)
             sampling.append(item.request)
-
-    def as_long(values: list[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    groups = [build_group(g, block_size, device, len(token_ids))
+    queued = [queue_group(g, block_size, len(token_ids), columns)
               for g in group_members(members)]
-    decodes = None
+    decode_columns = None
     if not fresh and all(m.num_new == 1 for m in members):
-        if len(groups) == 1 and groups[0].whole_batch:  # the usual case: that group is it
-            decodes = DecodeBatch(groups[0].block_tables, groups[0].seq_lens)
+        if len(queued) == 1 and queued[0].whole_batch:  # the usual case: that group is it
+            decode_columns = (queued[0].tables, queued[0].seq_lens)
         else:
-            decodes = DecodeBatch(_block_tables(members, block_size).to(device),
-                                  as_long([m.seq_len for m in members]))
-    attn = AttentionMetadata(slot_mapping=as_long(slots), fresh=fresh, groups=groups,
-                             decodes=decodes)
-    return ModelInputs(as_long(token_ids), as_long(positions), attn, as_long(logits_rows),
-                       sampling)
+            decode_columns = (_block_tables(members, block_size, columns),
+                              columns.add([m.seq_len for m in members]))
+    flat = [columns.add(c) for c in (token_ids, positions, slots)]
+    # a step whose every row samples, in order, takes its logits from all of them
+    logits = None if logits_rows == list(range(len(token_ids))) else columns.add(logits_rows)
+    built = columns.build(device)
+    decodes = None if decode_columns is None else \
+        DecodeBatch(built[decode_columns[0]], built[decode_columns[1]])
+    attn = AttentionMetadata(
+        slot_mapping=built[flat[2]],
+        fresh=[FreshChunk(row, n, built[table]) for row, n, table in fresh],
+        groups=[g.group(built, block_size) for g in queued], decodes=decodes)
+    return ModelInputs(built[flat[0]], built[flat[1]], attn,
+                       None if logits is None else built[logits], sampling)

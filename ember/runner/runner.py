@@ -32,7 +32,9 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         if not inputs.sampling_requests:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return inputs.sampling_requests, self.model.compute_logits(hidden[inputs.logits_indices])
+        if inputs.logits_indices is not None:
+            hidden = hidden[inputs.logits_indices]
+        return inputs.sampling_requests, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def forward_all(self, plan: SchedulerOutput) -> tuple[ModelInputs, Tensor]:
