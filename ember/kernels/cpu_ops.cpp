@@ -534,13 +534,12 @@ constexpr int64_t kKeysAhead = 16;
 constexpr int64_t kFarAhead = 32;
 
 template <int D, class Walk>
-void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* out,
-                        float* stats);
+void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* out);
 
 // out[r] (float32, [G][D]) = softmax(scale * q_r . K) V over the first len cached tokens.
 template <int D>
 void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, int64_t len,
-                 float scale, float* scores, float* out, float* stats) {
+                 float scale, float* scores, float* out) {
   constexpr int P = D / 32;  // 32 bfloat16 (16 pairs) per instruction
   const int64_t len16 = (len + 15) / 16 * 16;
   // the cache is cold in a step (the weights streamed through since this layer last ran):
@@ -571,7 +570,7 @@ void decode_head(const uint16_t* const* q, int G, RowWalk keys, RowWalk values, 
                        _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale)));
     }
   }
-  softmax_and_values<D>(G, values, len, scores, out, stats);
+  softmax_and_values<D>(G, values, len, scores, out);
 }
 
 // 32 dims summed on products of two rows interleaved 16 bits at a time (unpacklo / unpackhi
@@ -724,8 +723,7 @@ void values_in_int16_pairs(int G, const ScaledWalk& values, int64_t len, float* 
 // key, is zeroed), then out[r] = sum_j p[r][j] * V_j: bfloat16 V in values_in_pairs, int8 V
 // in values_in_int16_pairs, its scale folded into the weight here.
 template <int D, class Walk>
-void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* out,
-                        float* stats) {
+void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* out) {
   constexpr bool kInt8 = std::is_same_v<Walk, ScaledWalk>;
   const int64_t len16 = (len + 15) / 16 * 16;
   for (int r = 0; r < G; ++r) {
@@ -742,12 +740,7 @@ void softmax_and_values(int G, Walk values, int64_t len, float* scores, float* o
       _mm512_storeu_ps(sr + j, e);
       sum = _mm512_add_ps(sum, e);
     }
-    const float total = _mm512_reduce_add_ps(sum);
-    if (stats != nullptr) {   // for merging with other parts of the context
-      stats[2 * r] = _mm512_reduce_max_ps(mx);
-      stats[2 * r + 1] = total;
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / total);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
     for (int64_t j = 0; j < len16; j += 16) {
       __m512 p = _mm512_mul_ps(_mm512_loadu_ps(sr + j), inv);
       if constexpr (kInt8) p = _mm512_mul_ps(p, values.scales16(j, len));
@@ -790,7 +783,7 @@ inline void quad_of_keys(const int8_t* const* rows, __m512i* t) {
 template <int D>
 void decode_head_i8(const uint16_t* const* q, int G, ScaledWalk keys, ScaledWalk values,
                     int64_t len, float scale, float* scores, float* out, int8_t* qbytes,
-                    float* qscale, int32_t* qbias, float* stats) {
+                    float* qscale, int32_t* qbias) {
   constexpr int C = D / 16;  // 16-byte chunks of a row
   const int64_t len16 = (len + 15) / 16 * 16;
   for (int r = 0; r < G; ++r) {  // q_r ~ qscale[r] (256 hi + lo); qbytes [G][hi D, lo D]
@@ -869,49 +862,7 @@ void decode_head_i8(const uint16_t* const* q, int G, ScaledWalk keys, ScaledWalk
                        _mm512_mul_ps(dots, _mm512_mul_ps(ks, _mm512_set1_ps(qscale[r]))));
     }
   }
-  softmax_and_values<D>(G, values, len, scores, out, stats);
-}
-
-// Parts a head's context is cut into for a step of `tasks` (request, KV head) pairs: where
-// they are fewer than twice the threads the last thread to finish holds the step (batch 1 on
-// the default model: 3 heads on 2 threads), so each head's context is cut into parts of whole
-// blocks (at least kMinPart tokens each), each part's softmax taken on its own and the parts
-// merged by their maxima and sums (flash-decoding's split of the keys).
-constexpr int64_t kMinPart = 64;
-
-int64_t context_parts(int64_t tasks, int64_t longest, int threads) {
-  if (threads == 1 || tasks >= 2 * threads) return 1;
-  const int64_t want = (2 * threads + tasks - 1) / tasks;
-  return std::max<int64_t>(1, std::min(want, longest / kMinPart));
-}
-
-// out[r] = sum_k w_k out_k[r] / sum_k w_k with w_k = sum_k exp(max_k - max): the softmax over
-// the whole context from each part's own (parts with no keys: max -inf, sum 0).
-template <int D>
-void merge_parts(const float* parts_out, const float* stats, int64_t parts, int G,
-                 int64_t part_stride, uint16_t* out, int64_t out_stride) {
-  for (int r = 0; r < G; ++r) {
-    float mx = -INFINITY;
-    for (int64_t k = 0; k < parts; ++k) mx = std::max(mx, stats[k * 2 * G + 2 * r]);
-    __m512 acc[D / 16];
-    for (int i = 0; i < D / 16; ++i) acc[i] = _mm512_setzero_ps();
-    float total = 0.f;
-    for (int64_t k = 0; k < parts; ++k) {
-      const float sum = stats[k * 2 * G + 2 * r + 1];
-      if (sum == 0.f) continue;
-      const float w = sum * std::exp(stats[k * 2 * G + 2 * r] - mx);
-      total += w;
-      const float* o = parts_out + k * part_stride + r * D;
-      for (int i = 0; i < D / 16; ++i) {
-        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(o + 16 * i), acc[i]);
-      }
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / total);
-    for (int i = 0; i < D / 16; ++i) {
-      store16(reinterpret_cast<c10::BFloat16*>(out + r * out_stride + 16 * i),
-              _mm512_mul_ps(acc[i], inv));
-    }
-  }
+  softmax_and_values<D>(G, values, len, scores, out);
 }
 
 // q [members, heads, D] (strided), kv [2, kv_heads, blocks, block_size, D]: bfloat16, or int8
@@ -926,20 +877,9 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
   const int64_t per_kv = heads / kv_heads;
   const int64_t num_slots = num_blocks * block_size, head_stride = num_slots * D;
   const int64_t v_offset = kv_heads * head_stride;  // K then V
-  const int threads = at::get_num_threads();
-  int64_t longest = 0;
-  for (int64_t m = 0; m < members; ++m) longest = std::max(longest, seq_lens[m]);
-  const int64_t parts = context_parts(members * kv_heads, longest, threads);
-  // a part's keys: whole blocks, and a multiple of 16 (the kernels' tile of keys)
-  const int64_t unit = block_size % 16 == 0 ? block_size : block_size * 16;
-  const int64_t part_len = (longest + parts - 1) / parts;
-  const int64_t chunk = parts == 1 ? longest : (part_len + unit - 1) / unit * unit;
-  const int64_t part_stride = per_kv * D;
-  std::vector<float> parts_out(parts > 1 ? members * kv_heads * parts * part_stride : 0);
-  std::vector<float> stats(parts > 1 ? members * kv_heads * parts * 2 * per_kv : 0);
   // requests' contexts differ in length: tasks are handed out as threads come free
   // (a static split into equal counts left one thread waiting at the end)
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> scores, acc(per_kv * D);
     std::vector<const uint16_t*> qrows(per_kv);
@@ -947,25 +887,14 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
     std::vector<float> qscale(kv_scale ? per_kv : 0);
     std::vector<int32_t> qbias(kv_scale ? per_kv : 0);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < members * kv_heads * parts; ++task) {
-      const int64_t pair = task / parts, part = task % parts;
-      const int64_t m = pair / kv_heads, h = pair % kv_heads;
-      const int64_t first = part * chunk;
-      const int64_t len = std::min(seq_lens[m], first + chunk) - first;
-      float* part_stats = parts > 1 ? stats.data() + task * 2 * per_kv : nullptr;
-      if (len <= 0) {   // this request's context ends before the part
-        for (int64_t p = 0; p < per_kv; ++p) {
-          part_stats[2 * p] = -INFINITY;
-          part_stats[2 * p + 1] = 0.f;
-        }
-        continue;
-      }
-      const int64_t* table = block_tables + m * max_blocks + first / block_size;
+    for (int64_t task = 0; task < members * kv_heads; ++task) {
+      const int64_t m = task / kv_heads, h = task % kv_heads;
+      const int64_t len = seq_lens[m];
+      const int64_t* table = block_tables + m * max_blocks;
       for (int64_t p = 0; p < per_kv; ++p) {
         qrows[p] = q + m * q_stride_m + (h * per_kv + p) * q_stride_h;
       }
       scores.resize(per_kv * ((len + 15) / 16 * 16));
-      float* result = parts > 1 ? parts_out.data() + task * part_stride : acc.data();
       if (kv_scale) {
         const int8_t* kbase = static_cast<const int8_t*>(kv) + h * head_stride;
         const at::Half* sbase = kv_scale + h * num_slots;
@@ -973,30 +902,21 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
                           ScaledWalk{kbase, sbase, table, block_size, D},
                           ScaledWalk{kbase + v_offset, sbase + kv_heads * num_slots, table,
                                      block_size, D},
-                          len, scale, scores.data(), result, qbytes.data(), qscale.data(),
-                          qbias.data(), part_stats);
+                          len, scale, scores.data(), acc.data(), qbytes.data(), qscale.data(),
+                          qbias.data());
       } else {
         const uint16_t* kbase = static_cast<const uint16_t*>(kv) + h * head_stride;
         decode_head<D>(qrows.data(), static_cast<int>(per_kv),
                        RowWalk{kbase, table, block_size, D},
                        RowWalk{kbase + v_offset, table, block_size, D}, len, scale,
-                       scores.data(), result, part_stats);
+                       scores.data(), acc.data());
       }
-      if (parts > 1) continue;
       for (int64_t p = 0; p < per_kv; ++p) {
         uint16_t* o = out + (m * heads + h * per_kv + p) * D;
         for (int i = 0; i < D; i += 16) {
           store16(reinterpret_cast<c10::BFloat16*>(o + i),
                   _mm512_loadu_ps(acc.data() + p * D + i));
         }
-      }
-    }
-    if (parts > 1) {   // the loop's end waits for every part
-#pragma omp for schedule(static)
-      for (int64_t pair = 0; pair < members * kv_heads; ++pair) {
-        merge_parts<D>(parts_out.data() + pair * parts * part_stride,
-                       stats.data() + pair * parts * 2 * per_kv, parts,
-                       static_cast<int>(per_kv), part_stride, out + pair * per_kv * D, D);
       }
     }
   }
