@@ -14,7 +14,7 @@ from ember.errors import BadSamplingParams
 from ember.request import Request, SamplingParams
 from ember.sampling import processors as P
 from ember.sampling.sampler import (ARGMAX_BLOCK, Sampler, argmax_rows,
-                                    build_sampling_batch, process_logits)
+                                    build_sampling_batch, process_logits, sampling_probs)
 
 VOCAB = 8
 _ids = itertools.count()
@@ -214,3 +214,17 @@ def test_argmax_rows_is_torch_argmax_first_index_on_ties(vocab):
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     strided = x.t().contiguous().t()           # the same rows, not contiguous
     assert torch.equal(argmax_rows(strided), x.argmax(dim=-1))
+
+
+def test_greedy_batches_build_no_temperatures_and_mixed_ones_do():
+    """Greedy rows read no temperature: an all-greedy batch has none (and random choice on
+    it is refused with the fix named); one random row brings the column for every row."""
+    cpu = torch.device("cpu")
+    greedy = build_sampling_batch([req(temperature=0), req(temperature=0)], VOCAB, cpu)
+    assert greedy.temperature is None
+    with pytest.raises(ValueError, match="argmax_rows"):
+        sampling_probs(LOGITS.repeat(2, 1), greedy)
+    mixed = build_sampling_batch([req(temperature=0), req(temperature=0.5)], VOCAB, cpu)
+    assert mixed.temperature.tolist() == [0.0, 0.5]
+    want = (LOGITS[0] / 0.5).softmax(-1)
+    torch.testing.assert_close(sampling_probs(LOGITS.repeat(2, 1), mixed)[1], want)
