@@ -1167,7 +1167,7 @@ void run_panels(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t 
 // short streams that DRAM served at ~0.8x the rate (a batch-1 decode step 0.83x the time
 // with one; docs/benchmarks.md); the latency of the dot products is hidden by two chains per
 // operand half instead (S in panels_rows). At 3-4 rows the products bound it and two panels
-// at once keep the registers busy (R x P x 3 accumulators).
+// at once keep the registers busy (R x P x (1 + 2 S) accumulators in panels_rows).
 template <int R>
 constexpr int kPanelsAtOnce = R <= 2 ? 1 : R <= 4 ? 2 : 1;
 
