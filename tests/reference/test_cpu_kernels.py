@@ -148,6 +148,29 @@ def test_decode_attention_reads_an_int8_cache_in_place(kernels, head_dim, heads,
 
 
 @pytest.mark.parametrize("int8", [False, True])
+def test_decode_attention_of_a_request_does_not_depend_on_its_batch(kernels, int8):
+    """Each request's output is the same, bit for bit, attended alone or beside others of
+    other lengths: the decode stack attends a step's requests in one call, the layer-by-layer
+    path group by group, and their outputs must stay equal (a split of the work chosen by
+    the batch, such as cutting contexts into parts where requests are few, would break it)."""
+    if not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX-512 BF16: these kernels take the torch path")
+    g = torch.Generator().manual_seed(15)
+    if int8:
+        cache = int8_cache(3, 64, 16, 64, g)
+    else:
+        cache = PagedKV(torch.randn(2, 3, 64, 16, 64, generator=g).to(torch.bfloat16))
+    q, tables, seq_lens, scale, want = decode_case(cache, 9, [900, 3, 520, 64, 255],
+                                                   torch.bfloat16, g)
+    together = kernels.decode_attention(q, cache.data, tables, seq_lens, scale, cache.scale)
+    close(together, want, torch.bfloat16)
+    for i in range(len(seq_lens)):
+        alone = kernels.decode_attention(q[i:i + 1], cache.data, tables[i:i + 1],
+                                         seq_lens[i:i + 1], scale, cache.scale)
+        assert torch.equal(alone[0], together[i])
+
+
+@pytest.mark.parametrize("int8", [False, True])
 def test_attention_kernels_walk_blocks_of_any_size(kernels, int8):
     """Block sizes that are not a power of two take the division path of the slot lookup
     (powers of two take shift and mask): decode and prefill attention over 12-token blocks."""
