@@ -83,6 +83,14 @@ def int8_cache(kv_heads: int, num_blocks: int, block_size: int, head_dim: int,
     return cache
 
 
+def bf16_or_int8_cache(int8: bool, num_blocks: int, block_size: int,
+                       g: torch.Generator) -> PagedKV:
+    """3 KV heads of 64: an int8 cache (int8_cache) or random bfloat16 values."""
+    if int8:
+        return int8_cache(3, num_blocks, block_size, 64, g)
+    return PagedKV(torch.randn(2, 3, num_blocks, block_size, 64, generator=g).to(torch.bfloat16))
+
+
 def test_rope_write_into_an_int8_cache_quantizes_as_paged_kv_does(kernels):
     """k rotated (and rounded to bfloat16, as the torch path holds it) and v, each head
     rounded to int8 with its own float16 scale: PagedKV.write's rule. The rotation's last
@@ -156,10 +164,7 @@ def test_decode_attention_of_a_request_does_not_depend_on_its_batch(kernels, int
     if not kernels.has_bf16_dot:
         pytest.skip("this CPU has no AVX-512 BF16: these kernels take the torch path")
     g = torch.Generator().manual_seed(15)
-    if int8:
-        cache = int8_cache(3, 64, 16, 64, g)
-    else:
-        cache = PagedKV(torch.randn(2, 3, 64, 16, 64, generator=g).to(torch.bfloat16))
+    cache = bf16_or_int8_cache(int8, 64, 16, g)
     q, tables, seq_lens, scale, want = decode_case(cache, 9, [900, 3, 520, 64, 255],
                                                    torch.bfloat16, g)
     together = kernels.decode_attention(q, cache.data, tables, seq_lens, scale, cache.scale)
@@ -177,10 +182,7 @@ def test_attention_kernels_walk_blocks_of_any_size(kernels, int8):
     if not kernels.has_bf16_dot:
         pytest.skip("this CPU has no AVX-512 BF16: these kernels take the torch path")
     g = torch.Generator().manual_seed(14)
-    if int8:
-        cache = int8_cache(3, 50, 12, 64, g)
-    else:
-        cache = PagedKV(torch.randn(2, 3, 50, 12, 64, generator=g).to(torch.bfloat16))
+    cache = bf16_or_int8_cache(int8, 50, 12, g)
     q, tables, seq_lens, scale, want = decode_case(cache, 9, [5, 37, 130], torch.bfloat16, g)
     close(kernels.decode_attention(q, cache.data, tables, seq_lens, scale, cache.scale), want,
           torch.bfloat16)
