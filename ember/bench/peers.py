@@ -4,6 +4,12 @@ Starts `ember serve` and each peer command the user gives (with {port} and {mode
 on 127.0.0.1, waits until each answers /v1/models, then runs the same requests against each
 in turn, --repeats times, and prints ember's ratio to every peer. It runs only the commands it
 is given: it never downloads or builds anything.
+
+Repeats are paired: repeat r sends every server the same fresh requests (seed + r, so that no
+server answers a repeat from its prefix cache), in an order that alternates from one repeat to
+the next (ember first, then last), and ember's ratio to a peer is taken within each repeat.
+The machine's speed drifts over minutes; a ratio of two runs made side by side moves much less
+than either run, and the median of the paired ratios is the figure to quote.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import argparse
 import json
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -88,6 +95,9 @@ def parse_peers(specs: list[str]) -> list[tuple[str, str]]:
         name, sep, command = spec.partition("=")
         if not sep or not name or not command:
             raise SystemExit(f"--peer-cmd {spec!r}: write NAME=COMMAND")
+        if name == "ember" or name in (n for n, _ in peers):
+            raise SystemExit(f"--peer-cmd {spec!r}: the name {name!r} is taken; give each peer "
+                             "a name of its own (not 'ember')")
         peers.append((name, command))
     return peers
 
@@ -95,6 +105,33 @@ def parse_peers(specs: list[str]) -> list[tuple[str, str]]:
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     by_speed = sorted(runs, key=lambda s: s["output_tok_per_s"])
     return by_speed[len(by_speed) // 2]
+
+
+def repeat_args(args: argparse.Namespace, repeat: int) -> argparse.Namespace:
+    """The options of repeat `repeat`: the seed moved on by it (none stays none), so that each
+    repeat sends requests that no server has cached yet."""
+    seed = None if args.seed is None else args.seed + repeat
+    return argparse.Namespace(**{**vars(args), "seed": seed})
+
+
+def run_order(names: list[str], repeat: int) -> list[str]:
+    """The servers in the order repeat `repeat` runs them: as given on even repeats, reversed
+    on odd ones, so that neither side always runs first in a pair."""
+    return list(names) if repeat % 2 == 0 else list(reversed(names))
+
+
+def paired_ratios(runs: dict[str, list[dict[str, Any]]], key: str = "output_tok_per_s"
+                  ) -> dict[str, dict[str, Any]]:
+    """For each peer: ember's `key` over the peer's, repeat by repeat, and their median."""
+    out = {}
+    for name, peer_runs in runs.items():
+        if name == "ember":
+            continue
+        ratios = [e[key] / p[key] for e, p in zip(runs["ember"], peer_runs) if p[key]]
+        if ratios:
+            out[name] = {"key": key, "ratios": [round(r, 3) for r in ratios],
+                         "median": round(statistics.median(ratios), 3)}
+    return out
 
 
 def run_peers(args: argparse.Namespace) -> None:
@@ -113,11 +150,13 @@ def run_peers(args: argparse.Namespace) -> None:
     try:
         for server in servers:
             start(server, model_file, out.parent, args.ready_timeout)
-        ember = servers[0]
-        requests = build_requests(args, ember.base_url, ember.model)
+        ember, by_name = servers[0], {s.name: s for s in servers}
         for repeat in range(args.repeats):
-            for server in servers:
-                summary, records = run_once(args, server.base_url, requests, server.model,
+            rargs = repeat_args(args, repeat)
+            requests = build_requests(rargs, ember.base_url, ember.model)
+            for name in run_order(list(by_name), repeat):
+                server = by_name[name]
+                summary, records = run_once(rargs, server.base_url, requests, server.model,
                                             label=server.name)
                 path = out.with_name(f"{out.stem}-{server.name}-{repeat}.json")
                 summary["jsonl"] = str(path.with_suffix(".jsonl"))
@@ -128,10 +167,15 @@ def run_peers(args: argparse.Namespace) -> None:
         for server in servers:
             stop(server)
     medians = {name: median_run(r) for name, r in runs.items()}
+    paired = paired_ratios(runs)
     out.write_text(json.dumps({"model_file": model_file, "commands": {
-        s.name: s.command for s in servers}, "median": medians, "runs": runs}, indent=2))
+        s.name: s.command for s in servers}, "median": medians, "paired": paired,
+        "runs": runs}, indent=2))
     for name in medians:
         if name != "ember":
             print(f"\n== ember vs {name} (ratio = ember / {name}) ==")
             print(report.compare([(name, medians[name]), ("ember", medians["ember"])]))
+            if name in paired and len(paired[name]["ratios"]) > 1:
+                print(f"output tok/s, ember / {name} per repeat: {paired[name]['ratios']}; "
+                      f"median {paired[name]['median']}")
     print(f"wrote {out}")

@@ -682,10 +682,15 @@ void values_in_int16_pairs(int G, const ScaledWalk& values, int64_t len, float* 
     };
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_setzero_si512();
+    // Where each 16 rows from a multiple of 16 lie one after another in a block (runs16), a
+    // block table lookup per 16 rows instead of one per row (cold 3%, hot ~10% of the call)
+    const bool runs = values.runs16();
+    const int8_t* run = nullptr;
     for (int64_t j = 0; j < len; j += 2) {
       if (j > 0 && j % (2 * kFlushPairs) == 0) flush();
-      const int8_t* a = values.row(j);
-      const int8_t* b = j + 1 < len ? values.row(j + 1) : kZeroRow;
+      if (runs && j % 16 == 0) run = values.row(j);
+      const int8_t* a = runs ? run + (j % 16) * D : values.row(j);
+      const int8_t* b = j + 1 >= len ? kZeroRow : runs ? a + D : values.row(j + 1);
       __m512i lo[DV / 2], hi[DV / 2];
       for (int i = 0; i < DV / 2; ++i) {
         const __m512i va = _mm512_cvtepi8_epi16(
