@@ -2040,11 +2040,29 @@ struct Quantized {
 // int8_linear_a8(x [m, k] bfloat16 (rows may be strided), packed, scales, group) -> [m, n]
 // float32: int8_linear's product with x rounded to int8, one scale per `group` inputs of a row
 // (0: the whole row; else dividing k, a multiple of 4), on int8 dot products (int8a8 above).
+// packed is int8_linear's pairs (made quads on the way, every call), or the same weight kept in
+// quads ([n / 16, k / 4, 16, 4] uint8, pack_int8_quads): the same sums, without that work.
 // Only with AVX-512 VNNI and BF16 (has_int8_dot).
 torch::Tensor int8_linear_a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                              int64_t group) {
   TORCH_CHECK(has_int8_dot(), "int8_linear_a8 needs a CPU with AVX-512 VNNI and BF16");
-  const int64_t n = check_int8_linear(x, packed, scales), m = x.size(0), k = x.size(1);
+  const bool quads = packed.scalar_type() == at::kByte;
+  int64_t n = 0;
+  if (quads) {
+    check_bf16_rows(x);
+    TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 &&
+                    packed.is_contiguous(),
+                "packed in quads must be contiguous [n / 16, k / 4, 16, 4] uint8");
+    n = packed.size(0) * 16;
+    TORCH_CHECK(packed.size(1) * 4 == x.size(1), "x has ", x.size(1), " inputs, the weight ",
+                packed.size(1) * 4);
+    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                    scales.numel() == n,
+                "scales must be [n] contiguous float32");
+  } else {
+    n = check_int8_linear(x, packed, scales);
+  }
+  const int64_t m = x.size(0), k = x.size(1);
   if (group == 0) group = k;
   TORCH_CHECK(group > 0 && group % 4 == 0 && k % group == 0, "group must be 0 (the whole row) "
               "or a multiple of 4 that divides the ", k, " inputs, not ", group);
@@ -2052,8 +2070,13 @@ torch::Tensor int8_linear_a8(torch::Tensor x, torch::Tensor packed, torch::Tenso
 #ifdef EMBER_INT8_DOT
   if (m > 0) {
     const Quantized xq(x, nullptr, group);
-    int8a8::matmul_pairs(xq.rows, packed.data_ptr<int8_t>(), scales.data_ptr<float>(), n, k,
-                         out.data_ptr<float>());
+    if (quads) {
+      int8a8::matmul<int8a8::Out::kFloat>(xq.rows, packed.data_ptr<uint8_t>(),
+                                          scales.data_ptr<float>(), n, k, out.data_ptr());
+    } else {
+      int8a8::matmul_pairs(xq.rows, packed.data_ptr<int8_t>(), scales.data_ptr<float>(), n, k,
+                           out.data_ptr<float>());
+    }
   }
 #endif
   return out;

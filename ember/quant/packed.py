@@ -276,7 +276,9 @@ class KernelInt8Linear(nn.Module):
     (int8_linear_a8): at 22-32 rows (a busy server's decode step) the projection is
     compute-bound and that halves it; fewer rows are bound by reading the weight and keep
     bfloat16 activations. The int4 weight formats use it (their budget allows the rounding;
-    docs/benchmarks.md has the perplexity)."""
+    docs/benchmarks.md has the perplexity). Those batches read the weight in quads, kept
+    beside the pairs (28 MB on the default model): making them from the pairs on every call
+    cost 15% of the projection at 16-32 rows (docs/benchmarks.md)."""
 
     def __init__(self, linear: nn.Linear, kernels: CpuKernels,
                  act_group: int | None = None) -> None:
@@ -288,6 +290,7 @@ class KernelInt8Linear(nn.Module):
             act_group = None   # no VNNI kernels here, or a group that does not fit
         self.kernels, self.act_group = kernels, act_group
         self.register_buffer("packed", pack_int8_panels(q))
+        self.register_buffer("quads", None if act_group is None else pack_int8_quads(q))
         self.register_buffer("scales", scale.float())
 
     @staticmethod
@@ -297,12 +300,14 @@ class KernelInt8Linear(nn.Module):
                 and n % 16 == 0 and k % 4 == 0)
 
     def packed_bytes(self) -> int:
+        """The bytes a call reads: the pairs (a batch of up to A8_MIN_ROWS rows) or the quads
+        (more), the same size, plus the scales."""
         return self.packed.numel() + self.scales.numel() * self.scales.element_size()
 
     def forward(self, x: Tensor) -> Tensor:
         x = x.contiguous()
-        if self.act_group is not None and x.shape[0] > A8_MIN_ROWS:
-            return self.kernels.int8_linear_a8(x, self.packed, self.scales, self.act_group)
+        if self.quads is not None and x.shape[0] > A8_MIN_ROWS:
+            return self.kernels.int8_linear_a8(x, self.quads, self.scales, self.act_group)
         return self.kernels.int8_linear(x, self.packed, self.scales)
 
     def extra_repr(self) -> str:

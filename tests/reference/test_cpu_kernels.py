@@ -344,8 +344,12 @@ def test_int8_linear_a8_is_the_matmul_of_x_rounded_per_group(kernels, m, k, grou
                                atol=1e-6 * float(want.abs().max()) * float(scales.max()))
     exact = x.float() @ (q.float() * scales[:, None]).T
     assert (got - exact).abs().max() < 0.03 * exact.abs().max()
+    # the same weight kept in quads (the output projection's above A8_MIN_ROWS): the same sums
+    assert torch.equal(kernels.int8_linear_a8(x, pack_int8_quads(q), scales, group), got)
     with pytest.raises(RuntimeError, match="group"):
         kernels.int8_linear_a8(x, pack_int8_panels(q), scales, 6)
+    with pytest.raises(RuntimeError, match="inputs"):
+        kernels.int8_linear_a8(x, pack_int8_quads(q[:, :k - 4]), scales, 0)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 11])   # register tiles of each shape, two tiles

@@ -146,12 +146,14 @@ def test_packed_perplexity_on_shakespeare_within_bounds(formats, monkeypatch):
 
 def test_output_projection_takes_int8_activations_over_int4_weights_above_a_few_rows(formats):
     """int4 formats: the output projection rounds its input to int8 per group of
-    HEAD_ACT_GROUP above A8_MIN_ROWS rows (int8_linear_a8), and keeps bfloat16 inputs
-    below; int8 formats keep bfloat16 inputs at every size (their 1% budget)."""
+    HEAD_ACT_GROUP above A8_MIN_ROWS rows (int8_linear_a8, on the weight kept in quads: the
+    same sums as from the pairs), and keeps bfloat16 inputs below; int8 formats keep bfloat16
+    inputs at every size (their 1% budget)."""
     heads = {k: formats[k].engine.runner.model.lm_head for k in ("int4", "int8")}
     if not isinstance(heads["int4"], KernelInt8Linear) or not heads["int4"].kernels.has_int8_dot:
         pytest.skip("int8 activations need the compiled kernels with AVX-512 VNNI")
     assert heads["int4"].act_group == HEAD_ACT_GROUP and heads["int8"].act_group is None
+    assert heads["int4"].quads is not None and heads["int8"].quads is None  # kept where used
     head, kernels = heads["int4"], heads["int4"].kernels
     for rows in (1, packed_module.A8_MIN_ROWS, packed_module.A8_MIN_ROWS + 1, 32):
         x = torch.randn(rows, head.in_features).bfloat16()
