@@ -59,6 +59,10 @@ class AttentionGroup:
                   (every step that only decodes): queries and outputs need no indexing
     lone          (first row, seq_len) when the group has one member (a continued prompt
                   chunk): its rows are contiguous, for the prefill kernel
+    span          (first row, count) when every member has one new token and their rows
+                  are first .. first + count - 1 in order (a step's decodes beside prompt
+                  chunks, nearly always): queries and outputs by slice (out_index), not by an
+                  index tensor's gather and scatter
     mask, bias    built when first asked for (the kernels never need them), see below
     """
 
@@ -71,6 +75,16 @@ class AttentionGroup:
     block_size: int
     whole_batch: bool = False
     lone: tuple[int, int] | None = None
+    span: tuple[int, int] | None = None
+
+    @property
+    def out_index(self) -> slice | Tensor:
+        """Where the group's outputs go in the step's flat batch: a slice where it spans
+        contiguous rows, else out_rows."""
+        if self.span is None:
+            return self.out_rows
+        first, count = self.span
+        return slice(first, first + count)
 
     @functools.cached_property
     def mask(self) -> Tensor:
@@ -195,7 +209,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: PagedKV,
             v[rows].transpose(0, 1)[None], is_causal=True, scale=scale,
             enable_gqa=True)[0].transpose(0, 1)
     for group in meta.groups:
-        out[group.out_rows] = _group_attention(q, kv_cache, group, scale, kernels)
+        out[group.out_index] = _group_attention(q, kv_cache, group, scale, kernels)
     return out
 
 
@@ -223,7 +237,7 @@ def attend_cached(q: Tensor, kv_cache: PagedKV, meta: AttentionMetadata, scale: 
         out[rows] = kernels.prefill_attention(q[rows], kv_cache.data, chunk.block_table,
                                               chunk.num_tokens, scale, kv_cache.scale)
     for group in meta.groups:
-        out[group.out_rows] = _group_attention(q, kv_cache, group, scale, kernels)
+        out[group.out_index] = _group_attention(q, kv_cache, group, scale, kernels)
     return out
 
 
@@ -259,7 +273,8 @@ def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup, scale:
         return kernels.prefill_attention(q[row:row + max_n], kv_cache.data,
                                          group.block_tables[0], seq_len, scale, kv_cache.scale)
     if max_n == 1 and cache_in_kernels(kernels, q.dtype, kv_cache):
-        queries = q if group.whole_batch else q[group.rows[:, 0]]
+        queries = q if group.whole_batch else q[group.out_index] if group.span else \
+            q[group.rows[:, 0]]
         return kernels.decode_attention(queries, kv_cache.data, group.block_tables,
                                         group.seq_lens, scale, kv_cache.scale)
     if group.whole_batch:  # the rows are 0..T-1 in order: no gather of queries

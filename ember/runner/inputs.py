@@ -128,11 +128,12 @@ class _GroupColumns:
     num_new: int
     whole_batch: bool
     lone: tuple[int, int] | None
+    span: tuple[int, int] | None
 
     def group(self, built: list[Tensor], block_size: int) -> AttentionGroup:
         return AttentionGroup(built[self.rows], built[self.valid].bool(), built[self.tables],
                               built[self.out_rows], built[self.seq_lens], built[self.num_new],
-                              block_size, self.whole_batch, self.lone)
+                              block_size, self.whole_batch, self.lone, self.span)
 
 
 def queue_group(members: list[_Member], block_size: int, num_rows: int,
@@ -145,11 +146,14 @@ def queue_group(members: list[_Member], block_size: int, num_rows: int,
     out_rows = [r for r, ok in zip(flat_rows, valid) if ok]
     whole_batch = len(out_rows) == len(flat_rows) and flat_rows == list(range(num_rows))
     lone = (members[0].row, members[0].seq_len) if len(members) == 1 else None
+    first = out_rows[0]
+    span = (first, len(out_rows)) if max_n == 1 and \
+        out_rows == list(range(first, first + len(out_rows))) else None
     return _GroupColumns(columns.add(flat_rows, (len(members), max_n)),
                          columns.add(valid, (len(members), max_n)),
                          _block_tables(members, block_size, columns), columns.add(out_rows),
                          columns.add([m.seq_len for m in members]),
-                         columns.add([m.num_new for m in members]), whole_batch, lone)
+                         columns.add([m.num_new for m in members]), whole_batch, lone, span)
 
 
 def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:

@@ -1,0 +1,52 @@
+"""prepare_inputs: a step's decodes beside prompt chunks are found by a slice of rows (span)
+where they lie together, and by their row indices where they do not."""
+from __future__ import annotations
+
+import torch
+
+from ember.runner.inputs import prepare_inputs
+from ember.scheduler.output import ScheduledRequest, SchedulerOutput
+from tests.unit.test_scheduler import make_request
+
+BLOCK = 16
+
+
+def decode(request_id: str, context: int, first_block: int) -> ScheduledRequest:
+    """A request whose prompt of `context` tokens is computed, decoding its newest token
+    (contexts of similar length: one group, as group_members keeps them)."""
+    request = make_request(request_id, context)
+    request.output_token_ids.append(7)
+    request.all_token_ids.append(7)
+    blocks = list(range(first_block, first_block + context // BLOCK + 1))
+    return ScheduledRequest(request, context, 1, blocks, samples=True)
+
+
+def chunk(request_id: str, start: int, num: int, first_block: int) -> ScheduledRequest:
+    """A prompt chunk of `num` tokens from `start` (0: a fresh prompt)."""
+    request = make_request(request_id, start + num + 50)
+    blocks = list(range(first_block, first_block + (start + num) // BLOCK + 1))
+    return ScheduledRequest(request, start, num, blocks, samples=False)
+
+
+def decode_group(plan: SchedulerOutput):
+    groups = prepare_inputs(plan, BLOCK, torch.device("cpu")).attn.groups
+    return next(g for g in groups if g.rows.shape[1] == 1)
+
+
+def test_decodes_before_a_fresh_prompt_chunk_are_one_span_of_rows():
+    plan = SchedulerOutput([decode("a", 40, 0), decode("b", 45, 10), decode("c", 38, 20),
+                            chunk("p", 0, 30, 30)])
+    group = decode_group(plan)
+    assert group.span == (0, 3) and not group.whole_batch
+    assert group.out_rows.tolist() == list(range(3))[group.out_index]
+    out = torch.zeros(33)
+    out[group.out_index] = torch.tensor([1.0, 2.0, 3.0])
+    assert out[:4].tolist() == [1.0, 2.0, 3.0, 0.0]
+
+
+def test_decodes_on_both_sides_of_a_continued_chunk_keep_their_row_indices():
+    plan = SchedulerOutput([decode("a", 40, 0), chunk("p", 32, 40, 10), decode("b", 44, 20)])
+    group = decode_group(plan)
+    assert group.span is None
+    assert group.out_rows.tolist() == [0, 41]
+    assert torch.equal(group.out_index, group.out_rows)
