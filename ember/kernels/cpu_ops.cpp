@@ -1983,19 +1983,33 @@ static void check_int4_panels(const torch::Tensor& q, const torch::Tensor& scale
               "scale_min must be contiguous [n / 16, k / 32, 2, 16] bfloat16");
 }
 
+// int8 weights in quads [n / 16, k / 4, 16, 4] uint8 (pack_int8_quads); `name` as the caller
+// calls the argument
+static void check_int8_quads(const torch::Tensor& w, const char* name) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 4 && w.size(2) == 16 &&
+                  w.size(3) == 4 && w.is_contiguous(),
+              name, " in quads must be contiguous [n / 16, k / 4, 16, 4] uint8");
+}
+
 static void check_int8_panels(const torch::Tensor& packed) {
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == 16 &&
                   packed.size(3) == 2 && packed.is_contiguous(),
               "packed must be contiguous [n / 16, k / 2, 16, 2] int8");
 }
 
-// x, packed and scales as int8_linear takes them (below); returns n, the outputs.
+// x, packed and scales as int8_linear takes them (below), or with the weight in quads
+// (int8_linear_a8 takes either); returns n, the outputs.
 static int64_t check_int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                                 const torch::Tensor& scales) {
+                                 const torch::Tensor& scales, bool quads = false) {
   check_bf16_rows(x);
-  check_int8_panels(packed);
-  const int64_t k = x.size(1), n = packed.size(0) * 16;
-  TORCH_CHECK(packed.size(1) * 2 == k, "x has ", k, " inputs, the weight ", packed.size(1) * 2);
+  if (quads) {
+    check_int8_quads(packed, "packed");
+  } else {
+    check_int8_panels(packed);
+  }
+  const int64_t k = x.size(1), n = packed.size(0) * 16, per = quads ? 4 : 2;
+  TORCH_CHECK(packed.size(1) * per == k, "x has ", k, " inputs, the weight ",
+              packed.size(1) * per);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == n,
               "scales must be [n] contiguous float32");
@@ -2047,22 +2061,7 @@ torch::Tensor int8_linear_a8(torch::Tensor x, torch::Tensor packed, torch::Tenso
                              int64_t group) {
   TORCH_CHECK(has_int8_dot(), "int8_linear_a8 needs a CPU with AVX-512 VNNI and BF16");
   const bool quads = packed.scalar_type() == at::kByte;
-  int64_t n = 0;
-  if (quads) {
-    check_bf16_rows(x);
-    TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 &&
-                    packed.is_contiguous(),
-                "packed in quads must be contiguous [n / 16, k / 4, 16, 4] uint8");
-    n = packed.size(0) * 16;
-    TORCH_CHECK(packed.size(1) * 4 == x.size(1), "x has ", x.size(1), " inputs, the weight ",
-                packed.size(1) * 4);
-    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                    scales.numel() == n,
-                "scales must be [n] contiguous float32");
-  } else {
-    n = check_int8_linear(x, packed, scales);
-  }
-  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t n = check_int8_linear(x, packed, scales, quads), m = x.size(0), k = x.size(1);
   if (group == 0) group = k;
   TORCH_CHECK(group > 0 && group % 4 == 0 && k % group == 0, "group must be 0 (the whole row) "
               "or a multiple of 4 that divides the ", k, " inputs, not ", group);
@@ -2119,9 +2118,7 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
   const bool quads = w.dim() == 4;
   if (quads) {
     TORCH_CHECK(has_int8_dot(), "w8a8_linear on quads needs a CPU with AVX-512 VNNI");
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) == 16 && w.size(3) == 4 &&
-                    w.is_contiguous(),
-                "w in quads must be contiguous [n / 16, k / 4, 16, 4] uint8");
+    check_int8_quads(w, "w");
   } else {
     TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
                 "w must be contiguous [n, k] int8, or quads [n / 16, k / 4, 16, 4] uint8");
