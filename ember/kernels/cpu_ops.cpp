@@ -58,6 +58,11 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+#ifdef EMBER_BF16_DOT
+void rms_norm_row16(const c10::BFloat16* x, c10::BFloat16* residual,
+                    const c10::BFloat16* weight, c10::BFloat16* out, int64_t n, float eps);
+#endif
+
 template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows,
                    int64_t n, float eps) {
@@ -65,6 +70,15 @@ void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t row
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * n;
       T* outr = out + r * n;
+#ifdef EMBER_BF16_DOT
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (n % 16 == 0) {
+          rms_norm_row16(xr, residual != nullptr ? residual + r * n : nullptr, weight, outr, n,
+                         eps);
+          continue;
+        }
+      }
+#endif
       const T* src = xr;
       if (residual != nullptr) {  // residual += x, rounded to T, then normalised
         T* res = residual + r * n;
@@ -202,6 +216,35 @@ inline void store16(c10::BFloat16* p, __m512 x) {  // round to nearest even, as 
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
 }
+
+}  // namespace simd
+
+// One bfloat16 row of rms_norm_rows on 16 lanes (n % 16 == 0), the same arithmetic: the
+// residual sum rounded to bfloat16 first, (x * inv) * weight rounded once.
+void rms_norm_row16(const c10::BFloat16* x, c10::BFloat16* residual,
+                    const c10::BFloat16* weight, c10::BFloat16* out, int64_t n, float eps) {
+  using simd::load16;
+  using simd::store16;
+  const c10::BFloat16* src = x;
+  if (residual != nullptr) {
+    for (int64_t i = 0; i < n; i += 16) {
+      store16(residual + i, _mm512_add_ps(load16(x + i), load16(residual + i)));
+    }
+    src = residual;
+  }
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = load16(src + i);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps);
+  const __m512 inv16 = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < n; i += 16) {
+    store16(out + i, _mm512_mul_ps(_mm512_mul_ps(load16(src + i), inv16), load16(weight + i)));
+  }
+}
+
+namespace simd {
 
 // Lane i of the result is the sum of v[i]'s 16 lanes.
 inline __m512 sum16(__m512 v[16]) {
