@@ -3,7 +3,11 @@
 Load is either a fixed concurrency (N workers, each sending its next request when the last
 ends) or a request rate (arrivals with exponential gaps, or gamma gaps for bursty traffic),
 optionally ramped up, bounded by a request count and/or a duration. Times come from `clock`
-(injectable, so tests can script them exactly).
+and the HTTP exchanges from `post` (both injectable, so tests can script them exactly).
+
+Requests go out on aiohttp, as vLLM's and SGLang's benchmarks send them: the load generator
+shares the machine with the server it measures, and per streamed chunk it takes about a third
+of the CPU it took on httpx (docs/bench.md, "Load").
 """
 from __future__ import annotations
 
@@ -12,11 +16,12 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-import httpx
+import aiohttp
 
 from ember.bench.metrics import RequestRecord
 from ember.bench.workloads import BenchRequest
@@ -81,6 +86,50 @@ def payload(req: BenchRequest, messages: list[dict[str, Any]] | None, cfg: LoadC
     return body | cfg.extra_body
 
 
+class Exchange(Protocol):
+    """One streamed HTTP response as the load generator reads it."""
+
+    status: int
+
+    async def text(self) -> str: ...
+
+    def chunks(self) -> AsyncIterator[bytes]: ...   # the body, as it arrives
+
+
+Post = Callable[[str, dict[str, Any]], AbstractAsyncContextManager[Exchange]]
+
+
+class _AiohttpExchange:
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self.response, self.status = response, response.status
+
+    async def text(self) -> str:
+        return await self.response.text()
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        return self.response.content.iter_any()
+
+
+def aiohttp_post(session: aiohttp.ClientSession) -> Post:
+    @asynccontextmanager
+    async def post(url: str, body: dict[str, Any]) -> AsyncIterator[Exchange]:
+        async with session.post(url, json=body) as response:
+            yield _AiohttpExchange(response)
+    return post
+
+
+async def lines_of(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The lines of a body that arrives in chunks (SSE: a line may span chunks), without
+    their line ends."""
+    pending = b""
+    async for data in chunks:
+        *complete, pending = (pending + data).split(b"\n")
+        for line in complete:
+            yield line.rstrip(b"\r")
+    if pending:
+        yield pending.rstrip(b"\r")
+
+
 def _chunk_text(chunk: dict[str, Any]) -> str:
     choices = chunk.get("choices") or []
     if not choices:
@@ -93,25 +142,31 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 class Runner:
     def __init__(self, cfg: LoadConfig, clock: Clock = time.perf_counter,
-                 transport: httpx.AsyncBaseTransport | None = None,
+                 post: Post | None = None,
                  progress: Callable[[list[RequestRecord]], None] | None = None) -> None:
-        self.cfg, self.clock, self.transport, self.progress = cfg, clock, transport, progress
+        self.cfg, self.clock, self.progress = cfg, clock, progress
+        self.post: Post | None = post   # None: aiohttp, one session per run
         self.records: list[RequestRecord] = []
         self.t0 = 0.0
         self.rng = random.Random(cfg.seed + 1)
 
     async def run(self, requests: list[BenchRequest]) -> list[RequestRecord]:
+        if self.post is not None:
+            return await self._run(self.post, requests)
+        connector = aiohttp.TCPConnector(limit=max(64, self.cfg.concurrency or 0))
+        async with aiohttp.ClientSession(connector=connector, headers=self.cfg.headers,
+                                         timeout=aiohttp.ClientTimeout(total=None)) as session:
+            return await self._run(aiohttp_post(session), requests)
+
+    async def _run(self, post: Post, requests: list[BenchRequest]) -> list[RequestRecord]:
         requests = self._bounded(requests)
         cancel = set(self.rng.sample(range(len(requests)),
                                      round(self.cfg.cancel_fraction * len(requests))))
-        limits = httpx.Limits(max_connections=max(64, self.cfg.concurrency or 0))
-        async with httpx.AsyncClient(transport=self.transport, limits=limits, timeout=None,
-                                     headers=self.cfg.headers) as client:
-            self.t0 = self.clock()
-            if self.cfg.concurrency is not None:
-                await self._fixed_concurrency(client, requests, cancel)
-            else:
-                await self._arrivals(client, requests, cancel)
+        self.t0 = self.clock()
+        if self.cfg.concurrency is not None:
+            await self._fixed_concurrency(post, requests, cancel)
+        else:
+            await self._arrivals(post, requests, cancel)
         return sorted(self.records, key=lambda r: (r.start, r.index))
 
     def _bounded(self, requests: list[BenchRequest]) -> list[BenchRequest]:
@@ -124,7 +179,7 @@ class Runner:
         d = self.cfg.duration_s
         return d is not None and self.clock() - self.t0 >= d
 
-    async def _fixed_concurrency(self, client: httpx.AsyncClient, requests: list[BenchRequest],
+    async def _fixed_concurrency(self, post: Post, requests: list[BenchRequest],
                                  cancel: set[int]) -> None:
         queue = list(enumerate(requests))[::-1]
         width = min(self.cfg.concurrency, len(queue)) or 1
@@ -134,10 +189,10 @@ class Runner:
                 await asyncio.sleep(self.cfg.ramp_up_s * k / width)
             while queue and not self._expired():
                 position, req = queue.pop()
-                await self._session(client, req, position in cancel)
+                await self._session(post, req, position in cancel)
         await asyncio.gather(*(worker(k) for k in range(width)))
 
-    async def _arrivals(self, client: httpx.AsyncClient, requests: list[BenchRequest],
+    async def _arrivals(self, post: Post, requests: list[BenchRequest],
                         cancel: set[int]) -> None:
         times = arrival_times(len(requests), self.cfg.rate, self.cfg.burstiness,
                               self.cfg.ramp_up_s, self.rng)
@@ -148,17 +203,17 @@ class Runner:
                 await asyncio.sleep(delay)
             if self._expired():
                 break
-            tasks.append(asyncio.create_task(self._session(client, req, position in cancel)))
+            tasks.append(asyncio.create_task(self._session(post, req, position in cancel)))
         await asyncio.gather(*tasks)
 
-    async def _session(self, client: httpx.AsyncClient, req: BenchRequest, cancel: bool) -> None:
+    async def _session(self, post: Post, req: BenchRequest, cancel: bool) -> None:
         """One request, or every turn of a chat session (each turn sees the real replies)."""
         messages = list(req.messages) if req.messages is not None else None
         turns = [None, *req.user_turns] if req.session is not None else [None]
         for turn, user_text in enumerate(turns):
             if user_text is not None:
                 messages.append({"role": "user", "content": user_text})
-            record, reply = await self._one(client, req, messages, cancel and turn == 0)
+            record, reply = await self._one(post, req, messages, cancel and turn == 0)
             record.turn = turn if req.session is not None else None
             self.records.append(record)
             if self.progress:
@@ -167,7 +222,7 @@ class Runner:
                 return
             messages.append({"role": "assistant", "content": reply})
 
-    async def _one(self, client: httpx.AsyncClient, req: BenchRequest,
+    async def _one(self, post: Post, req: BenchRequest,
                    messages: list[dict[str, Any]] | None, cancel: bool
                    ) -> tuple[RequestRecord, str]:
         start = self.clock()
@@ -177,55 +232,55 @@ class Runner:
         text: list[str] = []
         try:
             async with asyncio.timeout(self.cfg.timeout_s):
-                await self._stream(client, req, messages, record, text, start, cancel)
+                await self._stream(post, req, messages, record, text, start, cancel)
         except TimeoutError:
             record.error, record.error_message = "timeout", f"over {self.cfg.timeout_s:g} s"
-        except httpx.TransportError as e:
+        except aiohttp.ClientError as e:
             record.error, record.error_message = "connection", str(e) or type(e).__name__
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             record.error, record.error_message = "protocol", f"unreadable stream: {e}"
         record.e2e = self.clock() - start
         if record.output_tokens is None:
             record.output_tokens = len(record.chunk_times)  # the server sent no usage
         return record, "".join(text)
 
-    async def _stream(self, client: httpx.AsyncClient, req: BenchRequest,
+    async def _stream(self, post: Post, req: BenchRequest,
                       messages: list[dict[str, Any]] | None, record: RequestRecord,
                       text: list[str], start: float, cancel: bool) -> None:
         body = payload(req, messages, self.cfg)
-        async with client.stream("POST", self.cfg.url, json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                record.error = f"http_{response.status_code}"
-                record.error_message = response.text[:500]
+        async with post(self.cfg.url, body) as response:
+            if response.status != 200:
+                record.error = f"http_{response.status}"
+                record.error_message = (await response.text())[:500]
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    record.error = "stream_error"
-                    record.error_message = str(chunk["error"].get("message"))[:500]
-                    break
-                piece = _chunk_text(chunk)
-                if piece:
-                    now = self.clock() - start
-                    record.chunk_times.append(now)
-                    record.ttft = now if record.ttft is None else record.ttft
-                    text.append(piece)
-                usage = chunk.get("usage")
-                if usage:
-                    record.prompt_tokens = usage.get("prompt_tokens")
-                    record.output_tokens = usage.get("completion_tokens")
-                    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
-                        "cached_tokens")
-                    record.usage_reported = True
-                if cancel and record.chunk_times:
-                    record.cancelled = True
-                    break
+            async with aclosing(lines_of(response.chunks())) as lines:
+                async for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        record.error = "stream_error"
+                        record.error_message = str(chunk["error"].get("message"))[:500]
+                        break
+                    piece = _chunk_text(chunk)
+                    if piece:
+                        now = self.clock() - start
+                        record.chunk_times.append(now)
+                        record.ttft = now if record.ttft is None else record.ttft
+                        text.append(piece)
+                    usage = chunk.get("usage")
+                    if usage:
+                        record.prompt_tokens = usage.get("prompt_tokens")
+                        record.output_tokens = usage.get("completion_tokens")
+                        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                            "cached_tokens")
+                        record.usage_reported = True
+                    if cancel and record.chunk_times:
+                        record.cancelled = True
+                        break
 
 
 def print_progress(total: int) -> Callable[[list[RequestRecord]], None]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import asynccontextmanager
 
-import httpx
 import pytest
 
-from ember.bench.client import LoadConfig, Runner
+from ember.bench.client import LoadConfig, Runner, lines_of
 from ember.bench.metrics import summarize
 from ember.bench.workloads import BenchRequest
 
@@ -21,24 +21,40 @@ class FakeClock:
         return self.now
 
 
+class Scripted:
+    """A streamed response: status, error body, and the body's chunks as they arrive."""
+
+    def __init__(self, status: int, chunks=None) -> None:
+        self.status, self._chunks = status, chunks
+
+    async def text(self) -> str:
+        return json.dumps({"error": {"message": "busy"}})
+
+    def chunks(self):
+        return self._chunks
+
+
 class ScriptedServer:
     """Streams `script[i]` = (ttft, gaps, usage tokens) for the i-th request it receives,
-    moving the fake clock to each chunk's time before handing the chunk over."""
+    moving the fake clock to each chunk's time before handing the chunk over. Each event
+    arrives in two pieces, split inside its line (as TCP may deliver it)."""
 
     def __init__(self, clock: FakeClock, scripts: list[dict], chat: bool = False) -> None:
         self.clock, self.scripts, self.chat = clock, scripts, chat
         self.bodies: list[dict] = []
+        self.urls: list[str] = []
 
-    def handler(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        self.bodies.append(body)
+    @asynccontextmanager
+    async def post(self, url: str, body: dict):
+        self.urls.append(url)
+        self.bodies.append(json.loads(json.dumps(body)))
         script = self.scripts[len(self.bodies) - 1]
         if "status" in script:
-            return httpx.Response(script["status"], json={"error": {"message": "busy"}})
-        return httpx.Response(200, stream=self._events(script, self.clock.now),
-                              headers={"content-type": "text/event-stream"})
+            yield Scripted(script["status"])
+        else:
+            yield Scripted(200, self._events(script, self.clock.now))
 
-    async def _events_gen(self, script: dict, t0: float):
+    async def _events(self, script: dict, t0: float):
         t = t0 + script["ttft"]
         times = [t]
         for gap in script["gaps"]:
@@ -47,7 +63,9 @@ class ScriptedServer:
         for k, when in enumerate(times):
             self.clock.now = when
             piece = {"delta": {"content": f"w{k} "}} if self.chat else {"text": f"w{k} "}
-            yield b"data: " + json.dumps({"choices": [piece]}).encode() + b"\n\n"
+            event = b"data: " + json.dumps({"choices": [piece]}).encode() + b"\n\n"
+            yield event[:9]
+            yield event[9:]
             if script.get("error_after") == k:
                 yield b'data: {"error": {"message": "boom"}}\n\n'
                 return
@@ -57,22 +75,13 @@ class ScriptedServer:
         self.clock.now = times[-1] + script.get("tail", 0.0)
         yield b"data: [DONE]\n\n"
 
-    def _events(self, script: dict, t0: float) -> httpx.AsyncByteStream:
-        gen = self._events_gen(script, t0)
-
-        class Stream(httpx.AsyncByteStream):
-            async def __aiter__(self):
-                async for chunk in gen:
-                    yield chunk
-        return Stream()
-
 
 def run(scripts: list[dict], requests: list[BenchRequest], chat: bool = False, **cfg):
     clock = FakeClock()
     server = ScriptedServer(clock, scripts, chat)
     config = LoadConfig(base_url="http://fake/v1", model="m", endpoint="chat" if chat
                         else "completions", **cfg)
-    runner = Runner(config, clock=clock, transport=httpx.MockTransport(server.handler))
+    runner = Runner(config, clock=clock, post=server.post)
     return asyncio.run(runner.run(requests)), server
 
 
@@ -100,6 +109,17 @@ def test_scripted_timings_give_exact_figures():
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True and body["min_tokens"] == 4 and body["max_tokens"] == 4
     assert body["model"] == "m" and body["prompt"] == "prompt 0"
+    assert server.urls[0] == "http://fake/v1/completions"
+
+
+def test_lines_span_chunks_and_keep_their_order():
+    async def chunks():
+        for piece in (b"data: a", b"bc\r\n\ndata: ", b"x\n", b"", b"tail"):
+            yield piece
+
+    async def collect():
+        return [line async for line in lines_of(chunks())]
+    assert asyncio.run(collect()) == [b"data: abc", b"", b"data: x", b"tail"]
 
 
 def test_errors_are_counted_by_kind_and_tokens_without_usage_are_counted_from_chunks():
@@ -153,8 +173,7 @@ def test_rate_mode_sends_on_the_arrival_schedule():
     from ember.bench.client import arrival_times
     server = ScriptedServer(FakeClock(), [{"ttft": 0.0, "gaps": [], "tokens": 1}] * 8)
     config = LoadConfig(base_url="http://fake/v1", concurrency=None, rate=50.0, seed=4)
-    runner = Runner(config, clock=time.perf_counter,
-                    transport=httpx.MockTransport(server.handler))
+    runner = Runner(config, clock=time.perf_counter, post=server.post)
     records = asyncio.run(runner.run([completion(i) for i in range(8)]))
     schedule = arrival_times(8, 50.0, 1.0, 0.0, random.Random(config.seed + 1))
     assert [r.index for r in records] == list(range(8))
