@@ -273,8 +273,9 @@ def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup, scale:
         return kernels.prefill_attention(q[row:row + max_n], kv_cache.data,
                                          group.block_tables[0], seq_len, scale, kv_cache.scale)
     if max_n == 1 and cache_in_kernels(kernels, q.dtype, kv_cache):
-        queries = q if group.whole_batch else q[group.out_index] if group.span else \
-            q[group.rows[:, 0]]
+        # one new token each: out_rows are the queries' rows, a slice where they lie
+        # together (always for whole_batch: 0 .. T-1)
+        queries = q[group.out_index]
         return kernels.decode_attention(queries, kv_cache.data, group.block_tables,
                                         group.seq_lens, scale, kv_cache.scale)
     if group.whole_batch:  # the rows are 0..T-1 in order: no gather of queries

@@ -50,3 +50,11 @@ def test_decodes_on_both_sides_of_a_continued_chunk_keep_their_row_indices():
     assert group.span is None
     assert group.out_rows.tolist() == [0, 41]
     assert torch.equal(group.out_index, group.out_rows)
+
+
+def test_a_step_of_decodes_only_is_the_whole_batch_and_one_span():
+    plan = SchedulerOutput([decode("a", 40, 0), decode("b", 45, 10)])
+    group = decode_group(plan)
+    assert group.whole_batch and group.span == (0, 2)
+    q = torch.arange(2.0)
+    assert q[group.out_index].data_ptr() == q.data_ptr()  # a view of every row, no copy
