@@ -2254,7 +2254,9 @@ torch::Tensor int8_rows(torch::Tensor ids, torch::Tensor packed, torch::Tensor s
 //   x = attention(q) Wo;  h = rms_norm(residual += x)
 //   x = silu_and_mul(h Wgate_up) Wdown
 // and at the end rms_norm(residual += x) with the final norm: the hidden states the output
-// projection reads.
+// projection reads. forward_mixed runs a step with prompt chunks the same way (the attention
+// of each chunk on the prefill kernel, of the decodes on the decode kernel, as the layers
+// call them), so that a prompt step pays no Python or torch glue between kernels either.
 class DecodeStack {
  public:
   // weights: per layer, in order, input norm, qkv (q, scale_min), o (q, scale_min),
@@ -2334,7 +2336,86 @@ class DecodeStack {
                         const std::vector<torch::Tensor>& kv,
                         const std::vector<torch::Tensor>& kv_scales, torch::Tensor slots,
                         torch::Tensor block_tables, torch::Tensor seq_lens) const {
-    check_inputs(x, cos, sin, kv, kv_scales, slots, block_tables, seq_lens);
+    check_inputs(x, cos, sin, kv, kv_scales, slots);
+    check_decodes(block_tables, seq_lens, x.size(0), kv[0].size(3));
+    return run(x, cos, sin, kv, kv_scales, slots,
+               Plan{0, x.size(0), block_tables.data_ptr<int64_t>(), block_tables.size(1),
+                    seq_lens.data_ptr<int64_t>(), {}});
+  }
+
+  // A step with prompt chunks: the same arguments as forward, but the decodes are rows
+  // decode_first .. decode_first + D - 1 (block_tables [D, max_blocks], seq_lens [D]; D may be
+  // 0), and chunk_info [C, 4] int64 gives each prompt chunk's first row, new tokens, seq_len
+  // (its context after this step, the new tokens included) and whether it is fresh (the
+  // prompt's first chunk: with an int8 cache it attends over its own k and v as computed,
+  // not as rounded into the cache, as the layers do), chunk_tables[c] its block table [>=
+  // ceil(seq_len / block_size)]. Every row is a decode or in one chunk.
+  torch::Tensor forward_mixed(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                              const std::vector<torch::Tensor>& kv,
+                              const std::vector<torch::Tensor>& kv_scales, torch::Tensor slots,
+                              int64_t decode_first, torch::Tensor block_tables,
+                              torch::Tensor seq_lens, torch::Tensor chunk_info,
+                              const std::vector<torch::Tensor>& chunk_tables) const {
+    check_inputs(x, cos, sin, kv, kv_scales, slots);
+    const int64_t t = x.size(0), decodes = seq_lens.numel(), block_size = kv[0].size(3);
+    check_decodes(block_tables, seq_lens, decodes, block_size);
+    TORCH_CHECK(chunk_info.scalar_type() == at::kLong && chunk_info.is_contiguous() &&
+                    chunk_info.dim() == 2 && chunk_info.size(1) == 4 &&
+                    chunk_info.size(0) == static_cast<int64_t>(chunk_tables.size()),
+                "chunk_info must be [C, 4] contiguous int64, one row per chunk table");
+    std::vector<int> covered(t, 0);
+    TORCH_CHECK(decode_first >= 0 && decode_first + decodes <= t,
+                "the decode rows must lie in the step");
+    for (int64_t i = decode_first; i < decode_first + decodes; ++i) covered[i] += 1;
+    Plan plan{decode_first, decodes, block_tables.data_ptr<int64_t>(), block_tables.size(1),
+              seq_lens.data_ptr<int64_t>(), {}};
+    const int64_t* info = chunk_info.data_ptr<int64_t>();
+    const int64_t num_blocks = kv[0].size(2);
+    for (size_t c = 0; c < chunk_tables.size(); ++c) {
+      const int64_t first = info[4 * c], n = info[4 * c + 1], seq_len = info[4 * c + 2];
+      const bool fresh = info[4 * c + 3] != 0;
+      const auto& table = chunk_tables[c];
+      TORCH_CHECK(n >= 1 && first >= 0 && first + n <= t && seq_len >= n &&
+                      (!fresh || seq_len == n),
+                  "chunk ", c, ": its rows must lie in the step, its seq_len cover them (a "
+                  "fresh chunk's equal them)");
+      TORCH_CHECK(table.scalar_type() == at::kLong && table.is_contiguous() &&
+                      table.dim() == 1 && seq_len <= table.size(0) * block_size,
+                  "chunk ", c, ": its block table must be [blocks] contiguous int64 covering "
+                  "its seq_len");
+      const int64_t* ids = table.data_ptr<int64_t>();
+      for (int64_t b = 0; b < (seq_len + block_size - 1) / block_size; ++b) {
+        TORCH_CHECK(ids[b] >= 0 && ids[b] < num_blocks, "a block id is outside the cache");
+      }
+      for (int64_t i = first; i < first + n; ++i) covered[i] += 1;
+      plan.chunks.push_back(Chunk{first, n, seq_len, fresh, ids});
+    }
+    for (int64_t i = 0; i < t; ++i) {
+      TORCH_CHECK(covered[i] == 1, "row ", i, " must be a decode or in one chunk, once");
+    }
+    return run(x, cos, sin, kv, kv_scales, slots, plan);
+  }
+
+ private:
+  // A prompt chunk: rows first .. first + n - 1 of the step
+  struct Chunk {
+    int64_t first, n, seq_len;
+    bool fresh;
+    const int64_t* table;
+  };
+  // The step's attention: decodes at rows decode_first .. + decodes - 1, and the chunks
+  struct Plan {
+    int64_t decode_first, decodes;
+    const int64_t* tables;
+    int64_t max_blocks;
+    const int64_t* seq_lens;
+    std::vector<Chunk> chunks;
+  };
+
+  torch::Tensor run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                    const std::vector<torch::Tensor>& kv,
+                    const std::vector<torch::Tensor>& kv_scales, const torch::Tensor& slots,
+                    const Plan& plan) const {
     const bool int8 = !kv_scales.empty();
     const int64_t t = x.size(0), qkv_n = layers_[0].qkv.n, inter = layers_[0].down.k;
     const auto opts = x.options();
@@ -2351,6 +2432,12 @@ class DecodeStack {
       scratch.scale.resize(t * inter / 4);
       scratch.sum.resize(t * inter / 4);
     }
+    // a fresh chunk over an int8 cache attends over its own k (rotated, before its rounding)
+    // and v, copied per chunk into a one-block bfloat16 cache [2, kv_heads, 1, n, d]
+    const bool own = int8 && std::any_of(plan.chunks.begin(), plan.chunks.end(),
+                                         [](const Chunk& c) { return c.fresh; });
+    auto k_out = own ? torch::empty({t, kv_heads_, d_}, opts) : torch::Tensor();
+    std::vector<uint16_t> own_kv;
     auto* r = residual.data_ptr<at::BFloat16>();
     auto* hp = h.data_ptr<at::BFloat16>();
     auto* op = out.data_ptr<at::BFloat16>();
@@ -2371,18 +2458,15 @@ class DecodeStack {
         rope_write_i8(qkv.data_ptr<at::BFloat16>(), cos.data_ptr<at::BFloat16>(),
                       sin.data_ptr<at::BFloat16>(), cache.data_ptr<int8_t>(), kv_scale,
                       slots.data_ptr<int64_t>(), q.data_ptr<at::BFloat16>(), t, heads_,
-                      kv_heads_, d_, blocks * block_size);
+                      kv_heads_, d_, blocks * block_size,
+                      own ? k_out.data_ptr<at::BFloat16>() : nullptr);
       } else {
         rope_write_impl(qkv.data_ptr<at::BFloat16>(), cos.data_ptr<at::BFloat16>(),
                         sin.data_ptr<at::BFloat16>(), cache.data_ptr<at::BFloat16>(),
                         slots.data_ptr<int64_t>(), q.data_ptr<at::BFloat16>(), t, heads_,
                         kv_heads_, d_, blocks * block_size);
       }
-      auto attend = d_ == 64 ? decode::decode_attention_bf16<64>
-                             : decode::decode_attention_bf16<128>;
-      attend(bits(q), heads_ * d_, d_, cache.data_ptr(), kv_scale,
-             block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), bits(att), t,
-             heads_, kv_heads_, blocks, block_size, block_tables.size(1), scale_);
+      attend(plan, q, qkv, k_out, own_kv, cache, kv_scale, att);
       if (a8) {
         linear8(layer.o8, att.view({t, heads_ * d_}), out, scratch);
         rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
@@ -2400,7 +2484,6 @@ class DecodeStack {
     return h;
   }
 
- private:
   struct Int4 {
     torch::Tensor q, scale_min;
     int64_t n, k;
@@ -2420,6 +2503,47 @@ class DecodeStack {
     std::vector<float> scale;
     std::vector<int32_t> sum;
   };
+
+  // att = attention of q over the cache, as the plan splits the rows: the decodes on the decode
+  // kernel, each chunk on the prefill kernel (a fresh one over an int8 cache: over its own k
+  // from k_out and v from qkv)
+  void attend(const Plan& plan, const torch::Tensor& q, const torch::Tensor& qkv,
+              const torch::Tensor& k_out, std::vector<uint16_t>& own_kv,
+              const torch::Tensor& cache, const at::Half* kv_scale, torch::Tensor& att) const {
+    const int64_t blocks = cache.size(2), block_size = cache.size(3), row = heads_ * d_;
+    if (plan.decodes > 0) {
+      auto decode = d_ == 64 ? decode::decode_attention_bf16<64>
+                             : decode::decode_attention_bf16<128>;
+      decode(bits(q) + plan.decode_first * row, row, d_, cache.data_ptr(), kv_scale,
+             plan.tables, plan.seq_lens, bits(att) + plan.decode_first * row, plan.decodes,
+             heads_, kv_heads_, blocks, block_size, plan.max_blocks, scale_);
+    }
+    auto prefill = d_ == 64 ? prefill::prefill_attention_impl<64>
+                            : prefill::prefill_attention_impl<128>;
+    for (const Chunk& c : plan.chunks) {
+      const uint16_t* qc = bits(q) + c.first * row;
+      uint16_t* oc = bits(att) + c.first * row;
+      if (kv_scale == nullptr || !c.fresh) {
+        prefill(qc, row, cache.data_ptr(), kv_scale, c.table, c.seq_len, oc, c.n, heads_,
+                kv_heads_, blocks, block_size, scale_);
+        continue;
+      }
+      own_kv.resize(2 * kv_heads_ * c.n * d_);
+      const uint16_t* k = bits(k_out) + c.first * kv_heads_ * d_;
+      const uint16_t* v = bits(qkv) + c.first * qkv.size(1) + (heads_ + kv_heads_) * d_;
+      for (int64_t h = 0; h < kv_heads_; ++h) {
+        for (int64_t j = 0; j < c.n; ++j) {
+          std::memcpy(own_kv.data() + (h * c.n + j) * d_, k + (j * kv_heads_ + h) * d_,
+                      d_ * sizeof(uint16_t));
+          std::memcpy(own_kv.data() + ((kv_heads_ + h) * c.n + j) * d_,
+                      v + j * qkv.size(1) + h * d_, d_ * sizeof(uint16_t));
+        }
+      }
+      static const int64_t kOneBlock[1] = {0};
+      prefill(qc, row, own_kv.data(), nullptr, kOneBlock, c.n, oc, c.n, heads_, kv_heads_, 1,
+              c.n, scale_);
+    }
+  }
 
   // out = x w^T on int8 dot products (bfloat16), or with `swiglu` silu(gate) * up of it
   static void linear8(const Int8& w, const torch::Tensor& x, torch::Tensor& out,
@@ -2464,8 +2588,8 @@ class DecodeStack {
 
   void check_inputs(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                     const std::vector<torch::Tensor>& kv,
-                    const std::vector<torch::Tensor>& kv_scales, const torch::Tensor& slots,
-                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens) const {
+                    const std::vector<torch::Tensor>& kv_scales,
+                    const torch::Tensor& slots) const {
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
                     x.size(1) == hidden_ && x.is_contiguous() && x.size(0) >= 1,
                 "x must be [T, hidden] contiguous bfloat16, T >= 1");
@@ -2489,17 +2613,26 @@ class DecodeStack {
       if (!kv_scales.empty()) check_int8_cache(cache, kv_scales[l]);
     }
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
-                    slots.numel() == t && block_tables.scalar_type() == at::kLong &&
-                    block_tables.is_contiguous() && block_tables.dim() == 2 &&
-                    block_tables.size(0) == t && seq_lens.scalar_type() == at::kLong &&
-                    seq_lens.is_contiguous() && seq_lens.numel() == t,
-                "slots [T], block_tables [T, max_blocks] and seq_lens [T] must be contiguous "
-                "int64");
+                    slots.numel() == t,
+                "slots must be [T] contiguous int64");
     const int64_t blocks = kv[0].size(2), block_size = kv[0].size(3);
     const int64_t* slot = slots.data_ptr<int64_t>();
-    const int64_t* lens = seq_lens.data_ptr<int64_t>();
     for (int64_t i = 0; i < t; ++i) {
       TORCH_CHECK(slot[i] >= 0 && slot[i] < blocks * block_size, "a slot is outside the cache");
+    }
+  }
+
+  // `count` decodes' block_tables [count, max_blocks] and seq_lens [count]
+  static void check_decodes(const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                            int64_t count, int64_t block_size) {
+    TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                    block_tables.dim() == 2 && block_tables.size(0) == count &&
+                    seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
+                    seq_lens.numel() == count,
+                "block_tables [T, max_blocks] and seq_lens [T] (T: the decodes) must be "
+                "contiguous int64");
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    for (int64_t i = 0; i < count; ++i) {
       TORCH_CHECK(lens[i] >= 1 && lens[i] <= block_tables.size(1) * block_size,
                   "seq_lens must be in [1, max_blocks * block_size]");
     }
@@ -2547,6 +2680,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t, int64_t, double,
                     double>())
       .def("forward", &DecodeStack::forward, "a decode step through every layer", no_gil)
+      .def("forward_mixed", &DecodeStack::forward_mixed,
+           "a step with prompt chunks through every layer", no_gil)
       .def("use_int8", &DecodeStack::use_int8, "steps above max_packed_rows on int8 quads");
 #endif
 }

@@ -119,11 +119,26 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True)
+class PromptStep:
+    """A step with prompt chunks, laid out for a kernel that runs it whole (the decode
+    stack's forward_mixed): its decodes (one new token each) on rows decode_first ..
+    decode_first + D - 1, and each prompt chunk (fresh, or continued and attended alone) as
+    a row of chunk_info with its block table."""
+
+    decode_first: int
+    block_tables: Tensor        # [D, max_blocks] long, 0-padded (D may be 0)
+    seq_lens: Tensor            # [D] long: context after this step, the new token included
+    chunk_info: Tensor          # [C, 4] long: first row, new tokens, seq_len, fresh (0 / 1)
+    chunk_tables: list[Tensor]  # [C] of [blocks] long: each chunk's context blocks
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: Tensor               # [T] long: cache slot of each new token
     fresh: list[FreshChunk] = field(default_factory=list)
     groups: list[AttentionGroup] = field(default_factory=list)
     decodes: DecodeBatch | None = None  # the step's requests when it only decodes
+    prompt_step: PromptStep | None = None  # else, where its shape allows (see PromptStep)
 
 
 @dataclass

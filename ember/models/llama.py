@@ -10,8 +10,9 @@ from torch import Tensor, nn
 
 from ember.config import ModelConfig
 from ember.kernels import CpuKernels
-from ember.models.attention import (AttentionMetadata, DecodeBatch, PagedKV, attend_cached,
-                                    cache_in_kernels, paged_attention, prefill_in_kernel)
+from ember.models.attention import (AttentionMetadata, DecodeBatch, PagedKV, PromptStep,
+                                    attend_cached, cache_in_kernels, paged_attention,
+                                    prefill_in_kernel)
 from ember.models.layers import (KERNEL_DTYPES, RMSNorm, SwiGLU, apply_rope, rope_cos_sin,
                                  rope_inv_freq)
 from ember.quant.packed import PackedLinear
@@ -134,12 +135,17 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = (table[positions] for table in self.rope_cache)
         else:
             cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        decodes = self._stack_step(kv_caches, meta)
-        if decodes is not None:  # every layer in one compiled call, on the int4 weights
+        step = self._stack_step(kv_caches, meta)
+        if step is not None:  # every layer in one compiled call
+            caches = [c.data for c in kv_caches]
             scales = [c.scale for c in kv_caches] if kv_caches[0].scale is not None else []
-            return self.decode_stack.forward(x, cos, sin, [c.data for c in kv_caches], scales,
-                                             meta.slot_mapping, decodes.block_tables,
-                                             decodes.seq_lens)
+            if isinstance(step, DecodeBatch):
+                return self.decode_stack.forward(x, cos, sin, caches, scales, meta.slot_mapping,
+                                                 step.block_tables, step.seq_lens)
+            return self.decode_stack.forward_mixed(x, cos, sin, caches, scales,
+                                                   meta.slot_mapping, step.decode_first,
+                                                   step.block_tables, step.seq_lens,
+                                                   step.chunk_info, step.chunk_tables)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
@@ -156,20 +162,30 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack = _build_decode_stack(self, kernels)
 
     def _stack_step(self, kv_caches: list[PagedKV], meta: AttentionMetadata
-                    ) -> DecodeBatch | None:
-        """The step's requests when decode_stack runs it: only decodes, and a bfloat16 cache
-        or an int8 one (PagedKV's, quantized and read by the same kernels as the layers').
-        Any number of rows: up to 8 the layers would run the same int4 kernels; beyond, with
-        int8 prompt matmuls (use_int8_decode), the same int8 tiles as the layers, so the
-        stack's output is theirs, bit for bit, either way. Without them the stack keeps the
-        int4 weights above 8 rows too, where the layers would run the dense bfloat16 copies
-        on oneDNN (which a decode step reads from DRAM at 3x the bytes: the stack was
-        1.18-1.65x faster there, 12-48 rows, docs/benchmarks.md)."""
-        if self.decode_stack is None or meta.decodes is None:
+                    ) -> DecodeBatch | PromptStep | None:
+        """The step as decode_stack runs it, with a bfloat16 cache or an int8 one (PagedKV's,
+        quantized and read by the same kernels as the layers'), or None.
+
+        A step that only decodes (DecodeBatch), any number of rows: up to 8 the layers would
+        run the same int4 kernels; beyond, with int8 prompt matmuls (use_int8_decode), the
+        same int8 tiles as the layers, so the stack's output is theirs, bit for bit, either
+        way. Without them the stack keeps the int4 weights above 8 rows too, where the layers
+        would run the dense bfloat16 copies on oneDNN (which a decode step reads from DRAM at
+        3x the bytes: the stack was 1.18-1.65x faster there, 12-48 rows, docs/benchmarks.md).
+
+        A step with prompt chunks (PromptStep: its decodes on adjacent rows, each continued
+        chunk attended alone) only with the int8 prompt matmuls: the stack then calls what
+        the layers call, in the same order (each chunk on the prefill kernel, the decodes on
+        the decode kernel), without the Python and torch work between the calls, ~15% of a
+        prompt step's time on the default model (docs/benchmarks.md)."""
+        if self.decode_stack is None:
             return None
         cache = kv_caches[0]
-        ok = cache.data.dtype == (torch.bfloat16 if cache.scale is None else torch.int8)
-        return meta.decodes if ok else None
+        if cache.data.dtype != (torch.bfloat16 if cache.scale is None else torch.int8):
+            return None
+        if meta.decodes is not None:
+            return meta.decodes
+        return meta.prompt_step if self.int8_decode else None
 
     def use_int8_decode(self) -> None:
         """After the int8 prompt matmuls are set up (use_int8_dense): decode steps of more than

@@ -14,7 +14,9 @@ continued prefills) joins an AttentionGroup. Groups gather requests of similar s
 padding each member's queries to the longest and its context to the widest wastes little:
 a group stays within GROUP_WASTE times the work of attending its members one by one.
 A step that only decodes also lists all its requests in row order (DecodeBatch), for the
-compiled decode stack, which attends them in one call whatever their lengths.
+compiled decode stack, which attends them in one call whatever their lengths; a step with
+prompt chunks, where its decodes lie on adjacent rows and every continued chunk attends alone,
+lists its decodes and chunks for the same stack (PromptStep).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from torch import Tensor
 
 from ember.kv.kv_manager import cdiv
 from ember.models.attention import (MATMUL_MAX_QUERIES, AttentionGroup, AttentionMetadata,
-                                    DecodeBatch, FreshChunk)
+                                    DecodeBatch, FreshChunk, PromptStep)
 from ember.request import Request
 from ember.scheduler.output import ScheduledRequest, SchedulerOutput
 
@@ -156,6 +158,29 @@ def queue_group(members: list[_Member], block_size: int, num_rows: int,
                          columns.add([m.num_new for m in members]), whole_batch, lone, span)
 
 
+def _queue_prompt_step(fresh: list[tuple[int, int, int]], members: list[_Member],
+                       block_size: int, columns: _LongColumns
+                       ) -> tuple[int, int, int, int, list[int]] | None:
+    """A step with prompt chunks as PromptStep lays it out (its columns queued): where the
+    decodes lie on adjacent rows and every continued chunk has more than MATMUL_MAX_QUERIES
+    new tokens (it attends alone, as the layers do it too); else None."""
+    decodes = [m for m in members if m.num_new == 1]
+    chunks = [m for m in members if m.num_new > 1]
+    if any(m.num_new <= MATMUL_MAX_QUERIES for m in chunks):
+        return None
+    first = decodes[0].row if decodes else 0
+    if [m.row for m in decodes] != list(range(first, first + len(decodes))):
+        return None
+    info = [v for row, n, _ in fresh for v in (row, n, n, 1)]
+    info += [v for m in chunks for v in (m.row, m.num_new, m.seq_len, 0)]
+    chunk_tables = [table for _, _, table in fresh]
+    chunk_tables += [columns.add(m.block_ids[:cdiv(m.seq_len, block_size)]) for m in chunks]
+    tables = _block_tables(decodes, block_size, columns) if decodes else \
+        columns.add([], (0, 1))
+    return (first, tables, columns.add([m.seq_len for m in decodes]),
+            columns.add(info, (len(info) // 4, 4)), chunk_tables)
+
+
 def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
     token_ids: list[int] = []
     positions: list[int] = []
@@ -187,15 +212,23 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device)
         else:
             decode_columns = (_block_tables(members, block_size, columns),
                               columns.add([m.seq_len for m in members]))
+    prompt_columns = None if decode_columns is not None else \
+        _queue_prompt_step(fresh, members, block_size, columns)
     flat = [columns.add(c) for c in (token_ids, positions, slots)]
     # a step whose every row samples, in order, takes its logits from all of them
     logits = None if logits_rows == list(range(len(token_ids))) else columns.add(logits_rows)
     built = columns.build(device)
     decodes = None if decode_columns is None else \
         DecodeBatch(built[decode_columns[0]], built[decode_columns[1]])
+    prompt_step = None
+    if prompt_columns is not None:
+        first, tables, lens, info, chunk_tables = prompt_columns
+        prompt_step = PromptStep(first, built[tables], built[lens], built[info],
+                                 [built[c] for c in chunk_tables])
     attn = AttentionMetadata(
         slot_mapping=built[flat[2]],
         fresh=[FreshChunk(row, n, built[table]) for row, n, table in fresh],
-        groups=[g.group(built, block_size) for g in queued], decodes=decodes)
+        groups=[g.group(built, block_size) for g in queued], decodes=decodes,
+        prompt_step=prompt_step)
     return ModelInputs(built[flat[0]], built[flat[1]], attn,
                        None if logits is None else built[logits], sampling)

@@ -588,7 +588,8 @@ def test_smollm_decode_stack_equals_the_layers(smollm_path, kv_cache_dtype):
         rows_seen.append(x.shape[0])
         return forward(x, *args)
 
-    model.decode_stack = SimpleNamespace(forward=counted)
+    model.decode_stack = SimpleNamespace(forward=counted,
+                                         forward_mixed=model.decode_stack.forward_mixed)
     stacked = [llm.generate(prompts, params, cold) for prompts in small + [big]]
     assert 1 in rows_seen and 4 in rows_seen and 11 in rows_seen, sorted(set(rows_seen))
     model.decode_stack = None
@@ -599,6 +600,45 @@ def test_smollm_decode_stack_equals_the_layers(smollm_path, kv_cache_dtype):
             assert g.outputs[0].token_ids == w.outputs[0].token_ids
             assert g.outputs[0].logprobs == w.outputs[0].logprobs
     assert_greedy_close(layered[2], stacked[2])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["model", "int8"])
+def test_smollm_prompt_steps_through_the_stack_equal_the_layers(smollm_path, kv_cache_dtype):
+    """With the int8 prompt matmuls (AVX-512 VNNI), steps with prompt chunks run every layer
+    in one call too (forward_mixed): fresh chunks, chunks continued over the cache and
+    decodes beside them, on the kernels the layers call, in the same order. A step budget of
+    64 tokens cuts the prompts into chunks beside the decodes of the shorter ones; tokens and
+    logprobs equal the layers' bit for bit, and only steps the stack cannot lay out (a
+    continued chunk of 16 tokens or fewer) ran layer by layer."""
+    llm = LLM(str(smollm_path), kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=64)
+    model = llm.engine.runner.model
+    if not kernels_have_bf16_dot(llm) or not model.int8_decode:
+        pytest.skip("prompt steps in the stack need AVX-512 BF16 and VNNI")
+    stack, calls = model.decode_stack, {"mixed": 0, "layers": 0}
+
+    def mixed(*args):
+        calls["mixed"] += 1
+        return stack.forward_mixed(*args)
+
+    layer_forward = model.model.layers[0].forward
+
+    def first_layer(*args):
+        calls["layers"] += 1
+        return layer_forward(*args)
+
+    model.model.layers[0].forward = first_layer
+    lengths = [5, 40, 150, 300, 90, 17, 2, 230]
+    prompts = [[100 + (7 * i + 3 * j) % 20000 for j in range(n)] for i, n in enumerate(lengths)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    cold = RequestOptions(prefix_cache=False)
+    model.decode_stack = SimpleNamespace(forward=stack.forward, forward_mixed=mixed)
+    stacked = llm.generate(prompts, params, cold)
+    assert calls["mixed"] >= 10 and calls["layers"] <= 2, calls
+    model.decode_stack = None
+    layered = llm.generate(prompts, params, cold)
+    for got, want in zip(stacked, layered):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].logprobs == want.outputs[0].logprobs
 
 
 def test_decode_stack_refuses_inputs_that_do_not_fit(smollm_path):
@@ -619,3 +659,14 @@ def test_decode_stack_refuses_inputs_that_do_not_fit(smollm_path):
         stack.forward(x.float(), cos, sin, caches, [], one, tables, one)
     with pytest.raises(RuntimeError, match="kv_scales"):
         stack.forward(x, cos, sin, caches, [torch.zeros(1)], one, tables, one)
+    none = torch.zeros(0, 1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="row 0 must be a decode or in one chunk"):
+        stack.forward_mixed(x, cos, sin, caches, [], one, 0, none, none[:, 0],
+                            torch.zeros(0, 4, dtype=torch.long), [])
+    chunk = torch.tensor([[0, 2, 2, 1]])
+    with pytest.raises(RuntimeError, match="chunk 0: its rows must lie in the step"):
+        stack.forward_mixed(x, cos, sin, caches, [], one, 0, none, none[:, 0], chunk,
+                            [torch.zeros(1, dtype=torch.long)])
+    with pytest.raises(RuntimeError, match="row 0 must be a decode or in one chunk, once"):
+        stack.forward_mixed(x, cos, sin, caches, [], one, 0, tables, one,
+                            torch.tensor([[0, 1, 1, 1]]), [torch.zeros(1, dtype=torch.long)])

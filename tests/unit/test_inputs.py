@@ -58,3 +58,33 @@ def test_a_step_of_decodes_only_is_the_whole_batch_and_one_span():
     assert group.whole_batch and group.span == (0, 2)
     q = torch.arange(2.0)
     assert q[group.out_index].data_ptr() == q.data_ptr()  # a view of every row, no copy
+
+
+def prompt_step(plan: SchedulerOutput):
+    return prepare_inputs(plan, BLOCK, torch.device("cpu")).attn.prompt_step
+
+
+def test_a_step_with_prompt_chunks_is_laid_out_for_the_stack():
+    """Decodes on adjacent rows, a fresh chunk and a continued one (more than 16 new tokens:
+    it attends alone): the decodes' block tables and lengths in row order, one chunk_info
+    row per chunk (first row, new tokens, seq_len, fresh) and each chunk's blocks."""
+    plan = SchedulerOutput([decode("a", 40, 0), decode("b", 20, 10), chunk("p", 0, 30, 30),
+                            chunk("q", 32, 40, 40)])
+    step = prompt_step(plan)
+    assert step.decode_first == 0
+    assert step.block_tables.tolist() == [[0, 1, 2], [10, 11, 0]]
+    assert step.seq_lens.tolist() == [41, 21]
+    assert step.chunk_info.tolist() == [[2, 30, 30, 1], [32, 40, 72, 0]]
+    assert [t.tolist() for t in step.chunk_tables] == [[30, 31], [40, 41, 42, 43, 44]]
+    assert prepare_inputs(plan, BLOCK, torch.device("cpu")).attn.decodes is None
+
+
+def test_a_prompt_step_without_decodes_or_that_the_stack_cannot_lay_out():
+    alone = prompt_step(SchedulerOutput([chunk("p", 0, 30, 0)]))
+    assert alone.block_tables.shape == (0, 1) and alone.seq_lens.numel() == 0
+    assert alone.chunk_info.tolist() == [[0, 30, 30, 1]]
+    # decodes on both sides of a chunk; a continued chunk of 16 tokens (grouped with decodes)
+    assert prompt_step(SchedulerOutput([decode("a", 40, 0), chunk("p", 32, 40, 10),
+                                        decode("b", 44, 20)])) is None
+    assert prompt_step(SchedulerOutput([decode("a", 40, 0), chunk("p", 32, 16, 10)])) is None
+    assert prompt_step(SchedulerOutput([decode("a", 40, 0), decode("b", 44, 20)])) is None
