@@ -176,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         A step with prompt chunks (PromptStep: its decodes on adjacent rows, each continued
         chunk attended alone) only with the int8 prompt matmuls: the stack then calls what
         the layers call, in the same order (each chunk on the prefill kernel, the decodes on
-        the decode kernel), without the Python and torch work between the calls, ~15% of a
+        the decode kernel), without the Python and torch work between the calls, ~12% of a
         prompt step's time on the default model (docs/benchmarks.md)."""
         if self.decode_stack is None:
             return None
