@@ -19,6 +19,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -67,10 +68,19 @@ class Sampler(threading.Thread):
             time.sleep(0.2)
 
 
-def bench(url: str, *args: str, seed: int = 0) -> None:
-    subprocess.run([str(VENV_BIN / "ember"), "bench", "serve", "--base-url", url,
-                    "--seed", str(seed), "--extra-body", '{"logit_bias": {"2": -100}}', *args],
-                   check=True, stdout=subprocess.DEVNULL)
+def bench(url: str, *args: str, seed: int = 0) -> dict:
+    """One `ember bench serve` run against the server at `url`; its summary. Raises unless
+    every request completed (a load that failed is no load)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "bench.json"
+        subprocess.run([str(VENV_BIN / "ember"), "bench", "serve", "--base-url", url + "/v1",
+                        "--seed", str(seed), "--extra-body", '{"logit_bias": {"2": -100}}',
+                        "--out", str(out), *args], check=True, stdout=subprocess.DEVNULL)
+        summary = json.loads(out.read_text())
+    if summary["completed"] != summary["num_requests"]:
+        raise SystemExit(f"ember bench serve: {summary['completed']} of "
+                         f"{summary['num_requests']} requests completed ({summary['errors']})")
+    return summary
 
 
 def figures(kb: int) -> dict[str, float]:
@@ -96,14 +106,18 @@ def main() -> None:
         loaded = status_kb(proc.pid, "VmRSS")
         sampler = Sampler(proc.pid)
         sampler.start()
+        tokens = 0
         for seed in range(args.rounds):
-            bench(url, "--input-len", "uniform:100,400", "--output-len", "uniform:64,192",
-                  "--num-requests", "64", "--concurrency", "32", seed=seed)
-        bench(url, "--input-len", "fixed:1024", "--output-len", "fixed:1", "--num-requests", "1")
+            tokens += bench(url, "--input-len", "uniform:100,400", "--output-len",
+                            "uniform:64,192", "--num-requests", "64", "--concurrency", "32",
+                            seed=seed)["output_tokens"]
+        tokens += bench(url, "--input-len", "fixed:1024", "--output-len", "fixed:1",
+                        "--num-requests", "1")["output_tokens"]
         sampler.stop.set()
         sampler.join()
         time.sleep(3)  # the engine goes idle and hands freed memory back
         result = {"serve_args": args.serve_args, "rounds": args.rounds,
+                  "output_tokens": tokens,
                   "idle_after_load": figures(loaded),
                   "peak_under_load": figures(sampler.peak_kb),
                   "idle_after_load_test": figures(status_kb(proc.pid, "VmRSS")),
