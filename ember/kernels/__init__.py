@@ -126,7 +126,9 @@ class CpuKernels:
         norm, gate_up (q, scale_min), down (q, scale_min), the int4 ones from
         pack_int4_panels. Its forward(x, cos, sin, kv caches, kv scales (empty for bfloat16
         caches, one per layer for int8 ones), slots, block_tables, seq_lens) returns the final
-        norm's output [T, hidden]."""
+        norm's output [T, hidden]; forward_mixed(x, cos, sin, kv caches, kv scales, slots,
+        decode_first, block_tables, seq_lens, chunk_info, chunk_tables) the same for a step
+        with prompt chunks (ember/models/attention.py PromptStep; after use_int8)."""
         return self.ops.DecodeStack(weights, final_norm, heads, kv_heads, head_dim, eps, scale)
 
     def int8_rows(self, ids: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
