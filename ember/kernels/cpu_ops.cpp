@@ -1784,6 +1784,15 @@ static void check_int8_cache(const torch::Tensor& kv, const torch::Tensor& kv_sc
               "kv_scale must be contiguous [2, kv_heads, blocks, block_size] float16");
 }
 
+// The blocks a request's first seq_len tokens use, ids from its block table: all inside
+// the cache's num_blocks.
+static void check_block_ids(const int64_t* table, int64_t seq_len, int64_t block_size,
+                            int64_t num_blocks) {
+  for (int64_t b = 0; b < (seq_len + block_size - 1) / block_size; ++b) {
+    TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "a block id is outside the cache");
+  }
+}
+
 // rms_norm(x [rows, n], weight [n], eps) -> out; with `residual`, residual += x first (in
 // place) and the sum is normalised.
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
@@ -1988,9 +1997,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor
   TORCH_CHECK(seq_len >= n && n >= 1 && seq_len <= block_table.size(0) * block_size,
               "seq_len must cover the new tokens and fit the block table");
   const int64_t* table = block_table.data_ptr<int64_t>();
-  for (int64_t b = 0; b < (seq_len + block_size - 1) / block_size; ++b) {
-    TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "a block id is outside the cache");
-  }
+  check_block_ids(table, seq_len, block_size, num_blocks);
   auto out = torch::empty({n, heads, d}, q.options());
 #ifdef EMBER_BF16_DOT
   auto run = [&](auto impl) {
@@ -2384,9 +2391,7 @@ class DecodeStack {
                   "chunk ", c, ": its block table must be [blocks] contiguous int64 covering "
                   "its seq_len");
       const int64_t* ids = table.data_ptr<int64_t>();
-      for (int64_t b = 0; b < (seq_len + block_size - 1) / block_size; ++b) {
-        TORCH_CHECK(ids[b] >= 0 && ids[b] < num_blocks, "a block id is outside the cache");
-      }
+      check_block_ids(ids, seq_len, block_size, num_blocks);
       for (int64_t i = first; i < first + n; ++i) covered[i] += 1;
       plan.chunks.push_back(Chunk{first, n, seq_len, fresh, ids});
     }

@@ -670,3 +670,6 @@ def test_decode_stack_refuses_inputs_that_do_not_fit(smollm_path):
     with pytest.raises(RuntimeError, match="row 0 must be a decode or in one chunk, once"):
         stack.forward_mixed(x, cos, sin, caches, [], one, 0, tables, one,
                             torch.tensor([[0, 1, 1, 1]]), [torch.zeros(1, dtype=torch.long)])
+    with pytest.raises(RuntimeError, match="a block id is outside the cache"):
+        stack.forward_mixed(x, cos, sin, caches, [], one, 0, none, none[:, 0],
+                            torch.tensor([[0, 1, 1, 1]]), [torch.tensor([1 << 40])])
