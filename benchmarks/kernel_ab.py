@@ -62,6 +62,9 @@ class TimedStack:
             self.times.append(time.perf_counter() - start)
         return out
 
+    def __getattr__(self, name: str):
+        return getattr(self.stack, name)   # forward_mixed (prompt steps): untimed
+
 
 def summary(old: list[float], new: list[float]) -> dict:
     ratios = sorted(b / a for a, b in zip(old, new))

@@ -352,15 +352,17 @@ def test_int8_linear_a8_is_the_matmul_of_x_rounded_per_group(kernels, m, k, grou
         kernels.int8_linear_a8(x, pack_int8_quads(q[:, :k - 4]), scales, 0)
 
 
+@pytest.mark.parametrize("n", [80, 720])
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 11])   # register tiles of each shape, two tiles
-def test_int4_linear_is_the_dequantized_matmul(kernels, m):
+def test_int4_linear_is_the_dequantized_matmul(kernels, m, n):
     """x w^T with w = q * scale + min per group of 32 inputs (scales and minima as the kernel
     holds them, in bfloat16), in float32 then rounded to bfloat16 once: the kernel's only
     rounding is that last one and the order of its float32 sums. n = 80: 5 panels, so the
-    several-panels-at-once tiles leave one over."""
+    several-panels-at-once tiles leave one over; n = 720: 45 panels, split between the
+    threads (at two or more) in shares of unequal length."""
     if not kernels.has_bf16_dot:
         pytest.skip("this CPU has no AVX-512 BF16: int4 runs on torch's packed kernel")
-    n, k = 80, 96
+    k = 96
     g = torch.Generator().manual_seed(7)
     q = torch.randint(0, 16, (n, k), generator=g)
     scale = torch.rand(n, k // 32, generator=g) / 32
