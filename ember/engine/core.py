@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.calibrate import prepare_int8_prefill, use_int8_prefill
-from ember.engine.memory import huge_page_zeros, large_blocks_mapped_alone, return_free_memory
+from ember.engine.memory import (huge_page_zeros, large_blocks_mapped_alone, move_to_huge_pages,
+                                 return_free_memory)
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kernels import load_kernels
 from ember.kv.kv_manager import KVCacheManager
+from ember.quant.packed import PackedLinear
 from ember.request import FinishReason, Request, RequestOptions, SamplingParams
 from ember.runner.kv_tensors import (GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks,
                                     resolve_kv_cache_dtype)
@@ -82,7 +84,9 @@ class EngineCore:
         with large_blocks_mapped_alone():  # weights and load temporaries in separate mappings
             model = apply_quantization(load_model(files, self.model_config, self.dtype,
                                                   config.device), self.quantization, kernels)
-        model.use_kernels(kernels)
+            move_to_huge_pages([(m, name) for m in model.modules() if isinstance(m, PackedLinear)
+                                for name in ("qweight", "scales")])
+        model.use_kernels(kernels)  # (the decode stack takes the weights where they are now)
         model.cache_rope(self.max_model_len, self.dtype)
         if self.prefill_matmul == "int8":  # bfloat16 copies out before the KV cache comes
             prepare_int8_prefill(model)

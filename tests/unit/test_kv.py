@@ -366,3 +366,26 @@ def test_kv_caches_on_huge_pages_are_zeroed_caches_of_the_asked_shape():
         k = torch.randn(4, 2, 64).to(torch.bfloat16)
         caches[0].write(k, k, torch.tensor([0, 17, 300, 4799]))
         assert caches[0].data.abs().sum() > 0
+
+
+def test_weights_moved_to_huge_pages_keep_their_values_and_serve_the_module():
+    """move_to_huge_pages puts the buffers side by side in one advised buffer (views of one
+    storage, each 64-byte aligned) with the values, dtypes and shapes they had, registered
+    back on their modules. (The engine's reference tests run on weights so moved.)"""
+    from ember.engine.memory import move_to_huge_pages
+    g = torch.Generator().manual_seed(3)
+    modules = [torch.nn.Linear(48, 40, bias=False), torch.nn.Linear(40, 8, bias=False)]
+    for i, m in enumerate(modules):
+        m.register_buffer("packed", torch.randint(-128, 128, (40 - 32 * i, 48 - 8 * i),
+                                                  generator=g, dtype=torch.int8))
+        m.register_buffer("scale", torch.rand(40 - 32 * i, generator=g).bfloat16())
+    want = [t.clone() for m in modules for t in (m.packed, m.scale)]
+    owners = [(m, name) for m in modules for name in ("packed", "scale")]
+    moved = move_to_huge_pages(owners)
+    got = [getattr(m, name) for m, name in owners]
+    assert moved == sum(-(-t.numel() * t.element_size() // 64) * 64 for t in want)
+    assert len({t.untyped_storage().data_ptr() for t in got}) == 1
+    for g_t, w_t in zip(got, want):
+        assert torch.equal(g_t, w_t) and g_t.dtype == w_t.dtype and g_t.is_contiguous()
+        assert g_t.data_ptr() % 64 == 0
+    assert dict(modules[0].named_buffers())["packed"] is got[0]
