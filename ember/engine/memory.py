@@ -92,19 +92,19 @@ def move_to_huge_pages(owners: list[tuple[torch.nn.Module, str]]) -> int:
     come from DRAM each time; in 4 KiB pages their reads miss the TLB every page: the batch-1
     decode stack 0.92x the time with its int4 weights so (docs/benchmarks.md). Returns the
     bytes moved."""
-    tensors = [getattr(module, name) for module, name in owners]
-    if not tensors or any(t.device.type != "cpu" for t in tensors):
+    # no list of the tensors themselves: it would keep every old one alive until the end
+    nbytes = [getattr(m, name).numel() * getattr(m, name).element_size() for m, name in owners]
+    if not owners or any(getattr(m, name).device.type != "cpu" for m, name in owners):
         return 0
-    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]  # 64-byte aligned
+    sizes = [-(-n // 64) * 64 for n in nbytes]  # each 64-byte aligned
     arena = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)
     offset = _advise_huge_pages(arena)
-    for (module, name), tensor, size in zip(owners, tensors, sizes):
-        nbytes = tensor.numel() * tensor.element_size()
-        view = arena[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
-        view.copy_(tensor)
+    for (module, name), n, size in zip(owners, nbytes, sizes):
+        old = getattr(module, name)
+        view = arena[offset:offset + n].view(old.dtype).view(old.shape)
+        view.copy_(old)
         module.register_buffer(name, view)
         offset += size
-    del tensors
     return sum(sizes)
 
 
