@@ -15,7 +15,7 @@ from ember.engine.memory import (huge_page_zeros, large_blocks_mapped_alone, mov
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kernels import load_kernels
 from ember.kv.kv_manager import KVCacheManager
-from ember.quant.packed import PackedLinear
+from ember.quant.packed import step_weights
 from ember.request import FinishReason, Request, RequestOptions, SamplingParams
 from ember.runner.kv_tensors import (GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks,
                                     resolve_kv_cache_dtype)
@@ -84,8 +84,7 @@ class EngineCore:
         with large_blocks_mapped_alone():  # weights and load temporaries in separate mappings
             model = apply_quantization(load_model(files, self.model_config, self.dtype,
                                                   config.device), self.quantization, kernels)
-            move_to_huge_pages([(m, name) for m in model.modules() if isinstance(m, PackedLinear)
-                                for name in ("qweight", "scales")])
+            move_to_huge_pages(step_weights(model))
         model.use_kernels(kernels)  # (the decode stack takes the weights where they are now)
         model.cache_rope(self.max_model_len, self.dtype)
         if self.prefill_matmul == "int8":  # bfloat16 copies out before the KV cache comes

@@ -34,6 +34,7 @@ RUNNING_THRESHOLD = 32 << 20    # the ceiling glibc's adaptive threshold reaches
 # prompt matmuls ran at 0.5-0.9 instead of 1.2-1.6 TOP/s. Twice the mmap threshold, as
 # glibc's adaptive rule sets it; idle engines still hand everything back (return_free_memory).
 RUNNING_TRIM_THRESHOLD = 2 * RUNNING_THRESHOLD
+TRIM_EVERY = 8 << 20            # move_to_huge_pages hands old tensors back in steps of this
 
 
 @functools.cache
@@ -88,24 +89,50 @@ def _advise_huge_pages(buffer: torch.Tensor) -> int:
 def move_to_huge_pages(owners: list[tuple[torch.nn.Module, str]]) -> int:
     """Each owner's buffer `name` copied, side by side with the others, into one buffer
     advised as huge-page material, and registered back as a view of it (each old tensor is
-    freed as it goes, so memory grows by about one of them). Weights read every decode step
-    come from DRAM each time; in 4 KiB pages their reads miss the TLB every page: the batch-1
-    decode stack 0.92x the time with its int4 weights so (docs/benchmarks.md). Returns the
-    bytes moved."""
-    # no list of the tensors themselves: it would keep every old one alive until the end
-    nbytes = [getattr(m, name).numel() * getattr(m, name).element_size() for m, name in owners]
+    freed as it goes, and handed back to the OS every TRIM_EVERY bytes: one carved from a
+    heap stays resident until trimmed, and a move of 107 MB so raised a process's peak by
+    89 MB; memory grows by about one of them). A tensor two owners share (a
+    tied embedding reads its output projection's int8 weight) is copied once and stays
+    shared; owners whose buffer is None are skipped. Weights read every decode step come
+    from DRAM each time; in 4 KiB pages their reads miss the TLB every page: the batch-1
+    decode stack 0.92x the time with its int4 weights so, a whole step 0.97-0.98x with the
+    output projection's int8 ones too (docs/benchmarks.md). Returns the bytes moved."""
+    owners = [(m, name) for m, name in owners if getattr(m, name) is not None]
     if not owners or any(getattr(m, name).device.type != "cpu" for m, name in owners):
         return 0
-    sizes = [-(-n // 64) * 64 for n in nbytes]  # each 64-byte aligned
-    arena = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)
+    # no list of the tensors themselves: it would keep every old one alive until the end
+    keys = [_storage_key(getattr(m, name)) for m, name in owners]
+    sizes: dict[tuple[int, ...], int] = {}   # per distinct tensor, each 64-byte aligned
+    for (module, name), key in zip(owners, keys):
+        sizes.setdefault(key, -(-_nbytes(getattr(module, name)) // 64) * 64)
+    arena = torch.empty(sum(sizes.values()) + HUGE_PAGE, dtype=torch.uint8)
     offset = _advise_huge_pages(arena)
-    for (module, name), n, size in zip(owners, nbytes, sizes):
-        old = getattr(module, name)
-        view = arena[offset:offset + n].view(old.dtype).view(old.shape)
-        view.copy_(old)
-        module.register_buffer(name, view)
-        offset += size
-    return sum(sizes)
+    views: dict[tuple[int, ...], torch.Tensor] = {}
+    unreturned = 0
+    for (module, name), key in zip(owners, keys):
+        if key not in views:
+            old = getattr(module, name)
+            view = arena[offset:offset + _nbytes(old)].view(old.dtype).view(old.shape)
+            view.copy_(old)
+            del old
+            views[key] = view
+            offset += sizes[key]
+            unreturned += sizes[key]
+        module.register_buffer(name, views[key])
+        if unreturned >= TRIM_EVERY:  # old tensors carved from a heap stay resident until
+            return_free_memory()      # trimmed: the peak would grow by all of them
+            unreturned = 0
+    return_free_memory()
+    return sum(sizes.values())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, ...]:
+    """The same for two names of one tensor (or of equal views of one memory)."""
+    return (t.data_ptr(), _nbytes(t), *t.shape)
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:

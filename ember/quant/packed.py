@@ -329,6 +329,17 @@ class Int8Embedding(nn.Module):
         return self.kernels.int8_rows(input_ids.contiguous(), self.packed, self.scales)
 
 
+def step_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, buffer name) for the compact weights a decode step reads: every PackedLinear's
+    packed int4/int8 weight and scales, and the int8 output projection's pairs, quads and
+    scales (a tied Int8Embedding names the same tensors). Not the linears' int8 prompt
+    weights (use_int8_dense): on huge pages too, a loaded server peaked 20-30 MB higher
+    and no step measured faster (docs/benchmarks.md)."""
+    names = {PackedLinear: ("qweight", "scales"), KernelInt8Linear: ("packed", "quads", "scales"),
+             Int8Embedding: ("packed", "scales")}
+    return [(m, name) for m in model.modules() for name in names.get(type(m), ())]
+
+
 def prepack_for_onednn(weight: Tensor) -> tuple[Tensor, bool]:
     """(weight reordered for oneDNN's CPU matmul, True), or (weight, False) where that is not
     available (not a CPU, not bfloat16, a build without oneDNN)."""

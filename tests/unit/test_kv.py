@@ -389,3 +389,18 @@ def test_weights_moved_to_huge_pages_keep_their_values_on_their_modules():
         assert torch.equal(g_t, w_t) and g_t.dtype == w_t.dtype and g_t.is_contiguous()
         assert g_t.data_ptr() % 64 == 0
     assert dict(modules[0].named_buffers())["packed"] is got[0]
+
+
+def test_a_shared_weight_moved_to_huge_pages_is_copied_once_and_stays_shared():
+    """A tied embedding names its output projection's int8 tensors: moved, both modules
+    still share one tensor (copied once); a None buffer is left as it is."""
+    from ember.engine.memory import move_to_huge_pages
+    head, embed = torch.nn.Module(), torch.nn.Module()
+    head.register_buffer("packed", torch.arange(-100, 92, dtype=torch.int8).view(12, 16))
+    head.register_buffer("quads", None)
+    embed.register_buffer("packed", head.packed)
+    want = head.packed.clone()
+    moved = move_to_huge_pages([(embed, "packed"), (head, "packed"), (head, "quads")])
+    assert moved == 192
+    assert embed.packed is head.packed and torch.equal(head.packed, want)
+    assert head.quads is None
