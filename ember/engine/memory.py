@@ -102,12 +102,12 @@ def move_to_huge_pages(owners: list[tuple[torch.nn.Module, str]]) -> int:
         return 0
     # no list of the tensors themselves: it would keep every old one alive until the end
     keys = [_storage_key(getattr(m, name)) for m, name in owners]
-    sizes: dict[tuple[int, ...], int] = {}   # per distinct tensor, each 64-byte aligned
+    sizes: dict[tuple[object, ...], int] = {}   # per distinct tensor, each 64-byte aligned
     for (module, name), key in zip(owners, keys):
         sizes.setdefault(key, -(-_nbytes(getattr(module, name)) // 64) * 64)
     arena = torch.empty(sum(sizes.values()) + HUGE_PAGE, dtype=torch.uint8)
     offset = _advise_huge_pages(arena)
-    views: dict[tuple[int, ...], torch.Tensor] = {}
+    views: dict[tuple[object, ...], torch.Tensor] = {}
     unreturned = 0
     for (module, name), key in zip(owners, keys):
         if key not in views:
@@ -130,9 +130,10 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, ...]:
-    """The same for two names of one tensor (or of equal views of one memory)."""
-    return (t.data_ptr(), _nbytes(t), *t.shape)
+def _storage_key(t: torch.Tensor) -> tuple[object, ...]:
+    """The same for two names of one tensor (or of equal views of one memory, dtype and
+    all: a view of the same bytes as another dtype is copied on its own)."""
+    return (t.data_ptr(), _nbytes(t), t.dtype, *t.shape)
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:

@@ -393,14 +393,19 @@ def test_weights_moved_to_huge_pages_keep_their_values_on_their_modules():
 
 def test_a_shared_weight_moved_to_huge_pages_is_copied_once_and_stays_shared():
     """A tied embedding names its output projection's int8 tensors: moved, both modules
-    still share one tensor (copied once); a None buffer is left as it is."""
+    still share one tensor (copied once); a view of those bytes as another dtype gets its
+    own copy; a None buffer is left as it is."""
     from ember.engine.memory import move_to_huge_pages
     head, embed = torch.nn.Module(), torch.nn.Module()
     head.register_buffer("packed", torch.arange(-100, 92, dtype=torch.int8).view(12, 16))
     head.register_buffer("quads", None)
     embed.register_buffer("packed", head.packed)
+    raw = torch.nn.Module()   # the same bytes as another dtype: a copy of its own
+    raw.register_buffer("packed", head.packed.view(torch.uint8))
     want = head.packed.clone()
-    moved = move_to_huge_pages([(embed, "packed"), (head, "packed"), (head, "quads")])
-    assert moved == 192
+    moved = move_to_huge_pages([(embed, "packed"), (head, "packed"), (head, "quads"),
+                                (raw, "packed")])
+    assert moved == 2 * 192
     assert embed.packed is head.packed and torch.equal(head.packed, want)
+    assert raw.packed.dtype == torch.uint8 and torch.equal(raw.packed, want.view(torch.uint8))
     assert head.quads is None
