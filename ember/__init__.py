@@ -3,7 +3,7 @@ from typing import TYPE_CHECKING, Any
 
 from ember.config import CacheConfig, EngineConfig, SchedulerConfig
 from ember.errors import (BadSamplingParams, ConfigError, ContextTooLong, EmberError, EngineDead,
-                          InvalidRequest, ModelLoadError, Overloaded, RequestFailed,
+                          EngineLoading, InvalidRequest, ModelLoadError, Overloaded, RequestFailed,
                           UnsupportedModel)
 from ember.request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
 
@@ -15,6 +15,7 @@ __all__ = [
     "EngineConfig", "CacheConfig", "SchedulerConfig",
     "EmberError", "ConfigError", "ModelLoadError", "UnsupportedModel", "InvalidRequest",
     "BadSamplingParams", "ContextTooLong", "Overloaded", "RequestFailed", "EngineDead",
+    "EngineLoading",
 ]
 __version__ = "0.1.0"
 

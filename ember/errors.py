@@ -70,3 +70,11 @@ class EngineDead(EmberError):
 
     http_status = 503
     error_type = "engine_dead_error"
+
+
+class EngineLoading(EmberError):
+    """The model is still loading; retry in a few seconds (the server adds Retry-After).
+    Not EngineDead: a client that gives up on a dead server should wait for this one."""
+
+    http_status = 503
+    error_type = "engine_loading_error"

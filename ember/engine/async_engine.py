@@ -26,7 +26,7 @@ from ember.constraint import Constraint
 from ember.engine.core import EngineCore
 from ember.engine.memory import return_free_memory
 from ember.engine.output import SequenceText
-from ember.errors import EmberError, EngineDead, Overloaded, RequestFailed
+from ember.errors import EmberError, EngineDead, EngineLoading, Overloaded, RequestFailed
 from ember.request import CompletionOutput, FinishReason, RequestOptions, SamplingParams
 from ember.weights.loader import served_model_name
 
@@ -210,7 +210,7 @@ class AsyncEngine:
             raise EngineDead(f"the engine has stopped after an error ({self.error}); "
                              "restart the server")
         if self.core is None or self.state is EngineState.LOADING:
-            raise EngineDead("the model is still loading; retry in a few seconds")
+            raise EngineLoading("the model is still loading; retry in a few seconds")
         return self.core
 
     # -- the engine thread -----------------------------------------------------------------

@@ -173,7 +173,10 @@ def test_loading_then_ready(tiny_llama_dir, monkeypatch):
         assert httpx.get(live.url + "/health/live").status_code == 200
         ready = httpx.get(live.url + "/health/ready")
         assert ready.status_code == 503 and ready.json()["status"] == "loading"
-        assert_error(post(live, "/v1/completions", json={"prompt": "x"}), 503, "loading")
+        loading = post(live, "/v1/completions", json={"prompt": "x"})
+        assert_error(loading, 503, "loading")
+        assert loading.json()["error"]["type"] == "engine_loading_error"
+        assert loading.headers["retry-after"]
         gate.set()
         live.wait_ready()
         assert post(live, "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code \

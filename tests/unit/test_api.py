@@ -13,7 +13,8 @@ def test_exported_names_are_pinned():
         "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason",
         "EngineConfig", "CacheConfig", "SchedulerConfig",
         "EmberError", "ConfigError", "ModelLoadError", "UnsupportedModel", "InvalidRequest",
-        "BadSamplingParams", "ContextTooLong", "Overloaded", "RequestFailed", "EngineDead"])
+        "BadSamplingParams", "ContextTooLong", "Overloaded", "RequestFailed", "EngineDead",
+        "EngineLoading"])
     for name in ember.__all__:
         assert getattr(ember, name) is not None
 
@@ -25,6 +26,8 @@ def test_errors_carry_http_status_and_openai_type():
     assert "100 tokens" in e.message and "max_tokens=20" in e.message and "110" in e.message
     assert ember.Overloaded("busy").http_status == 429
     assert ember.EngineDead("dead").http_status == 503
+    assert (ember.EngineLoading("loading").http_status, ember.EngineLoading.error_type) == \
+        (503, "engine_loading_error")
 
 
 @pytest.mark.parametrize("build,match", [
