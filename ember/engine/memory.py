@@ -78,7 +78,7 @@ def _advise_huge_pages(buffer: torch.Tensor) -> int:
     if buffer.device.type != "cpu" or libc is None or not hasattr(libc, "madvise"):
         return 0
     start = -(-buffer.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    end = (buffer.data_ptr() + buffer.numel() * buffer.element_size()) // HUGE_PAGE * HUGE_PAGE
+    end = (buffer.data_ptr() + buffer.nbytes) // HUGE_PAGE * HUGE_PAGE
     if end <= start:
         return 0
     libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
@@ -104,7 +104,7 @@ def move_to_huge_pages(owners: list[tuple[torch.nn.Module, str]]) -> int:
     keys = [_storage_key(getattr(m, name)) for m, name in owners]
     sizes: dict[tuple[object, ...], int] = {}   # per distinct tensor, each 64-byte aligned
     for (module, name), key in zip(owners, keys):
-        sizes.setdefault(key, -(-_nbytes(getattr(module, name)) // 64) * 64)
+        sizes.setdefault(key, -(-getattr(module, name).nbytes // 64) * 64)
     arena = torch.empty(sum(sizes.values()) + HUGE_PAGE, dtype=torch.uint8)
     offset = _advise_huge_pages(arena)
     views: dict[tuple[object, ...], torch.Tensor] = {}
@@ -112,7 +112,7 @@ def move_to_huge_pages(owners: list[tuple[torch.nn.Module, str]]) -> int:
     for (module, name), key in zip(owners, keys):
         if key not in views:
             old = getattr(module, name)
-            view = arena[offset:offset + _nbytes(old)].view(old.dtype).view(old.shape)
+            view = arena[offset:offset + old.nbytes].view(old.dtype).view(old.shape)
             view.copy_(old)
             del old
             views[key] = view
@@ -126,14 +126,10 @@ def move_to_huge_pages(owners: list[tuple[torch.nn.Module, str]]) -> int:
     return sum(sizes.values())
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _storage_key(t: torch.Tensor) -> tuple[object, ...]:
     """The same for two names of one tensor (or of equal views of one memory, dtype and
     all: a view of the same bytes as another dtype is copied on its own)."""
-    return (t.data_ptr(), _nbytes(t), t.dtype, *t.shape)
+    return (t.data_ptr(), t.nbytes, t.dtype, *t.shape)
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
