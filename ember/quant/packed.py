@@ -335,9 +335,11 @@ def step_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
     scales (a tied Int8Embedding names the same tensors). Not the linears' int8 prompt
     weights (use_int8_dense): on huge pages too, a loaded server peaked 20-30 MB higher
     and no step measured faster (docs/benchmarks.md)."""
-    names = {PackedLinear: ("qweight", "scales"), KernelInt8Linear: ("packed", "quads", "scales"),
-             Int8Embedding: ("packed", "scales")}
-    return [(m, name) for m in model.modules() for name in names.get(type(m), ())]
+    kinds = ((PackedLinear, ("qweight", "scales")),
+             (KernelInt8Linear, ("packed", "quads", "scales")),
+             (Int8Embedding, ("packed", "scales")))
+    return [(m, name) for m in model.modules() for kind, names in kinds if isinstance(m, kind)
+            for name in names]
 
 
 def prepack_for_onednn(weight: Tensor) -> tuple[Tensor, bool]:
