@@ -110,7 +110,8 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                             config.cache.eviction_policy)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
-        self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed)
+        self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
+                                  kernels)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         if self.prefill_matmul == "int8":  # SmoothQuant int8 from a calibration prompt
             use_int8_prefill(self, kernels)

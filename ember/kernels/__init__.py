@@ -52,6 +52,11 @@ class CpuKernels:
         `k_out` [T, kv_heads, d] bfloat16, if given, receives the rotated k unrounded."""
         return self.ops.rope_write(qkv, cos, sin, kv, slots, heads, kv_heads, kv_scale, k_out)
 
+    def argmax_rows(self, x: Tensor) -> Tensor:
+        """x [B, V] float32 (contiguous rows) -> [B] long, each row's first index of its
+        largest value, as x.argmax(-1) (a NaN counts as the largest), in one vector pass."""
+        return self.ops.argmax_rows(x)
+
     def silu_and_mul(self, x: Tensor) -> Tensor:
         """x [T, 2n] -> silu(x[:, :n]) * x[:, n:]."""
         return self.ops.silu_and_mul(x)

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -914,14 +915,15 @@ void decode_head_i8(const uint16_t* const* q, int G, ScaledWalk keys, ScaledWalk
 }
 
 // q [members, heads, D] (strided), kv [2, kv_heads, blocks, block_size, D]: bfloat16, or int8
-// with kv_scale [2, kv_heads, blocks, block_size] float16 -> out [members, heads, D].
+// with kv_scale [2, kv_heads, blocks, block_size] float16 -> out [members, heads, D]. Each
+// thread calls `after`, if given, once its tasks are done.
 template <int D>
 void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stride_h,
                            const void* kv, const at::Half* kv_scale,
                            const int64_t* block_tables, const int64_t* seq_lens, uint16_t* out,
                            int64_t members, int64_t heads, int64_t kv_heads,
                            int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                           float scale) {
+                           float scale, const std::function<void()>* after = nullptr) {
   const int64_t per_kv = heads / kv_heads;
   const int64_t num_slots = num_blocks * block_size, head_stride = num_slots * D;
   const int64_t v_offset = kv_heads * head_stride;  // K then V
@@ -934,7 +936,7 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
     std::vector<int8_t> qbytes(kv_scale ? per_kv * 2 * D : 0);
     std::vector<float> qscale(kv_scale ? per_kv : 0);
     std::vector<int32_t> qbias(kv_scale ? per_kv : 0);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t task = 0; task < members * kv_heads; ++task) {
       const int64_t m = task / kv_heads, h = task % kv_heads;
       const int64_t len = seq_lens[m];
@@ -967,6 +969,8 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
         }
       }
     }
+    // a thread out of tasks (3 KV heads on 2 threads leave one waiting) does `after` meanwhile
+    if (after != nullptr) (*after)();
   }
 }
 
@@ -1118,7 +1122,8 @@ constexpr int kPanel = 16, kGroupK = 32;
 // P = 1 and R <= 2, so that the instruction's latency is hidden even at one row).
 // While they run, `ahead` panels at pf_q / pf_sm are prefetched, a group's share per group:
 // the weights stream from DRAM (they do not fit in cache), and the hardware prefetcher alone
-// leaves a step's weight reads at ~30 GB/s where a plain read reaches ~50-70.
+// leaves a step's weight reads at ~30 GB/s where a plain read reaches ~50-70. Into L2 (T1),
+// not L1 (32 KB here; the decode stack at one row 0.97x the time, paired, docs/benchmarks.md).
 template <int R, int P>
 void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t groups,
                  const uint8_t* q, const uint16_t* sm, int64_t panel_q, int64_t panel_sm,
@@ -1133,9 +1138,9 @@ void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t
   }
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t i = 0; i < ahead * 4; ++i) {
-      _mm_prefetch(pf_q + (g * ahead * 4 + i) * 64, _MM_HINT_T0);
+      _mm_prefetch(pf_q + (g * ahead * 4 + i) * 64, _MM_HINT_T1);
     }
-    for (int64_t i = 0; i < ahead; ++i) _mm_prefetch(pf_sm + (g * ahead + i) * 64, _MM_HINT_T0);
+    for (int64_t i = 0; i < ahead; ++i) _mm_prefetch(pf_sm + (g * ahead + i) * 64, _MM_HINT_T1);
     constexpr int S = P == 1 && R <= 2 ? 2 : 1;   // chains per operand half
     __m512 even[S][R][P], odd[S][R][P];
     for (int s = 0; s < S; ++s) {
@@ -1185,8 +1190,10 @@ void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t
   }
 }
 
-// Panels are prefetched this far ahead of the ones being multiplied.
-constexpr int64_t kAhead = 8;
+// Panels are prefetched this far ahead of the ones being multiplied (23-61 KB at k = 576-1536).
+// The decode stack at one row, paired against 8: 3-5 0.96-0.97x the time, 16 1.11x, none
+// 1.09x (against 3); at 4 rows 0.98x (docs/benchmarks.md).
+constexpr int64_t kAhead = 4;
 
 // Rows r0 .. r0 + rows of the output for panels [begin, end).
 template <int R, int P>
@@ -1229,16 +1236,19 @@ struct Next {
 // Grain of matmul's parallel_for: at least 8 panels (128 outputs) per task.
 constexpr int64_t kGrain = 8;
 
-// Ask for the first kAhead panels of the share of `next` this thread will take (the split
-// at::parallel_for makes with OpenMP: equal chunks of ceil(panels / tasks)) into L2, so that
-// they arrive during the single-threaded work between two matmuls (norms, RoPE, SwiGLU's
-// activation) instead of at the start of the next one.
-void prefetch_next_share(const Next& next) {
+// Ask for panels [from, upto) of the share of `next` that thread `thread` (-1: this one, as
+// at::parallel_for numbers it) will take (the split at::parallel_for makes with OpenMP: equal
+// chunks of ceil(panels / tasks)) into L2, so that they arrive during the work between two
+// matmuls (norms, RoPE, SwiGLU's activation, attention) instead of at the start of the next
+// one. By default its first kAhead panels (24 at the end of a matmul measured slower).
+void prefetch_next_share(const Next& next, int64_t from = 0, int64_t upto = kAhead,
+                         int thread = -1) {
   const int64_t panels = next.n / kPanel, groups = next.k / kGroupK;
   const int64_t tasks = std::min<int64_t>(at::get_num_threads(), (panels + kGrain - 1) / kGrain);
-  const int64_t chunk = (panels + tasks - 1) / tasks, begin = at::get_thread_num() * chunk;
-  if (begin >= panels) return;
-  const int64_t count = std::min({kAhead, chunk, panels - begin});  // (24 measured slower)
+  const int64_t chunk = (panels + tasks - 1) / tasks;
+  const int64_t begin = (thread >= 0 ? thread : at::get_thread_num()) * chunk + from;
+  if (from >= chunk || begin >= panels) return;
+  const int64_t count = std::min({upto - from, chunk - from, panels - begin});
   const int64_t panel_q = groups * 8 * 32, panel_sm = groups * 2 * kPanel;
   simd::prefetch_bytes<_MM_HINT_T1>(next.q + begin * panel_q, count * panel_q);
   simd::prefetch_bytes<_MM_HINT_T1>(next.sm + begin * panel_sm, count * panel_sm * 2);
@@ -1858,7 +1868,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor 
            kv_scale.has_value() ? kv_scale->data_ptr<at::Half>() : nullptr,
            block_tables.data_ptr<int64_t>(), lens,
            reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), members, heads,
-           kv_heads, num_blocks, block_size, block_tables.size(1), static_cast<float>(scale));
+           kv_heads, num_blocks, block_size, block_tables.size(1), static_cast<float>(scale),
+           nullptr);
     };
     if (d == 64) {
       run(decode::decode_attention_bf16<64>);
@@ -1951,6 +1962,61 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   auto out = torch::empty({x.size(0), n}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_impl<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), n);
+  });
+  return out;
+}
+
+// The first index of row x[0, n)'s largest value, as torch's argmax takes it (a NaN counts as
+// the largest: the first NaN's index). With AVX-512, 16 lanes each keep their largest value and
+// its first index (strictly greater replaces), and the lanes holding the largest value give the
+// smallest of their indices; NaNs, seen on the way, send the row to the scalar scan.
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0, best = 0;
+  float top = x[0];
+#ifdef __AVX512F__
+  if (n >= 16) {
+    __m512 vmax = _mm512_loadu_ps(x);
+    __m512i vidx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i cur = vidx;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = _mm512_cmp_ps_mask(vmax, vmax, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      cur = _mm512_add_epi32(cur, step);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+      vmax = _mm512_mask_mov_ps(vmax, gt, v);
+      vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
+    }
+    if (nan == 0) {
+      top = _mm512_reduce_max_ps(vmax);
+      const __mmask16 at = _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(top), _CMP_EQ_OQ);
+      best = _mm512_mask_reduce_min_epi32(at, vidx);
+    } else {
+      i = 0;  // a NaN: the scalar scan below finds the first one
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > top) top = x[i], best = i;
+  }
+  return best;
+}
+
+// argmax_rows(x [B, V] float32, rows contiguous) -> [B] int64: each row's argmax, as
+// x.argmax(-1) gives it (torch's CPU argmax walks a long row in a scalar loop: 66-85 us for
+// one row of 49152 here, this ~5)
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.size(1) >= 1 && x.stride(1) == 1,
+              "x must be [B, V] float32 on the CPU with contiguous rows, V >= 1");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  const float* base = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(base + r * stride, n);
   });
   return out;
 }
@@ -2471,7 +2537,16 @@ class DecodeStack {
                         slots.data_ptr<int64_t>(), q.data_ptr<at::BFloat16>(), t, heads_,
                         kv_heads_, d_, blocks * block_size);
       }
-      attend(plan, q, qkv, k_out, own_kv, cache, kv_scale, att);
+      // the o projection's panels past the first kAhead (fetched at the end of qkv's matmul)
+      // are fetched by each thread once out of attention work (the decode stack at one row
+      // 0.99x the time without, paired)
+      const int4w::Next o_next{layer.o.q.data_ptr<uint8_t>(), bits(layer.o.scale_min),
+                               layer.o.n, layer.o.k};
+      const std::function<void()> fetch_o = [&o_next] {
+        int4w::prefetch_next_share(o_next, int4w::kAhead, o_next.n / int4w::kPanel,
+                                   omp_get_thread_num());
+      };
+      attend(plan, q, qkv, k_out, own_kv, cache, kv_scale, att, a8 ? nullptr : &fetch_o);
       if (a8) {
         linear8(layer.o8, att.view({t, heads_ * d_}), out, scratch);
         rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
@@ -2510,18 +2585,19 @@ class DecodeStack {
   };
 
   // att = attention of q over the cache, as the plan splits the rows: the decodes on the decode
-  // kernel, each chunk on the prefill kernel (a fresh one over an int8 cache: over its own k
-  // from k_out and v from qkv)
+  // kernel (each of its threads calling `after` once out of work), each chunk on the prefill
+  // kernel (a fresh one over an int8 cache: over its own k from k_out and v from qkv)
   void attend(const Plan& plan, const torch::Tensor& q, const torch::Tensor& qkv,
               const torch::Tensor& k_out, std::vector<uint16_t>& own_kv,
-              const torch::Tensor& cache, const at::Half* kv_scale, torch::Tensor& att) const {
+              const torch::Tensor& cache, const at::Half* kv_scale, torch::Tensor& att,
+              const std::function<void()>* after = nullptr) const {
     const int64_t blocks = cache.size(2), block_size = cache.size(3), row = heads_ * d_;
     if (plan.decodes > 0) {
       auto decode = d_ == 64 ? decode::decode_attention_bf16<64>
                              : decode::decode_attention_bf16<128>;
       decode(bits(q) + plan.decode_first * row, row, d_, cache.data_ptr(), kv_scale,
              plan.tables, plan.seq_lens, bits(att) + plan.decode_first * row, plan.decodes,
-             heads_, kv_heads_, blocks, block_size, plan.max_blocks, scale_);
+             heads_, kv_heads_, blocks, block_size, plan.max_blocks, scale_, after);
     }
     auto prefill = d_ == 64 ? prefill::prefill_attention_impl<64>
                             : prefill::prefill_attention_impl<128>;
@@ -2661,6 +2737,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("heads"), py::arg("kv_heads"), py::arg("kv_scale") = py::none(),
         py::arg("k_out") = py::none(), no_gil);
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU's activation: silu(gate) * up", no_gil);
+  m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value", no_gil);
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after a fused residual add", no_gil);
   m.def("decode_attention", &decode_attention, "one query per request over the paged cache",
         py::arg("q"), py::arg("kv"), py::arg("block_tables"), py::arg("seq_lens"),

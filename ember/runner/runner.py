@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ember.kernels import CpuKernels
 from ember.models.attention import PagedKV
 from ember.models.llama import LlamaForCausalLM
 from ember.request import Request
@@ -14,12 +15,12 @@ from ember.scheduler.output import RunnerOutput, SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKV], block_size: int,
-                 device: str, seed: int) -> None:
+                 device: str, seed: int, kernels: CpuKernels | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
-        self.sampler = Sampler(seed, self.device)
+        self.sampler = Sampler(seed, self.device, kernels)
 
     @torch.inference_mode()
     def forward(self, plan: SchedulerOutput) -> tuple[list[Request], Tensor]:

@@ -18,7 +18,8 @@ from ember.kernels import (CpuKernels, build_cpu_ops, load_kernels, pack_int4_pa
                            pack_int8_panels, pack_int8_quads, unpack_int4_panels)
 from ember.models.attention import PagedKV, _matmul_attention
 from ember.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
-from ember.request import RequestOptions, SamplingParams
+from ember.request import Request, RequestOptions, SamplingParams
+from ember.sampling.sampler import Sampler
 from tests.conftest import assert_greedy_close
 
 # float32: the same maths in another order (fused multiply-adds); bfloat16: rounding steps
@@ -212,6 +213,42 @@ def test_silu_and_mul(kernels, dtype):
     x = torch.randn(3, 2 * 100, generator=torch.Generator().manual_seed(2)).to(dtype) * 4
     gate, up = x.float().chunk(2, dim=-1)
     close(kernels.silu_and_mul(x), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 250, 49152])
+def test_argmax_rows_is_torch_argmax_ties_infinities_and_nans_included(kernels, width):
+    g = torch.Generator().manual_seed(width)
+    cases = [torch.randn(3, width, generator=g),
+             torch.randint(-2, 2, (3, width), generator=g).float(),   # ties: the first wins
+             torch.full((2, width), float("-inf"))]
+    spiked = torch.randn(4, width, generator=g)
+    spiked[torch.rand(4, width, generator=g) < 0.05] = float("inf")
+    spiked[1, -1] = float("nan")                   # a NaN counts as the largest
+    spiked[2, width // 2] = float("nan")
+    cases.append(spiked)
+    wide = torch.randn(2, width + 7, generator=g)[:, :width]   # rows with a stride
+    cases.append(wide)
+    for x in cases:
+        assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_a_sampler_on_the_kernels_argmax_draws_what_one_on_torch_draws(kernels):
+    """Greedy rows and seeded random ones, side by side: the same tokens and logprobs."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 3000, generator=g) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=5),
+              SamplingParams(temperature=0, presence_penalty=1.0, logprobs=2),
+              SamplingParams(temperature=1.2, top_k=40, seed=9),
+              SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, seed=11),
+              SamplingParams(temperature=0, logit_bias={17: 50.0})]
+    draws = []
+    for with_kernels in (kernels, None):
+        requests = [Request(f"r{i}", [1, 17, 4], p, frozenset({2}), 100)
+                    for i, p in enumerate(params)]
+        sampler = Sampler(0, torch.device("cpu"), with_kernels)
+        draws.append([sampler.sample(logits.clone(), requests) for _ in range(3)])
+    assert draws[0] == draws[1]
+    assert draws[0][0][0][5] == 17
 
 
 def decode_case(cache: PagedKV, heads: int, lengths: list[int], dtype: torch.dtype,
