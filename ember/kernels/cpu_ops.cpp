@@ -2005,8 +2005,8 @@ int64_t argmax_row(const float* x, int64_t n) {
 }
 
 // argmax_rows(x [B, V] float32, rows contiguous) -> [B] int64: each row's argmax, as
-// x.argmax(-1) gives it (torch's CPU argmax walks a long row in a scalar loop: 66-85 us for
-// one row of 49152 here, this ~5)
+// x.argmax(-1) gives it (torch's CPU argmax walks a long row in a scalar loop: 47-85 us for
+// one row of 49152 here, this ~7)
 torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.size(1) >= 1 && x.stride(1) == 1,
@@ -2540,8 +2540,7 @@ class DecodeStack {
       // the o projection's panels past the first kAhead (fetched at the end of qkv's matmul)
       // are fetched by each thread once out of attention work (the decode stack at one row
       // 0.99x the time without, paired)
-      const int4w::Next o_next{layer.o.q.data_ptr<uint8_t>(), bits(layer.o.scale_min),
-                               layer.o.n, layer.o.k};
+      const int4w::Next o_next = next_of(layer.o);
       const std::function<void()> fetch_o = [&o_next] {
         int4w::prefetch_next_share(o_next, int4w::kAhead, o_next.n / int4w::kPanel,
                                    omp_get_thread_num());
@@ -2656,15 +2655,16 @@ class DecodeStack {
     return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
   }
 
+  // w as the int4 kernels take a weight to fetch ahead of its matmul
+  static int4w::Next next_of(const Int4& w) {
+    return int4w::Next{w.q.data_ptr<uint8_t>(), bits(w.scale_min), w.n, w.k};
+  }
+
   // out = x w^T; the first panels of `next` (what runs after it) are fetched meanwhile
   static void linear(const Int4& w, const torch::Tensor& x, torch::Tensor& out,
                      const Int4* next) {
-    int4w::Next ahead;
-    if (next != nullptr) {
-      ahead = int4w::Next{next->q.data_ptr<uint8_t>(), bits(next->scale_min), next->n, next->k};
-    }
     int4w::matmul(bits(x), x.size(0), x.stride(0), w.q.data_ptr<uint8_t>(), bits(w.scale_min),
-                  w.n, w.k, bits(out), ahead);
+                  w.n, w.k, bits(out), next != nullptr ? next_of(*next) : int4w::Next{});
   }
 
   void check_inputs(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,

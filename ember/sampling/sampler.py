@@ -207,8 +207,8 @@ class Sampler:
         return token_list, self._logprobs(logits, tokens, requests, batch.num_logprobs)
 
     def _argmax(self, x: Tensor) -> Tensor:
-        """argmax_rows(x), on the compiled kernel where there is one (a vector pass: 5 us
-        for a row of 49152 where torch's argmax takes 66-85)."""
+        """argmax_rows(x), on the compiled kernel where there is one (a vector pass: ~7 us
+        for a row of 49152 where torch's argmax takes 47-85)."""
         if self.kernels is not None and x.dtype == torch.float32 and x.stride(-1) == 1:
             return self.kernels.argmax_rows(x)
         return argmax_rows(x)
