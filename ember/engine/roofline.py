@@ -4,7 +4,8 @@ ember runs to them.
 Machine (measured here, with torch's threads):
   bandwidth   reading a buffer over and over (a sum): once as big as DRAM-only data
               (1 GiB) and once as big as the model's decode weights (which may stay in
-              cache: the report says whether they fit the L3 the OS reports)
+              cache: the report says whether they fit the L3 the OS reports); each buffer in
+              huge pages where the OS gives them, as the weights are
   matmul      peak GFLOP/s of a 1024^3 matmul in float32 and in bfloat16, and GOP/s in int8
               (torch._int_mm: oneDNN's int8 GEMM, what int8 prefill matmuls run on)
 
@@ -22,10 +23,13 @@ prefill), and each is reported as a percentage of its limit. The read bandwidths
 decode runs alternate over three rounds and each figure is its best: the machine's speed
 drifts, and a bandwidth and the decode it bounds are then taken from the same stretch of
 time (best_of_rounds). The weights-fit-in-cache bandwidth gives the tighter (higher) limit;
-both are reported.
+both are reported. Batch 1 is then measured paired as well (paired_rounds): five more decode
+runs, each between two reads of each buffer, each against the limit of its own moment; the
+median of the five percentages moves less from run to run than the ratio of two maxima.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -34,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ember.engine.memory import huge_page_zeros
 from ember.quant.packed import PACKED_MAX_ROWS, KernelInt8Linear, PackedLinear
 from ember.request import RequestOptions, SamplingParams
 
@@ -75,13 +80,20 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
-def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:
-    """GB/s of summing a float32 buffer of `num_bytes` (reads it once per pass). Random
-    values: pages of one repeated value may be merged by the host and read from cache."""
-    buf = torch.rand(max(num_bytes // 4, 1024), dtype=torch.float32)
+def bandwidth_probe(num_bytes: int, repeats: int = 5) -> Callable[[], float]:
+    """A function that measures GB/s of summing a float32 buffer of `num_bytes` (reading it
+    once per pass, best of `repeats`); the buffer is made once. Random values: pages of one
+    repeated value may be merged by the host and read from cache. In huge pages where the OS
+    gives them, as ember's weights are (move_to_huge_pages): in 4 KiB pages the same reads miss
+    the TLB and measured up to ~10% slower (docs/benchmarks.md), which flattered every
+    percentage of the limit."""
+    buf = huge_page_zeros((max(num_bytes // 4, 1024),), torch.float32, "cpu").uniform_()
     passes = max(1, (1 << 30) // num_bytes)
-    seconds = _best_time(lambda: [buf.sum() for _ in range(passes)], repeats)
-    return buf.numel() * 4 * passes / seconds / 1e9
+
+    def read() -> float:
+        seconds = _best_time(lambda: [buf.sum() for _ in range(passes)], repeats)
+        return buf.numel() * 4 * passes / seconds / 1e9
+    return read
 
 
 def matmul_gflops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
@@ -114,6 +126,22 @@ def best_of_rounds(probes: dict[str, Callable[[], float]], rounds: int) -> dict[
         for name, probe in probes.items():
             best[name] = max(best[name], probe())
     return best
+
+
+def paired_rounds(reads: dict[str, Callable[[], float]], decode: Callable[[], float],
+                  rounds: int) -> list[dict[str, float]]:
+    """`rounds` times: each read, decode, each read again in reverse order; per round each
+    read's mean beside the decode's figure (key "decode"). best_of_rounds compares maxima, and
+    a read of ~0.1 s catches fast moments that a decode run of ~0.5 s seldom matches; a ratio
+    taken round by round compares what the machine gave both at the same time."""
+    pairs = []
+    for _ in range(rounds):
+        before = {name: read() for name, read in reads.items()}
+        value = decode()
+        after = {name: read() for name, read in reversed(reads.items())}
+        pairs.append({name: (before[name] + after[name]) / 2 for name in reads} |
+                     {"decode": value})
+    return pairs
 
 
 @dataclass(frozen=True)
@@ -213,17 +241,21 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def roofline_report(llm, batch: int, context: int = 128, rounds: int = 3) -> dict[str, Any]:
+def roofline_report(llm, batch: int, context: int = 128, rounds: int = 3,
+                    paired: int = 5) -> dict[str, Any]:
     engine = llm.engine
     cost = model_cost(engine.runner.model, engine.cache_info.bytes_per_token)
     decode = decode_probe(llm, batch, context)
-    best = best_of_rounds({"dram": lambda: read_bandwidth(GIB),
-                           "cached": lambda: read_bandwidth(cost.decode_weight_bytes),
-                           "decode_batch1_tok_s": lambda: decode(1),
-                           f"decode_batch{batch}_tok_s": lambda: decode(batch)}, rounds)
+    reads = {"dram": bandwidth_probe(GIB), "cached": bandwidth_probe(cost.decode_weight_bytes)}
+    best = best_of_rounds(reads | {"decode_batch1_tok_s": lambda: decode(1),
+                                   f"decode_batch{batch}_tok_s": lambda: decode(batch)}, rounds)
     machine = measure_machine(cost.decode_weight_bytes, int8=cost.int8_prefill_params > 0,
                               dram_gb_s=best.pop("dram"), cached_gb_s=best.pop("cached"))
     dense_peak = machine.bf16_gflops if engine.dtype == torch.bfloat16 else machine.fp32_gflops
+    pairs = paired_rounds(reads, lambda: decode(1), paired)
+    paired_percent = {name: [100 * p["decode"] / decode_limit(cost, p[name], 1, context,
+                                                              dense_peak, machine.int8_gops)
+                             for p in pairs] for name in reads}
     prefill, prompt = prefill_tok_s(llm)
     measured = best | {"prefill_tok_s": prefill, "prefill_tokens": prompt}
     limits: dict[str, float] = {}
@@ -237,12 +269,15 @@ def roofline_report(llm, batch: int, context: int = 128, rounds: int = 3) -> dic
                / limits[f"decode_batch{b}_{name}_tok_s"]
                for b in (1, batch) for name in ("cached", "dram")}
     percent["prefill_of_limit"] = 100 * measured["prefill_tok_s"] / limits["prefill_tok_s"]
+    for name, values in paired_percent.items():
+        percent[f"decode_batch1_of_{name}_limit_paired"] = statistics.median(values)
     return {"machine": asdict(machine), "model": asdict(cost) | {
                 "dtype": str(engine.dtype).removeprefix("torch."),
                 "weights": engine.quantization, "prefill_matmul": engine.prefill_matmul,
                 "decode_context": context, "rounds": rounds,
                 "flops_per_token": 2 * cost.params},
-            "limits": limits, "measured": measured, "percent_of_limit": percent}
+            "limits": limits, "measured": measured, "percent_of_limit": percent,
+            "paired": {"rounds": pairs, "percent_of_limit": paired_percent}}
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -275,4 +310,11 @@ def format_report(report: dict[str, Any]) -> str:
             label = f"{base} tok/s" + (f" ({kind})" if kind else "")
             lines.append(f"{label:40}{value:10.1f}{report['limits'][limit_key]:10.1f}"
                          f"{report['percent_of_limit'][pct_key]:8.0f}%")
+    paired = report.get("paired")
+    if paired:  # reports written before the paired rounds have none
+        for name, values in paired["percent_of_limit"].items():
+            kind = {"cached": cached_label, "dram": "dram weights"}[name]
+            lines.append(f"{'decode_batch1 (' + kind + '), paired':60}"
+                         f"{statistics.median(values):8.0f}%  median of {len(values)} rounds "
+                         f"({min(values):.0f}-{max(values):.0f}%)")
     return "\n".join(lines)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ember.engine.roofline import (ModelCost, best_of_rounds, decode_limit, format_report,
-                                   model_cost, prefill_limit)
+                                   model_cost, paired_rounds, prefill_limit)
 from ember.quant.packed import PackedLinear
 
 
@@ -101,3 +101,45 @@ def test_best_of_rounds_runs_every_probe_each_round_and_keeps_each_best():
                            "decode": probe("decode", 300.0)}, rounds=3)
     assert calls == ["bandwidth", "decode"] * 3
     assert best == {"bandwidth": 50.0, "decode": 300.0}
+
+
+def test_paired_rounds_put_each_decode_between_two_reads_and_pair_it_with_their_mean():
+    """Each round reads, decodes, reads again (in reverse order), so a decode is paired with
+    the bandwidth of its own moment, however the machine drifts between rounds."""
+    calls: list[str] = []
+    speeds = iter([1.0, 1.0, 0.8, 1.0, 1.0,     # round 1: dram, cached, decode, cached, dram
+                   0.5, 0.6, 0.55, 0.6, 0.7])   # round 2, a slower stretch
+
+    def probe(name: str, value: float):
+        def run() -> float:
+            calls.append(name)
+            return value * next(speeds)
+        return run
+
+    pairs = paired_rounds({"dram": probe("dram", 40.0), "cached": probe("cached", 50.0)},
+                          probe("decode", 300.0), rounds=2)
+    assert calls == ["dram", "cached", "decode", "cached", "dram"] * 2
+    assert pairs == [pytest.approx({"dram": 40.0, "cached": 50.0, "decode": 240.0}),
+                     pytest.approx({"dram": 24.0, "cached": 30.0, "decode": 165.0})]
+
+
+def test_the_report_shows_the_paired_median_and_range_where_there_are_rounds():
+    report = {
+        "machine": {"threads": 2, "dram_gb_s": 40.0, "cached_gb_s": 60.0,
+                    "cached_bytes": 95_000_000, "fp32_gflops": 200.0, "bf16_gflops": 900.0,
+                    "l3_bytes": 32 << 20},
+        "model": {"dtype": "bfloat16", "weights": "int4", "decode_weight_bytes": 95_000_000,
+                  "dense_weight_bytes": 240_000_000, "kv_bytes_per_token": 23040,
+                  "flops_per_token": 269_000_000},
+        "measured": {"decode_batch1_tok_s": 300.0},
+        "limits": {"decode_batch1_cached_tok_s": 600.0, "decode_batch1_dram_tok_s": 400.0},
+        "percent_of_limit": {"decode_batch1_of_cached_limit": 50.0,
+                             "decode_batch1_of_dram_limit": 75.0}}
+    assert "paired" not in format_report(report)   # a report from before the paired rounds
+    report["paired"] = {"rounds": [], "percent_of_limit": {"dram": [70.0, 81.0, 76.0],
+                                                           "cached": [58.0, 61.0, 60.0]}}
+    lines = format_report(report).splitlines()
+    assert any("(weight-size read), paired" in line and " 60%" in line and "(58-61%)" in line
+               for line in lines)
+    assert any("(dram weights), paired" in line and " 76%" in line and "(70-81%)" in line
+               for line in lines)
