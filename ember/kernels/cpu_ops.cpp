@@ -2405,10 +2405,15 @@ class DecodeStack {
   // new token included) -> the final norm's output [T, hidden]. All bfloat16.
   // With kv_scales (one per layer, [2, kv_heads, blocks, block_size] float16), the caches are
   // int8 (ember/models/attention.py PagedKV); empty: bfloat16.
+  // With positions [T] (int64), cos and sin are tables [P, 1, d] (every position below P) and
+  // row t takes row positions[t] of each: in a decode step, after the weights have streamed
+  // through the caches, two torch index ops cost ~45 us of a ~3.5 ms step, this ~1.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                         const std::vector<torch::Tensor>& kv,
                         const std::vector<torch::Tensor>& kv_scales, torch::Tensor slots,
-                        torch::Tensor block_tables, torch::Tensor seq_lens) const {
+                        torch::Tensor block_tables, torch::Tensor seq_lens,
+                        c10::optional<torch::Tensor> positions) const {
+    std::tie(cos, sin) = rope_rows(cos, sin, positions, x.size(0));
     check_inputs(x, cos, sin, kv, kv_scales, slots);
     check_decodes(block_tables, seq_lens, x.size(0), kv[0].size(3));
     return run(x, cos, sin, kv, kv_scales, slots,
@@ -2422,13 +2427,15 @@ class DecodeStack {
   // (its context after this step, the new tokens included) and whether it is fresh (the
   // prompt's first chunk: with an int8 cache it attends over its own k and v as computed,
   // not as rounded into the cache, as the layers do), chunk_tables[c] its block table [>=
-  // ceil(seq_len / block_size)]. Every row is a decode or in one chunk.
+  // ceil(seq_len / block_size)]. Every row is a decode or in one chunk. positions: as forward.
   torch::Tensor forward_mixed(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                               const std::vector<torch::Tensor>& kv,
                               const std::vector<torch::Tensor>& kv_scales, torch::Tensor slots,
                               int64_t decode_first, torch::Tensor block_tables,
                               torch::Tensor seq_lens, torch::Tensor chunk_info,
-                              const std::vector<torch::Tensor>& chunk_tables) const {
+                              const std::vector<torch::Tensor>& chunk_tables,
+                              c10::optional<torch::Tensor> positions) const {
+    std::tie(cos, sin) = rope_rows(cos, sin, positions, x.size(0));
     check_inputs(x, cos, sin, kv, kv_scales, slots);
     const int64_t t = x.size(0), decodes = seq_lens.numel(), block_size = kv[0].size(3);
     check_decodes(block_tables, seq_lens, decodes, block_size);
@@ -2667,6 +2674,40 @@ class DecodeStack {
                   w.n, w.k, bits(out), next != nullptr ? next_of(*next) : int4w::Next{});
   }
 
+  // cos and sin as given, or with positions [t] their rows at those positions (tables [P, 1,
+  // d] contiguous bfloat16, every position in [0, P))
+  std::pair<torch::Tensor, torch::Tensor> rope_rows(
+      const torch::Tensor& cos, const torch::Tensor& sin,
+      const c10::optional<torch::Tensor>& positions, int64_t t) const {
+    if (!positions.has_value()) return {cos, sin};
+    const auto& pos = *positions;
+    TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.dim() == 1 &&
+                    pos.numel() == t,
+                "positions must be [T] contiguous int64, one per row of x");
+    for (const auto* table : {&cos, &sin}) {
+      TORCH_CHECK(table->scalar_type() == at::kBFloat16 && table->is_contiguous() &&
+                      table->dim() == 3 && table->size(1) == 1 && table->size(2) == d_ &&
+                      table->sizes() == cos.sizes(),
+                  "with positions, cos and sin must be tables [P, 1, head_dim] of contiguous "
+                  "bfloat16");
+    }
+    const int64_t* p = pos.data_ptr<int64_t>();
+    for (int64_t i = 0; i < t; ++i) {
+      TORCH_CHECK(p[i] >= 0 && p[i] < cos.size(0), "position ", p[i], " is outside the RoPE "
+                  "tables (", cos.size(0), " positions): make them for max_model_len");
+    }
+    auto rows = [&](const torch::Tensor& table) {
+      auto out = torch::empty({t, 1, d_}, table.options());
+      const auto* src = table.data_ptr<at::BFloat16>();
+      auto* dst = out.data_ptr<at::BFloat16>();
+      for (int64_t i = 0; i < t; ++i) {
+        std::memcpy(dst + i * d_, src + p[i] * d_, d_ * sizeof(at::BFloat16));
+      }
+      return out;
+    };
+    return {rows(cos), rows(sin)};
+  }
+
   void check_inputs(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                     const std::vector<torch::Tensor>& kv,
                     const std::vector<torch::Tensor>& kv_scales,
@@ -2761,9 +2802,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t, int64_t, double,
                     double>())
-      .def("forward", &DecodeStack::forward, "a decode step through every layer", no_gil)
+      .def("forward", &DecodeStack::forward, "a decode step through every layer",
+           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv"), py::arg("kv_scales"),
+           py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
+           py::arg("positions") = py::none(), no_gil)
       .def("forward_mixed", &DecodeStack::forward_mixed,
-           "a step with prompt chunks through every layer", no_gil)
+           "a step with prompt chunks through every layer", py::arg("x"), py::arg("cos"),
+           py::arg("sin"), py::arg("kv"), py::arg("kv_scales"), py::arg("slots"),
+           py::arg("decode_first"), py::arg("block_tables"), py::arg("seq_lens"),
+           py::arg("chunk_info"), py::arg("chunk_tables"), py::arg("positions") = py::none(),
+           no_gil)
       .def("use_int8", &DecodeStack::use_int8, "steps above max_packed_rows on int8 quads");
 #endif
 }

@@ -49,7 +49,7 @@ class AttentionGroup:
 
     rows          [G, max_n] long: flat-batch row of each member's i-th new token (padding
                   repeats a real row; its output is dropped)
-    valid         [G, max_n] bool: which of those are real
+    valid_flags   [G, max_n] long: 1 where those are real (valid: as bool, when first asked for)
     block_tables  [G, max_blocks] long: each member's context blocks, 0-padded
     out_rows      [num valid] long: rows[valid], where the outputs go
     seq_lens      [G] long: each member's context after this step (its new tokens included)
@@ -63,11 +63,11 @@ class AttentionGroup:
                   are first .. first + count - 1 in order (a step's decodes beside prompt
                   chunks, nearly always): queries and outputs by slice (out_index), not by an
                   index tensor's gather and scatter
-    mask, bias    built when first asked for (the kernels never need them), see below
+    valid, mask, bias  built when first asked for (the kernels never need them), see below
     """
 
     rows: Tensor
-    valid: Tensor
+    valid_flags: Tensor
     block_tables: Tensor
     out_rows: Tensor
     seq_lens: Tensor
@@ -85,6 +85,12 @@ class AttentionGroup:
             return self.out_rows
         first, count = self.span
         return slice(first, first + count)
+
+    @functools.cached_property
+    def valid(self) -> Tensor:
+        """[G, max_n] bool: which rows are real. A torch op of its own, which a step on the
+        kernels never needs (~10 us a decode step, where the caches are cold)."""
+        return self.valid_flags.bool()
 
     @functools.cached_property
     def mask(self) -> Tensor:

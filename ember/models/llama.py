@@ -131,21 +131,26 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> Tensor:
         """input_ids, positions [T] long -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
-        if self.rope_cache is not None:
-            cos, sin = (table[positions] for table in self.rope_cache)
-        else:
-            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         step = self._stack_step(kv_caches, meta)
         if step is not None:  # every layer in one compiled call
             caches = [c.data for c in kv_caches]
             scales = [c.scale for c in kv_caches] if kv_caches[0].scale is not None else []
+            rows = None   # the stack looks each row's cos and sin up in the tables itself
+            if self.rope_cache is not None:
+                (cos, sin), rows = self.rope_cache, positions
+            else:
+                cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
             if isinstance(step, DecodeBatch):
                 return self.decode_stack.forward(x, cos, sin, caches, scales, meta.slot_mapping,
-                                                 step.block_tables, step.seq_lens)
+                                                 step.block_tables, step.seq_lens, rows)
             return self.decode_stack.forward_mixed(x, cos, sin, caches, scales,
                                                    meta.slot_mapping, step.decode_first,
                                                    step.block_tables, step.seq_lens,
-                                                   step.chunk_info, step.chunk_tables)
+                                                   step.chunk_info, step.chunk_tables, rows)
+        if self.rope_cache is not None:
+            cos, sin = (table[positions] for table in self.rope_cache)
+        else:
+            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)

@@ -712,3 +712,30 @@ def test_decode_stack_refuses_inputs_that_do_not_fit(smollm_path):
     with pytest.raises(RuntimeError, match="a block id is outside the cache"):
         stack.forward_mixed(x, cos, sin, caches, [], one, 0, none, none[:, 0],
                             torch.tensor([[0, 1, 1, 1]]), [torch.tensor([1 << 40])])
+
+
+def test_decode_stack_looks_rope_rows_up_at_positions(smollm_path):
+    """Given positions, the stack takes each row's cos and sin from the tables (the model's
+    RoPE cache) itself: the same output, bit for bit, as given the rows; a position outside
+    the tables, or a count that is not the rows', is refused."""
+    llm = LLM(str(smollm_path), kv_cache_dtype="model")
+    model = llm.engine.runner.model
+    stack = model.decode_stack
+    if stack is None:
+        pytest.skip("the decode stack needs AVX-512 BF16")
+    caches = [c.data for c in llm.engine.runner.kv_caches]
+    cos, sin = model.rope_cache
+    positions = torch.tensor([5, 0, 17])
+    block_tables = torch.tensor([[0, 0], [1, 0], [2, 3]])
+    seq_lens = positions + 1
+    slots = torch.tensor([5, 16, 3 * 16 + 1])
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0)).bfloat16()
+    want = stack.forward(x, cos[positions], sin[positions], caches, [], slots, block_tables,
+                         seq_lens)
+    got = stack.forward(x, cos, sin, caches, [], slots, block_tables, seq_lens, positions)
+    assert torch.equal(got, want)
+    past = torch.tensor([5, 0, cos.shape[0]])
+    with pytest.raises(RuntimeError, match=f"position {cos.shape[0]} is outside the RoPE"):
+        stack.forward(x, cos, sin, caches, [], slots, block_tables, seq_lens, past)
+    with pytest.raises(RuntimeError, match=r"positions must be \[T\]"):
+        stack.forward(x, cos, sin, caches, [], slots, block_tables, seq_lens, positions[:2])
