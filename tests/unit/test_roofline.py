@@ -66,10 +66,9 @@ def test_big_decode_batches_run_the_int8_linears_at_the_int8_peak():
     assert decode_limit(cost, 50, 8, 0, 1000, int8_gops=2000) == pytest.approx(8 / 0.002)
 
 
-@pytest.mark.parametrize(("l3", "label"), [(32 << 20, "weight-size read"),
-                                           (128 << 20, "cached weights")])
-def test_the_report_calls_weights_cached_only_where_they_fit_the_l3(l3, label):
-    report = {
+def _report(l3: int) -> dict:
+    """A batch-1 report as roofline_report writes it (95 MB of weights), for format_report."""
+    return {
         "machine": {"threads": 2, "dram_gb_s": 40.0, "cached_gb_s": 60.0,
                     "cached_bytes": 95_000_000, "fp32_gflops": 200.0, "bf16_gflops": 900.0,
                     "l3_bytes": l3},
@@ -80,6 +79,12 @@ def test_the_report_calls_weights_cached_only_where_they_fit_the_l3(l3, label):
         "limits": {"decode_batch1_cached_tok_s": 600.0, "decode_batch1_dram_tok_s": 400.0},
         "percent_of_limit": {"decode_batch1_of_cached_limit": 50.0,
                              "decode_batch1_of_dram_limit": 75.0}}
+
+
+@pytest.mark.parametrize(("l3", "label"), [(32 << 20, "weight-size read"),
+                                           (128 << 20, "cached weights")])
+def test_the_report_calls_weights_cached_only_where_they_fit_the_l3(l3, label):
+    report = _report(l3)
     text = format_report(report)
     assert f"decode_batch1 tok/s ({label})" in text
     assert "do not fit" in text if l3 < 95_000_000 else "the weights fit" in text
@@ -124,17 +129,7 @@ def test_paired_rounds_put_each_decode_between_two_reads_and_pair_it_with_their_
 
 
 def test_the_report_shows_the_paired_median_and_range_where_there_are_rounds():
-    report = {
-        "machine": {"threads": 2, "dram_gb_s": 40.0, "cached_gb_s": 60.0,
-                    "cached_bytes": 95_000_000, "fp32_gflops": 200.0, "bf16_gflops": 900.0,
-                    "l3_bytes": 32 << 20},
-        "model": {"dtype": "bfloat16", "weights": "int4", "decode_weight_bytes": 95_000_000,
-                  "dense_weight_bytes": 240_000_000, "kv_bytes_per_token": 23040,
-                  "flops_per_token": 269_000_000},
-        "measured": {"decode_batch1_tok_s": 300.0},
-        "limits": {"decode_batch1_cached_tok_s": 600.0, "decode_batch1_dram_tok_s": 400.0},
-        "percent_of_limit": {"decode_batch1_of_cached_limit": 50.0,
-                             "decode_batch1_of_dram_limit": 75.0}}
+    report = _report(32 << 20)
     assert "paired" not in format_report(report)   # a report from before the paired rounds
     report["paired"] = {"rounds": [], "percent_of_limit": {"dram": [70.0, 81.0, 76.0],
                                                            "cached": [58.0, 61.0, 60.0]}}
