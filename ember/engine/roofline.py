@@ -25,7 +25,7 @@ drifts, and a bandwidth and the decode it bounds are then taken from the same st
 time (best_of_rounds). The weights-fit-in-cache bandwidth gives the tighter (higher) limit;
 both are reported. Batch 1 is then measured paired as well (paired_rounds): five more decode
 runs, each between two reads of each buffer, each against the limit of its own moment; the
-median of the five percentages moves less from run to run than the ratio of two maxima.
+median and range of the five percentages are reported beside the best-of figures.
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def bandwidth_probe(num_bytes: int, repeats: int = 5) -> Callable[[], float]:
     once per pass, best of `repeats`); the buffer is made once. Random values: pages of one
     repeated value may be merged by the host and read from cache. In huge pages where the OS
     gives them, as ember's weights are (move_to_huge_pages): in 4 KiB pages the same reads miss
-    the TLB and measured up to ~10% slower (docs/benchmarks.md), which flattered every
+    the TLB and measured up to ~13% slower (docs/benchmarks.md), which flattered every
     percentage of the limit."""
     buf = huge_page_zeros((max(num_bytes // 4, 1024),), torch.float32, "cpu").uniform_()
     passes = max(1, (1 << 30) // num_bytes)
@@ -131,8 +131,8 @@ def best_of_rounds(probes: dict[str, Callable[[], float]], rounds: int) -> dict[
 def paired_rounds(reads: dict[str, Callable[[], float]], decode: Callable[[], float],
                   rounds: int) -> list[dict[str, float]]:
     """`rounds` times: each read, decode, each read again in reverse order; per round each
-    read's mean beside the decode's figure (key "decode"). best_of_rounds compares maxima, and
-    a read of ~0.1 s catches fast moments that a decode run of ~0.5 s seldom matches; a ratio
+    read's mean beside the decode's figure (key "decode"). best_of_rounds compares maxima,
+    which may come from different moments (a read takes ~0.1 s, a decode run ~0.5); a ratio
     taken round by round compares what the machine gave both at the same time."""
     pairs = []
     for _ in range(rounds):
@@ -288,6 +288,7 @@ def format_report(report: dict[str, Any]) -> str:
                                      f"{'fit' if fits else 'do not fit'}")
     # the second probe reads a buffer the size of the weights: "cached" only where it fits
     cached_label = "cached weights" if fits else "weight-size read"
+    kinds = {"cached": cached_label, "dram": "dram weights"}
     lines = [(f"machine  {m['threads']} threads; read bandwidth {m['dram_gb_s']:.1f} GB/s "
               f"(1 GiB), {m['cached_gb_s']:.1f} GB/s ({m['cached_bytes'] / 1e6:.0f} MB, the "
               f"decode weights{l3_note}); matmul {m['fp32_gflops']:.0f} GFLOP/s fp32, "
@@ -306,15 +307,14 @@ def format_report(report: dict[str, Any]) -> str:
         for name in (("cached", "dram") if base.startswith("decode") else ("",)):
             limit_key = f"{base}_{name}_tok_s" if name else key
             pct_key = f"{base}_of_{name}_limit" if name else "prefill_of_limit"
-            kind = {"cached": cached_label, "dram": "dram weights"}.get(name, "")
+            kind = kinds.get(name, "")
             label = f"{base} tok/s" + (f" ({kind})" if kind else "")
             lines.append(f"{label:40}{value:10.1f}{report['limits'][limit_key]:10.1f}"
                          f"{report['percent_of_limit'][pct_key]:8.0f}%")
     paired = report.get("paired")
     if paired:  # reports written before the paired rounds have none
         for name, values in paired["percent_of_limit"].items():
-            kind = {"cached": cached_label, "dram": "dram weights"}[name]
-            lines.append(f"{'decode_batch1 (' + kind + '), paired':60}"
+            lines.append(f"{'decode_batch1 (' + kinds[name] + '), paired':60}"
                          f"{statistics.median(values):8.0f}%  median of {len(values)} rounds "
                          f"({min(values):.0f}-{max(values):.0f}%)")
     return "\n".join(lines)

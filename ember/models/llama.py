@@ -135,11 +135,10 @@ class LlamaForCausalLM(nn.Module):
         if step is not None:  # every layer in one compiled call
             caches = [c.data for c in kv_caches]
             scales = [c.scale for c in kv_caches] if kv_caches[0].scale is not None else []
-            rows = None   # the stack looks each row's cos and sin up in the tables itself
-            if self.rope_cache is not None:
+            if self.rope_cache is not None:   # the stack looks each row up in the tables
                 (cos, sin), rows = self.rope_cache, positions
             else:
-                cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+                (cos, sin), rows = self._rope_rows(positions, x.dtype), None
             if isinstance(step, DecodeBatch):
                 return self.decode_stack.forward(x, cos, sin, caches, scales, meta.slot_mapping,
                                                  step.block_tables, step.seq_lens, rows)
@@ -147,14 +146,19 @@ class LlamaForCausalLM(nn.Module):
                                                    meta.slot_mapping, step.decode_first,
                                                    step.block_tables, step.seq_lens,
                                                    step.chunk_info, step.chunk_tables, rows)
-        if self.rope_cache is not None:
-            cos, sin = (table[positions] for table in self.rope_cache)
-        else:
-            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        cos, sin = self._rope_rows(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         return self.model.norm(x, residual)[0]
+
+    def _rope_rows(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, 1, head_dim] at the step's positions: from the tables (cache_rope), or
+        computed."""
+        if self.rope_cache is not None:
+            cos, sin = self.rope_cache
+            return cos[positions], sin[positions]
+        return rope_cos_sin(positions, self.inv_freq, dtype)
 
     def use_kernels(self, kernels: CpuKernels | None) -> None:
         """Run the norms and decode attention on compiled CPU kernels (None: torch only);
