@@ -79,6 +79,7 @@ class EngineCore:
         self.quantization = resolve_quantization(config.quantization, files, self.model_config,
                                                  self.dtype, config.device)
         kernels = load_kernels(config.kernels, config.device)
+        self.kernels = kernels   # compiled CPU kernels, or None (the torch path)
         self.prefill_matmul = resolve_prefill_matmul(config.prefill_matmul, self.quantization,
                                                      kernels)
         with large_blocks_mapped_alone():  # weights and load temporaries in separate mappings

@@ -8,6 +8,11 @@ Machine (measured here, with torch's threads):
               huge pages where the OS gives them, as the weights are
   matmul      peak GFLOP/s of a 1024^3 matmul in float32 and in bfloat16, and GOP/s in int8
               (torch._int_mm: oneDNN's int8 GEMM, what int8 prefill matmuls run on)
+  hand-off    with the compiled kernels: a cache line's round trip between two threads and
+              an empty parallel region (CpuKernels.thread_sync_ns). Not a limit, but a
+              batch-1 decode step opens ~150 parallel regions, and on a VM both figures
+              change when the vCPUs move (a 57-64 ns round trip in one stretch, 306-318 in
+              another, docs/benchmarks.md): the report says which machine it measured
 
 Model, per token (weights as a step reads them: the packed ones where the model is quantized
 and the batch is small, or at any batch where the decode stack runs, else the dense ones):
@@ -25,10 +30,12 @@ drifts, and a bandwidth and the decode it bounds are then taken from the same st
 time (best_of_rounds). The weights-fit-in-cache bandwidth gives the tighter (higher) limit;
 both are reported. Batch 1 is then measured paired as well (paired_rounds): five more decode
 runs, each between two reads of each buffer, each against the limit of its own moment; the
-median and range of the five percentages are reported beside the best-of figures.
+median and range of the five percentages are reported beside the best-of figures, and
+each round's hand-off figures with them.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -55,6 +62,8 @@ class Machine:
     bf16_gflops: float
     l3_bytes: int | None = None  # the last-level cache the OS reports (None: unknown)
     int8_gops: float = 0.0       # torch._int_mm (0: not measured, no int8 prefill here)
+    round_trip_ns: float | None = None    # hand-off (None: not measured, no kernels;
+    parallel_region_ns: float | None = None  # NaN round trip: one thread)
 
 
 def l3_cache_bytes() -> int | None:
@@ -105,15 +114,28 @@ def matmul_gflops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
     return 2 * n ** 3 / _best_time(lambda: a @ b, repeats) / 1e9
 
 
-def measure_machine(weight_bytes: int, int8: bool, dram_gb_s: float,
-                    cached_gb_s: float) -> Machine:
-    """The matmul peaks measured here, beside the two read bandwidths (measured alongside
-    ember's decode by roofline_report)."""
+def measure_machine(weight_bytes: int, int8: bool, dram_gb_s: float, cached_gb_s: float,
+                    hand_off: Callable[[], dict[str, float]] | None = None) -> Machine:
+    """The matmul peaks (and with `hand_off`, hand_off_probe's figures) measured here, beside
+    the two read bandwidths (measured alongside ember's decode by roofline_report)."""
     return Machine(threads=torch.get_num_threads(), dram_gb_s=dram_gb_s,
                    cached_gb_s=cached_gb_s, cached_bytes=weight_bytes,
                    fp32_gflops=matmul_gflops(torch.float32),
                    bf16_gflops=matmul_gflops(torch.bfloat16), l3_bytes=l3_cache_bytes(),
-                   int8_gops=matmul_gflops(torch.int8) if int8 else 0.0)
+                   int8_gops=matmul_gflops(torch.int8) if int8 else 0.0,
+                   **(hand_off() if hand_off is not None else {}))
+
+
+def hand_off_probe(kernels) -> Callable[[], dict[str, float]] | None:
+    """A function measuring the threads' hand-off (Machine's round_trip_ns and
+    parallel_region_ns) on the compiled kernels; None without them."""
+    if kernels is None:
+        return None
+
+    def probe() -> dict[str, float]:
+        round_trip, region = kernels.thread_sync_ns()
+        return {"round_trip_ns": round_trip, "parallel_region_ns": region}
+    return probe
 
 
 def best_of_rounds(probes: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
@@ -129,18 +151,22 @@ def best_of_rounds(probes: dict[str, Callable[[], float]], rounds: int) -> dict[
 
 
 def paired_rounds(reads: dict[str, Callable[[], float]], decode: Callable[[], float],
-                  rounds: int) -> list[dict[str, float]]:
+                  rounds: int, after_decode: Callable[[], dict[str, float]] | None = None
+                  ) -> list[dict[str, float]]:
     """`rounds` times: each read, decode, each read again in reverse order; per round each
-    read's mean beside the decode's figure (key "decode"). best_of_rounds compares maxima,
-    which may come from different moments (a read takes ~0.1 s, a decode run ~0.5); a ratio
-    taken round by round compares what the machine gave both at the same time."""
+    read's mean beside the decode's figure (key "decode"), and with `after_decode` its
+    figures, taken between the decode and the second reads (hand_off_probe's: which machine
+    the round ran on). best_of_rounds compares maxima, which may come from different moments
+    (a read takes ~0.1 s, a decode run ~0.5); a ratio taken round by round compares what the
+    machine gave both at the same time."""
     pairs = []
     for _ in range(rounds):
         before = {name: read() for name, read in reads.items()}
         value = decode()
+        extra = after_decode() if after_decode is not None else {}
         after = {name: read() for name, read in reversed(reads.items())}
         pairs.append({name: (before[name] + after[name]) / 2 for name in reads} |
-                     {"decode": value})
+                     {"decode": value} | extra)
     return pairs
 
 
@@ -249,10 +275,12 @@ def roofline_report(llm, batch: int, context: int = 128, rounds: int = 3,
     reads = {"dram": bandwidth_probe(GIB), "cached": bandwidth_probe(cost.decode_weight_bytes)}
     best = best_of_rounds(reads | {"decode_batch1_tok_s": lambda: decode(1),
                                    f"decode_batch{batch}_tok_s": lambda: decode(batch)}, rounds)
+    hand_off = hand_off_probe(engine.kernels)
     machine = measure_machine(cost.decode_weight_bytes, int8=cost.int8_prefill_params > 0,
-                              dram_gb_s=best.pop("dram"), cached_gb_s=best.pop("cached"))
+                              dram_gb_s=best.pop("dram"), cached_gb_s=best.pop("cached"),
+                              hand_off=hand_off)
     dense_peak = machine.bf16_gflops if engine.dtype == torch.bfloat16 else machine.fp32_gflops
-    pairs = paired_rounds(reads, lambda: decode(1), paired)
+    pairs = paired_rounds(reads, lambda: decode(1), paired, hand_off)
     paired_percent = {name: [100 * p["decode"] / decode_limit(cost, p[name], 1, context,
                                                               dense_peak, machine.int8_gops)
                              for p in pairs] for name in reads}
@@ -293,7 +321,8 @@ def format_report(report: dict[str, Any]) -> str:
               f"(1 GiB), {m['cached_gb_s']:.1f} GB/s ({m['cached_bytes'] / 1e6:.0f} MB, the "
               f"decode weights{l3_note}); matmul {m['fp32_gflops']:.0f} GFLOP/s fp32, "
               f"{m['bf16_gflops']:.0f} bf16"
-              + (f", {m['int8_gops']:.0f} GOP/s int8" if m.get("int8_gops") else "")),
+              + (f", {m['int8_gops']:.0f} GOP/s int8" if m.get("int8_gops") else "")
+              + _hand_off_text(m)),
              (f"model    {c['dtype']}, weights {c['weights']}, prefill matmuls "
               f"{c.get('prefill_matmul', c['dtype'])}: decode reads "
               f"{c['decode_weight_bytes'] / 1e6:.1f} MB of weights per step, prefill "
@@ -317,4 +346,19 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"{'decode_batch1 (' + kinds[name] + '), paired':60}"
                          f"{statistics.median(values):8.0f}%  median of {len(values)} rounds "
                          f"({min(values):.0f}-{max(values):.0f}%)")
+        trips = [r["round_trip_ns"] for r in paired["rounds"]
+                 if not math.isnan(r.get("round_trip_ns", math.nan))]
+        if trips:
+            lines.append(f"{'':60}{'':9}  round trips in those rounds "
+                         f"{min(trips):.0f}-{max(trips):.0f} ns")
     return "\n".join(lines)
+
+
+def _hand_off_text(machine: dict[str, Any]) -> str:
+    """The machine line's hand-off part ("" where it was not measured)."""
+    region = machine.get("parallel_region_ns")
+    if region is None:
+        return ""
+    trip = machine.get("round_trip_ns")
+    trip_text = "" if trip is None or math.isnan(trip) else f"{trip:.0f} ns a round trip, "
+    return f"; threads' hand-off {trip_text}{region / 1e3:.1f} us a parallel region"

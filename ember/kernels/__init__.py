@@ -136,6 +136,13 @@ class CpuKernels:
         with prompt chunks (ember/models/attention.py PromptStep; after use_int8)."""
         return self.ops.DecodeStack(weights, final_norm, heads, kv_heads, head_dim, eps, scale)
 
+    def thread_sync_ns(self, rounds: int = 5) -> tuple[float, float]:
+        """(ns per round trip of a cache line between two of torch's threads, NaN with one
+        thread; ns per empty parallel region over all of them), best of `rounds` tries: what
+        the ~150 parallel regions of a batch-1 decode step pay to hand work between cores."""
+        round_trip, region = self.ops.thread_sync_ns(rounds)
+        return round_trip, region
+
     def int8_rows(self, ids: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
         """Rows `ids` [t] of that weight -> [t, k] bfloat16 (an embedding lookup)."""
         return self.ops.int8_rows(ids, packed, scales)

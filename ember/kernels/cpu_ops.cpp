@@ -9,10 +9,13 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -2029,6 +2032,55 @@ bool has_bf16_dot() {  // whether the AVX-512 BF16 kernels are built
 #endif
 }
 
+// What the threads' synchronisation costs, in nanoseconds (best of `rounds` tries each):
+// {a cache line bounced between threads 0 and 1, per round trip (NaN with one thread); an
+// empty parallel region over every thread, fork and join}. A batch-1 decode step pays ~5
+// parallel regions a layer (one per matmul and per attention), and each moves its results
+// between the cores: the figures change when a VM's vCPUs move (ember roofline).
+std::vector<double> thread_sync_ns(int64_t rounds) {
+  TORCH_CHECK(rounds >= 1, "rounds must be >= 1");
+  constexpr int64_t kBounces = 20000, kRegions = 5000;
+  alignas(64) std::atomic<int64_t> flag{0};
+  double round_trip = std::numeric_limits<double>::quiet_NaN();
+  if (at::get_num_threads() >= 2) {
+    for (int64_t r = 0; r < rounds; ++r) {
+      double seconds = -1;
+#pragma omp parallel num_threads(2)
+      {
+        const int64_t me = omp_get_thread_num(), both = omp_get_num_threads();
+        if (both == 2) {   // a second thread was given (else nothing to bounce against)
+#pragma omp barrier
+          const auto start = std::chrono::steady_clock::now();
+          for (int64_t i = 0; i < kBounces; ++i) {
+            const int64_t mine = 2 * i + me;   // thread 0 waits for 2i, thread 1 for 2i + 1
+            while (flag.load(std::memory_order_acquire) != mine) {}
+            flag.store(mine + 1, std::memory_order_release);
+          }
+          if (me == 0) {
+            seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                    start).count();
+          }
+#pragma omp barrier
+        }
+      }
+      flag = 0;
+      if (seconds >= 0) round_trip = std::fmin(round_trip, seconds / kBounces * 1e9);
+    }
+  }
+  double region = std::numeric_limits<double>::infinity();
+  for (int64_t r = 0; r < rounds; ++r) {
+    std::atomic<int64_t> sink{0};
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < kRegions; ++i) {
+#pragma omp parallel num_threads(at::get_num_threads())
+      sink.fetch_add(1, std::memory_order_relaxed);
+    }
+    region = std::fmin(region, std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                             start).count() / kRegions * 1e9);
+  }
+  return {round_trip, region};
+}
+
 bool has_int8_dot() {  // whether the AVX-512 VNNI kernels are built too (int8_linear_a8)
 #ifdef EMBER_INT8_DOT
   return true;
@@ -2792,6 +2844,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear_a8", &int8_linear_a8, "int8_linear with x rounded to int8 per group",
         no_gil);
   m.def("has_int8_dot", &has_int8_dot, "whether this build has AVX-512 VNNI int8 kernels");
+  m.def("thread_sync_ns", &thread_sync_ns,
+        "ns per round trip of a cache line between two threads, and per empty parallel region",
+        no_gil);
   m.def("w8a8_linear", &w8a8_linear, "x w^T on int8 dot products, x quantized per row (or group)",
         no_gil);
   m.def("int8_rows", &int8_rows, "rows of an int8 weight in 16-row VNNI panels", no_gil);

@@ -7,6 +7,8 @@ without the kernels.
 from __future__ import annotations
 
 import logging
+import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -230,6 +232,24 @@ def test_argmax_rows_is_torch_argmax_ties_infinities_and_nans_included(kernels, 
     cases.append(wide)
     for x in cases:
         assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_thread_sync_ns_bounces_a_line_only_between_two_threads(kernels):
+    """The round trip needs a second thread (NaN with one); the parallel region is timed
+    either way; no rounds is refused."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        trip, region = kernels.thread_sync_ns(1)
+        assert math.isnan(trip) and math.isfinite(region) and region > 0
+        if (os.cpu_count() or 1) >= 2:   # two threads on one core would bounce by time slices
+            torch.set_num_threads(2)
+            trip, region = kernels.thread_sync_ns(1)
+            assert math.isfinite(trip) and trip > 0 and math.isfinite(region) and region > 0
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="rounds must be >= 1"):
+        kernels.thread_sync_ns(0)
 
 
 def test_a_sampler_on_the_kernels_argmax_draws_what_one_on_torch_draws(kernels):

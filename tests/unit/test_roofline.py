@@ -1,6 +1,8 @@
 """`ember roofline` arithmetic: bytes and FLOPs per token, and the limits they set."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -138,3 +140,38 @@ def test_the_report_shows_the_paired_median_and_range_where_there_are_rounds():
                for line in lines)
     assert any("(dram weights), paired" in line and " 76%" in line and "(70-81%)" in line
                for line in lines)
+
+
+def test_paired_rounds_take_the_hand_off_between_the_decode_and_the_second_reads():
+    calls: list[str] = []
+
+    def probe(name: str, value: float):
+        def run() -> float:
+            calls.append(name)
+            return value
+        return run
+
+    trips = iter([60.0, 310.0])
+
+    def hand_off() -> dict[str, float]:
+        calls.append("hand_off")
+        return {"round_trip_ns": next(trips), "parallel_region_ns": 700.0}
+
+    pairs = paired_rounds({"dram": probe("dram", 40.0)}, probe("decode", 300.0), rounds=2,
+                          after_decode=hand_off)
+    assert calls == ["dram", "decode", "hand_off", "dram"] * 2
+    assert [p["round_trip_ns"] for p in pairs] == [60.0, 310.0]
+    assert pairs[0]["decode"] == 300.0 and pairs[0]["parallel_region_ns"] == 700.0
+
+
+def test_the_report_gives_the_hand_off_where_it_was_measured():
+    report = _report(32 << 20)
+    assert "hand-off" not in format_report(report)   # no kernels: not measured
+    report["machine"] |= {"round_trip_ns": 118.4, "parallel_region_ns": 705.0}
+    assert "threads' hand-off 118 ns a round trip, 0.7 us a parallel region" in \
+        format_report(report)
+    report["machine"]["round_trip_ns"] = math.nan   # one thread: nothing to bounce against
+    assert "threads' hand-off 0.7 us a parallel region" in format_report(report)
+    report["paired"] = {"rounds": [{"decode": 250.0, "round_trip_ns": t} for t in (64.0, 312.0)],
+                        "percent_of_limit": {"dram": [70.0, 60.0]}}
+    assert "round trips in those rounds 64-312 ns" in format_report(report)
