@@ -1,13 +1,13 @@
 """Two builds of ember/kernels/cpu_ops.cpp in one process, call against call.
 
     .venv/bin/python benchmarks/kernel_ab.py --old-source OLD.cpp [--new-source NEW.cpp]
-        [--rows 32] [--steps 120] [--out results/kernel_ab.json]
+        [--rows 32] [--prompt-tokens 250 350] [--steps 120] [--out results/kernel_ab.json]
 
 This machine's speed drifts by 10-30% from hour to hour, so two processes run one after the
 other compare the hours as much as the code. Here both sources are built as extensions of
 their own (`git show HEAD~1:ember/kernels/cpu_ops.cpp > OLD.cpp` gives the previous commit's),
 one engine on the default model serves both, and each decode step alternates between the two
-builds' decode stacks (the order flips every step), `--rows` requests of U(250, 350)-token
+builds' decode stacks (the order flips every step), `--rows` requests of U(LO, HI)-token
 prompts decoding. Reported per build: the decode stack's time per step and the output
 projection's (int8_linear_a8 on the model's head, `--rows` rows), with the median and
 quartiles of the paired ratios new / old. The engine's other kernels come from NEW (the
@@ -81,6 +81,8 @@ def main() -> None:
     ap.add_argument("--old-source", type=Path, required=True)
     ap.add_argument("--new-source", type=Path, default=SOURCE)
     ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, nargs=2, default=(250, 350),
+                    metavar=("LO", "HI"), help="each request's prompt: U(LO, HI) tokens")
     ap.add_argument("--steps", type=int, default=120, help="pairs of steps per round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path)
@@ -107,7 +109,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         requests = []
         for i in range(args.rows):
-            n = rng.randint(250, 350)
+            n = rng.randint(*args.prompt_tokens)
             start = rng.randrange(0, len(ids) - n)
             requests.append(core.add_request(
                 f"r{round_}-{i}", ids[start:start + n],
@@ -127,8 +129,8 @@ def main() -> None:
         on[0] = False
         while core.has_unfinished():
             core.step()
-    result = {"rows": args.rows, "old_source": str(args.old_source),
-              "new_source": str(args.new_source), "decode_stack": summary(times["old"], times["new"])}
+    result = {"rows": args.rows, "prompt_tokens": list(args.prompt_tokens),
+              "old_source": str(args.old_source), "new_source": str(args.new_source), "decode_stack": summary(times["old"], times["new"])}
     if head_times["old"]:
         result["output_projection"] = summary(head_times["old"], head_times["new"])
     print(json.dumps(result, indent=1))
