@@ -130,7 +130,8 @@ def main() -> None:
         while core.has_unfinished():
             core.step()
     result = {"rows": args.rows, "prompt_tokens": list(args.prompt_tokens),
-              "old_source": str(args.old_source), "new_source": str(args.new_source), "decode_stack": summary(times["old"], times["new"])}
+              "old_source": str(args.old_source), "new_source": str(args.new_source),
+              "decode_stack": summary(times["old"], times["new"])}
     if head_times["old"]:
         result["output_projection"] = summary(head_times["old"], head_times["new"])
     print(json.dumps(result, indent=1))

@@ -62,8 +62,8 @@ class Machine:
     bf16_gflops: float
     l3_bytes: int | None = None  # the last-level cache the OS reports (None: unknown)
     int8_gops: float = 0.0       # torch._int_mm (0: not measured, no int8 prefill here)
-    round_trip_ns: float | None = None    # hand-off (None: not measured, no kernels;
-    parallel_region_ns: float | None = None  # NaN round trip: one thread)
+    round_trip_ns: float | None = None       # hand-off (None: not measured: no kernels;
+    parallel_region_ns: float | None = None  # the round trip also with one thread)
 
 
 def l3_cache_bytes() -> int | None:
@@ -115,7 +115,7 @@ def matmul_gflops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
 
 
 def measure_machine(weight_bytes: int, int8: bool, dram_gb_s: float, cached_gb_s: float,
-                    hand_off: Callable[[], dict[str, float]] | None = None) -> Machine:
+                    hand_off: Callable[[], dict[str, float | None]] | None = None) -> Machine:
     """The matmul peaks (and with `hand_off`, hand_off_probe's figures) measured here, beside
     the two read bandwidths (measured alongside ember's decode by roofline_report)."""
     return Machine(threads=torch.get_num_threads(), dram_gb_s=dram_gb_s,
@@ -132,9 +132,10 @@ def hand_off_probe(kernels) -> Callable[[], dict[str, float]] | None:
     if kernels is None:
         return None
 
-    def probe() -> dict[str, float]:
+    def probe() -> dict[str, float | None]:
         round_trip, region = kernels.thread_sync_ns()
-        return {"round_trip_ns": round_trip, "parallel_region_ns": region}
+        return {"round_trip_ns": None if math.isnan(round_trip) else round_trip,
+                "parallel_region_ns": region}
     return probe
 
 
@@ -151,8 +152,9 @@ def best_of_rounds(probes: dict[str, Callable[[], float]], rounds: int) -> dict[
 
 
 def paired_rounds(reads: dict[str, Callable[[], float]], decode: Callable[[], float],
-                  rounds: int, after_decode: Callable[[], dict[str, float]] | None = None
-                  ) -> list[dict[str, float]]:
+                  rounds: int,
+                  after_decode: Callable[[], dict[str, float | None]] | None = None
+                  ) -> list[dict[str, float | None]]:
     """`rounds` times: each read, decode, each read again in reverse order; per round each
     read's mean beside the decode's figure (key "decode"), and with `after_decode` its
     figures, taken between the decode and the second reads (hand_off_probe's: which machine
@@ -347,7 +349,7 @@ def format_report(report: dict[str, Any]) -> str:
                          f"{statistics.median(values):8.0f}%  median of {len(values)} rounds "
                          f"({min(values):.0f}-{max(values):.0f}%)")
         trips = [r["round_trip_ns"] for r in paired["rounds"]
-                 if not math.isnan(r.get("round_trip_ns", math.nan))]
+                 if r.get("round_trip_ns") is not None]
         if trips:
             lines.append(f"{'':60}{'':9}  round trips in those rounds "
                          f"{min(trips):.0f}-{max(trips):.0f} ns")
@@ -360,5 +362,5 @@ def _hand_off_text(machine: dict[str, Any]) -> str:
     if region is None:
         return ""
     trip = machine.get("round_trip_ns")
-    trip_text = "" if trip is None or math.isnan(trip) else f"{trip:.0f} ns a round trip, "
+    trip_text = "" if trip is None else f"{trip:.0f} ns a round trip, "
     return f"; threads' hand-off {trip_text}{region / 1e3:.1f} us a parallel region"

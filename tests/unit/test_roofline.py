@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ember.engine.roofline import (ModelCost, best_of_rounds, decode_limit, format_report,
-                                   model_cost, paired_rounds, prefill_limit)
+                                   hand_off_probe, model_cost, paired_rounds, prefill_limit)
 from ember.quant.packed import PackedLinear
 
 
@@ -170,8 +171,16 @@ def test_the_report_gives_the_hand_off_where_it_was_measured():
     report["machine"] |= {"round_trip_ns": 118.4, "parallel_region_ns": 705.0}
     assert "threads' hand-off 118 ns a round trip, 0.7 us a parallel region" in \
         format_report(report)
-    report["machine"]["round_trip_ns"] = math.nan   # one thread: nothing to bounce against
+    report["machine"]["round_trip_ns"] = None   # one thread: nothing to bounce against
     assert "threads' hand-off 0.7 us a parallel region" in format_report(report)
     report["paired"] = {"rounds": [{"decode": 250.0, "round_trip_ns": t} for t in (64.0, 312.0)],
                         "percent_of_limit": {"dram": [70.0, 60.0]}}
     assert "round trips in those rounds 64-312 ns" in format_report(report)
+
+
+def test_the_hand_off_probe_needs_the_kernels_and_a_second_thread_for_its_round_trip():
+    assert hand_off_probe(None) is None   # the torch path: nothing to time it with
+    two = hand_off_probe(SimpleNamespace(thread_sync_ns=lambda: (121.5, 650.0)))
+    assert two() == {"round_trip_ns": 121.5, "parallel_region_ns": 650.0}
+    one = hand_off_probe(SimpleNamespace(thread_sync_ns=lambda: (math.nan, 400.0)))
+    assert one() == {"round_trip_ns": None, "parallel_region_ns": 400.0}   # JSON-safe
