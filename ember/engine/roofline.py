@@ -126,7 +126,7 @@ def measure_machine(weight_bytes: int, int8: bool, dram_gb_s: float, cached_gb_s
                    **(hand_off() if hand_off is not None else {}))
 
 
-def hand_off_probe(kernels) -> Callable[[], dict[str, float]] | None:
+def hand_off_probe(kernels) -> Callable[[], dict[str, float | None]] | None:
     """A function measuring the threads' hand-off (Machine's round_trip_ns and
     parallel_region_ns) on the compiled kernels; None without them."""
     if kernels is None:

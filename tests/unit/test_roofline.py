@@ -93,6 +93,15 @@ def test_the_report_calls_weights_cached_only_where_they_fit_the_l3(l3, label):
     assert "do not fit" in text if l3 < 95_000_000 else "the weights fit" in text
 
 
+def _probe(calls: list[str], name: str, value: float, speeds=None):
+    """A probe that records its call in `calls` and returns value (times the next of
+    `speeds`: the machine's speed that moment, where given)."""
+    def run() -> float:
+        calls.append(name)
+        return value * (next(speeds) if speeds is not None else 1.0)
+    return run
+
+
 def test_best_of_rounds_runs_every_probe_each_round_and_keeps_each_best():
     """A machine that slows down between rounds: each probe's best comes from the same
     (fast) round, as the probes alternate."""
@@ -100,10 +109,7 @@ def test_best_of_rounds_runs_every_probe_each_round_and_keeps_each_best():
     speed = iter([1.0, 1.0, 0.6, 0.6, 0.8, 0.8])
 
     def probe(name: str, value: float):
-        def run() -> float:
-            calls.append(name)
-            return value * next(speed)
-        return run
+        return _probe(calls, name, value, speed)
 
     best = best_of_rounds({"bandwidth": probe("bandwidth", 50.0),
                            "decode": probe("decode", 300.0)}, rounds=3)
@@ -119,10 +125,7 @@ def test_paired_rounds_put_each_decode_between_two_reads_and_pair_it_with_their_
                    0.5, 0.6, 0.55, 0.6, 0.7])   # round 2, a slower stretch
 
     def probe(name: str, value: float):
-        def run() -> float:
-            calls.append(name)
-            return value * next(speeds)
-        return run
+        return _probe(calls, name, value, speeds)
 
     pairs = paired_rounds({"dram": probe("dram", 40.0), "cached": probe("cached", 50.0)},
                           probe("decode", 300.0), rounds=2)
@@ -145,21 +148,14 @@ def test_the_report_shows_the_paired_median_and_range_where_there_are_rounds():
 
 def test_paired_rounds_take_the_hand_off_between_the_decode_and_the_second_reads():
     calls: list[str] = []
-
-    def probe(name: str, value: float):
-        def run() -> float:
-            calls.append(name)
-            return value
-        return run
-
     trips = iter([60.0, 310.0])
 
     def hand_off() -> dict[str, float]:
         calls.append("hand_off")
         return {"round_trip_ns": next(trips), "parallel_region_ns": 700.0}
 
-    pairs = paired_rounds({"dram": probe("dram", 40.0)}, probe("decode", 300.0), rounds=2,
-                          after_decode=hand_off)
+    pairs = paired_rounds({"dram": _probe(calls, "dram", 40.0)},
+                          _probe(calls, "decode", 300.0), rounds=2, after_decode=hand_off)
     assert calls == ["dram", "decode", "hand_off", "dram"] * 2
     assert [p["round_trip_ns"] for p in pairs] == [60.0, 310.0]
     assert pairs[0]["decode"] == 300.0 and pairs[0]["parallel_region_ns"] == 700.0
