@@ -1,0 +1,149 @@
+"""Where a decode stack step goes, op by op: timers built into a copy of the kernels' source.
+
+    .venv/bin/python benchmarks/stack_phases.py [--old-source OLD.cpp] [--new-source NEW.cpp]
+        [--rows 1] [--prompt-tokens 300] [--steps 200] [--out results/phases.json]
+
+The source (the installed one by default) is copied with a steady_clock tick after each op of
+DecodeStack's layer loop (the input norm, the qkv matmul, RoPE and the cache write,
+attention, o, the post-attention norm, gate_up, SwiGLU's activation, down) and built as an
+extension of its own; the engine's decode stack is swapped for it. `--rows` requests of
+`--prompt-tokens` tokens decode `--steps` steps; per op, the median over steps of its time
+summed over the layers, and the whole engine step's. With `--old-source`, a second build
+takes every other step (the order flips each step) and each op's paired ratio new / old is
+reported too, as `kernel_ab.py` does for the stack as a whole. The ticks cost ~20 ns each
+(~0.3% of a batch-1 step). If the layer loop's code changes, the tick points below stop
+matching and the script says which.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from kernel_ab import build
+
+from ember.bench.workloads import default_corpus
+from ember.config import EngineConfig
+from ember.engine.core import EngineCore
+from ember.kernels import SOURCE, CpuKernels
+from ember.models.llama import _build_decode_stack
+from ember.request import RequestOptions, SamplingParams
+
+OPS = ["norm", "qkv", "rope_write", "attention", "o", "post_norm", "gate_up", "silu",
+       "down"]
+HEADER = """#include <chrono>
+double g_phase_ns[16];
+#define TICK(i) { auto now_ = std::chrono::steady_clock::now(); \\
+  g_phase_ns[i] += std::chrono::duration<double, std::nano>(now_ - last_).count(); last_ = now_; }
+"""
+# (code in DecodeStack::run's layer loop, the same with ticks after it); TICK(i) ends op i
+TICKS = [
+    ("      if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<at::BFloat16>(), hp, t, "
+     "hidden_, eps_);\n", "TICK(0);"),
+    ("        linear(layer.qkv, h, qkv, &layer.o);\n      }\n", "TICK(1);"),
+    ("                        kv_heads_, d_, blocks * block_size);\n      }\n", "TICK(2);"),
+    ("      attend(plan, q, qkv, k_out, own_kv, cache, kv_scale, att, a8 ? nullptr : "
+     "&fetch_o);\n", "TICK(3);"),
+    ("      linear(layer.o, att.view({t, heads_ * d_}), out, &layer.gate_up);\n", "TICK(4);"),
+    ("      linear(layer.gate_up, h, gate_up, &layer.down);\n", "TICK(6);"),
+    ("      silu_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), act.data_ptr<at::BFloat16>(), "
+     "t, inter);\n", "TICK(7);"),
+    ("      linear(layer.down, act, out, l + 1 < layers_.size() ? &layers_[l + 1].qkv : "
+     "nullptr);\n", "TICK(8);"),
+]
+POST_NORM = ("      linear(layer.o, att.view({t, heads_ * d_}), out, &layer.gate_up);\n      TICK(4);\n"
+             "      rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, "
+             "eps_);\n")
+LOOP = ("    for (size_t l = 0; l < layers_.size(); ++l) {\n"
+        "      const Layer& layer = layers_[l];\n")
+MODULE = "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
+EXPORT = ('  m.def("phases", [] { std::vector<double> v(g_phase_ns, g_phase_ns + 16); '
+          "std::fill(g_phase_ns, g_phase_ns + 16, 0.0); return v; });\n")
+
+
+def with_ticks(text: str) -> str:
+    """`text` (cpu_ops.cpp) with the timers; SystemExit naming the code it no longer finds."""
+    def once(text: str, old: str, new: str) -> str:
+        if text.count(old) != 1:
+            raise SystemExit(f"stack_phases.py: this code is not in the source once: {old!r}")
+        return text.replace(old, new)
+    text = once(text, "namespace {\n", HEADER + "namespace {\n")
+    text = once(text, LOOP, "    auto last_ = std::chrono::steady_clock::now();\n" + LOOP)
+    for code, tick in TICKS:
+        text = once(text, code, code + f"      {tick}\n")
+    text = once(text, POST_NORM, POST_NORM + "      TICK(5);\n")
+    return once(text, MODULE, MODULE + EXPORT)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old-source", type=Path)
+    ap.add_argument("--new-source", type=Path, default=SOURCE)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--prompt-tokens", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if not 1 <= args.rows <= 8:
+        raise SystemExit("--rows must be 1-8: above 8 rows the stack runs its int8 path, whose "
+                         "ops after attention the ticks do not mark")
+    sources = {"new": args.new_source} | ({"old": args.old_source} if args.old_source else {})
+    with tempfile.TemporaryDirectory() as folder:
+        builds = {}
+        for name, source in sources.items():
+            timed = Path(folder) / f"{name}.cpp"
+            timed.write_text(with_ticks(source.read_text()))
+            builds[name] = build(f"ember_phases_{name}", timed, Path(folder))
+    core = EngineCore(EngineConfig.from_options())
+    model = core.runner.model
+    stacks = {}
+    for name, ops in builds.items():
+        model.decode_stack = _build_decode_stack(model, CpuKernels(ops))
+        if model.decode_stack is None:
+            raise SystemExit("no decode stack here (it needs AVX-512 BF16 and int4 weights)")
+        model.use_int8_decode()
+        stacks[name] = model.decode_stack
+    ids = core.tokenizer.encode(default_corpus())
+    rng = random.Random(0)
+    requests = []
+    for i in range(args.rows):
+        start = rng.randrange(0, len(ids) - args.prompt_tokens)
+        requests.append(core.add_request(
+            f"r{i}", ids[start:start + args.prompt_tokens],
+            SamplingParams(temperature=0, max_tokens=len(builds) * args.steps + 20,
+                           ignore_eos=True), RequestOptions(prefix_cache=False)))
+    while not all(r.output_token_ids for r in requests):
+        core.step()
+    for ops in builds.values():
+        ops.phases()   # the prompt steps' ticks cleared
+    phases: dict[str, list[list[float]]] = {name: [] for name in builds}
+    steps: dict[str, list[float]] = {name: [] for name in builds}
+    for step in range(args.steps):
+        for name in sorted(builds, reverse=step % 2 == 1):
+            model.decode_stack = stacks[name]
+            start = time.perf_counter()
+            core.step()
+            steps[name].append(time.perf_counter() - start)
+            phases[name].append(builds[name].phases()[:len(OPS)])
+    result = {"rows": args.rows, "prompt_tokens": args.prompt_tokens, "steps": args.steps,
+              "sources": {name: str(path) for name, path in sources.items()}}
+    for name in builds:
+        result[name] = {"step_us": statistics.median(steps[name]) * 1e6,
+                        "op_us": {op: statistics.median(p[i] for p in phases[name]) / 1e3
+                                  for i, op in enumerate(OPS)}}
+    if "old" in builds:
+        result["new_over_old"] = {
+            op: statistics.median(n[i] / o[i] for n, o in zip(phases["new"], phases["old"]))
+            for i, op in enumerate(OPS)}
+    print(json.dumps(result, indent=1))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
