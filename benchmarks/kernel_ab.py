@@ -76,6 +76,14 @@ def summary(old: list[float], new: list[float]) -> dict:
             "new_over_old_p75": quartile(0.75), "pairs": len(ratios)}
 
 
+def report(result: dict, out: Path | None) -> None:
+    """Print a benchmark's result as JSON, and write it to `out` too (if given)."""
+    print(json.dumps(result, indent=1))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old-source", type=Path, required=True)
@@ -134,10 +142,7 @@ def main() -> None:
               "decode_stack": summary(times["old"], times["new"])}
     if head_times["old"]:
         result["output_projection"] = summary(head_times["old"], head_times["new"])
-    print(json.dumps(result, indent=1))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -10,21 +10,20 @@ extension of its own; the engine's decode stack is swapped for it. `--rows` requ
 `--prompt-tokens` tokens decode `--steps` steps; per op, the median over steps of its time
 summed over the layers, and the whole engine step's. With `--old-source`, a second build
 takes every other step (the order flips each step) and each op's paired ratio new / old is
-reported too, as `kernel_ab.py` does for the stack as a whole. The ticks cost ~20 ns each
-(~0.3% of a batch-1 step). If the layer loop's code changes, the tick points below stop
+reported too, as `kernel_ab.py` does for the stack as a whole. The ~300 ticks a
+step cost a few microseconds. If the layer loop's code changes, the tick points below stop
 matching and the script says which.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from kernel_ab import build
+from kernel_ab import build, report
 
 from ember.bench.workloads import default_corpus
 from ember.config import EngineConfig
@@ -139,10 +138,7 @@ def main() -> None:
         result["new_over_old"] = {
             op: statistics.median(n[i] / o[i] for n, o in zip(phases["new"], phases["old"]))
             for i, op in enumerate(OPS)}
-    print(json.dumps(result, indent=1))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,14 @@ the kernel's own cost. Reported: GB/s (the median round) per way, and the thread
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load_inline
+
+from kernel_ab import report
 
 from ember.engine.memory import huge_page_zeros
 from ember.engine.roofline import hand_off_probe
@@ -144,10 +145,7 @@ def main() -> None:
     gb_s = {name: total / statistics.median(r[name] for r in rounds) / 1e9 for name in tests}
     result = {"bytes": total, "rounds": args.rounds, "gb_s": gb_s,
               **hand_off_probe(CpuKernels(ops))()}   # where the VM put the two vCPUs
-    print(json.dumps(result, indent=1))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    report(result, args.out)
 
 
 if __name__ == "__main__":
