@@ -76,6 +76,15 @@ def summary(old: list[float], new: list[float]) -> dict:
             "new_over_old_p75": quartile(0.75), "pairs": len(ratios)}
 
 
+def decode_stack_of(model, ops: ModuleType):
+    """The model's decode stack on build `ops` (set as the model's, its int8 path ready)."""
+    model.decode_stack = _build_decode_stack(model, CpuKernels(ops))
+    if model.decode_stack is None:
+        raise SystemExit("no decode stack here (it needs AVX-512 BF16 and int4 weights)")
+    model.use_int8_decode()
+    return model.decode_stack
+
+
 def report(result: dict, out: Path | None) -> None:
     """Print a benchmark's result as JSON, and write it to `out` too (if given)."""
     print(json.dumps(result, indent=1))
@@ -105,11 +114,7 @@ def main() -> None:
     on = [False]
     stacks = {}
     for name, ops in builds.items():
-        model.decode_stack = _build_decode_stack(model, CpuKernels(ops))
-        if model.decode_stack is None:
-            raise SystemExit("no decode stack here (it needs AVX-512 BF16 and int4 weights)")
-        model.use_int8_decode()
-        stacks[name] = TimedStack(model.decode_stack, times[name], on)
+        stacks[name] = TimedStack(decode_stack_of(model, ops), times[name], on)
     head = model.lm_head
     x = torch.randn(args.rows, head.in_features, dtype=torch.bfloat16)
     ids = core.tokenizer.encode(default_corpus())

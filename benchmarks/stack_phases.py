@@ -23,13 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from kernel_ab import build, report
+from kernel_ab import build, decode_stack_of, report
 
 from ember.bench.workloads import default_corpus
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore
-from ember.kernels import SOURCE, CpuKernels
-from ember.models.llama import _build_decode_stack
+from ember.kernels import SOURCE
 from ember.request import RequestOptions, SamplingParams
 
 OPS = ["norm", "qkv", "rope_write", "attention", "o", "post_norm", "gate_up", "silu",
@@ -99,13 +98,7 @@ def main() -> None:
             builds[name] = build(f"ember_phases_{name}", timed, Path(folder))
     core = EngineCore(EngineConfig.from_options())
     model = core.runner.model
-    stacks = {}
-    for name, ops in builds.items():
-        model.decode_stack = _build_decode_stack(model, CpuKernels(ops))
-        if model.decode_stack is None:
-            raise SystemExit("no decode stack here (it needs AVX-512 BF16 and int4 weights)")
-        model.use_int8_decode()
-        stacks[name] = model.decode_stack
+    stacks = {name: decode_stack_of(model, ops) for name, ops in builds.items()}
     ids = core.tokenizer.encode(default_corpus())
     rng = random.Random(0)
     requests = []
