@@ -10,8 +10,10 @@ one engine on the default model serves both, and each decode step alternates bet
 builds' decode stacks (the order flips every step), `--rows` requests of U(LO, HI)-token
 prompts decoding. Reported per build: the decode stack's time per step and the output
 projection's (int8_linear_a8 on the model's head, `--rows` rows), with the median and
-quartiles of the paired ratios new / old. The engine's other kernels come from NEW (the
-installed source by default).
+quartiles of the paired ratios new / old, and per round the threads' hand-off (a cache
+line's round trip between the two vCPUs, which the VM moves: at ~60-140 ns and at ~300 ns
+the weights stream at different rates and patterns) with that round's ratios. The engine's
+other kernels come from NEW (the installed source by default).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import torch
 from ember.bench.workloads import default_corpus
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore
+from ember.engine.roofline import hand_off_probe
 from ember.kernels import SOURCE, CpuKernels, build_cpu_ops
 from ember.models.llama import _build_decode_stack
 from ember.request import RequestOptions, SamplingParams
@@ -119,6 +122,8 @@ def main() -> None:
     x = torch.randn(args.rows, head.in_features, dtype=torch.bfloat16)
     ids = core.tokenizer.encode(default_corpus())
     rng = random.Random(0)
+    hand_off = hand_off_probe(CpuKernels(builds["new"]))
+    per_round = []
     for round_ in range(args.rounds):
         requests = []
         for i in range(args.rows):
@@ -131,6 +136,8 @@ def main() -> None:
         while not all(r.output_token_ids for r in requests):
             core.step()
         on[0] = True
+        first = len(times["old"])
+        placement = hand_off()
         for step in range(args.steps):
             for name in ("old", "new") if step % 2 == 0 else ("new", "old"):
                 model.decode_stack = stacks[name]
@@ -140,11 +147,14 @@ def main() -> None:
                     builds[name].int8_linear_a8(x, head.packed, head.scales, head.act_group)
                     head_times[name].append(time.perf_counter() - start)
         on[0] = False
+        per_round.append({"round_trip_ns": [placement["round_trip_ns"],
+                                            hand_off()["round_trip_ns"]],
+                          "decode_stack": summary(times["old"][first:], times["new"][first:])})
         while core.has_unfinished():
             core.step()
     result = {"rows": args.rows, "prompt_tokens": list(args.prompt_tokens),
               "old_source": str(args.old_source), "new_source": str(args.new_source),
-              "decode_stack": summary(times["old"], times["new"])}
+              "decode_stack": summary(times["old"], times["new"]), "rounds": per_round}
     if head_times["old"]:
         result["output_projection"] = summary(head_times["old"], head_times["new"])
     report(result, args.out)

@@ -918,21 +918,24 @@ void decode_head_i8(const uint16_t* const* q, int G, ScaledWalk keys, ScaledWalk
 }
 
 // q [members, heads, D] (strided), kv [2, kv_heads, blocks, block_size, D]: bfloat16, or int8
-// with kv_scale [2, kv_heads, blocks, block_size] float16 -> out [members, heads, D]. Each
-// thread calls `after`, if given, once its tasks are done.
+// with kv_scale [2, kv_heads, blocks, block_size] float16 -> out [members, heads, D], by the
+// threads of the enclosing parallel region, each calling `after`, if given, once out of
+// tasks. A task is member m's KV head h (its query heads), and `before`, if given, is called
+// with m and h first (DecodeStack: that head's RoPE and cache write). No barrier at the end:
+// the caller's.
 template <int D>
-void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stride_h,
+void decode_attention_team(const uint16_t* q, int64_t q_stride_m, int64_t q_stride_h,
                            const void* kv, const at::Half* kv_scale,
                            const int64_t* block_tables, const int64_t* seq_lens, uint16_t* out,
                            int64_t members, int64_t heads, int64_t kv_heads,
                            int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                           float scale, const std::function<void()>* after = nullptr) {
+                           float scale, const std::function<void()>* after = nullptr,
+                           const std::function<void(int64_t, int64_t)>* before = nullptr) {
   const int64_t per_kv = heads / kv_heads;
   const int64_t num_slots = num_blocks * block_size, head_stride = num_slots * D;
   const int64_t v_offset = kv_heads * head_stride;  // K then V
   // requests' contexts differ in length: tasks are handed out as threads come free
   // (a static split into equal counts left one thread waiting at the end)
-#pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> scores, acc(per_kv * D);
     std::vector<const uint16_t*> qrows(per_kv);
@@ -942,6 +945,7 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t task = 0; task < members * kv_heads; ++task) {
       const int64_t m = task / kv_heads, h = task % kv_heads;
+      if (before != nullptr) (*before)(m, h);
       const int64_t len = seq_lens[m];
       const int64_t* table = block_tables + m * max_blocks;
       for (int64_t p = 0; p < per_kv; ++p) {
@@ -975,6 +979,20 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
     // a thread out of tasks (3 KV heads on 2 threads leave one waiting) does `after` meanwhile
     if (after != nullptr) (*after)();
   }
+}
+
+// decode_attention_team in a parallel region of its own
+template <int D>
+void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stride_h,
+                           const void* kv, const at::Half* kv_scale,
+                           const int64_t* block_tables, const int64_t* seq_lens, uint16_t* out,
+                           int64_t members, int64_t heads, int64_t kv_heads,
+                           int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                           float scale, const std::function<void()>* after = nullptr) {
+#pragma omp parallel num_threads(at::get_num_threads())
+  decode_attention_team<D>(q, q_stride_m, q_stride_h, kv, kv_scale, block_tables, seq_lens, out,
+                           members, heads, kv_heads, num_blocks, block_size, max_blocks, scale,
+                           after);
 }
 
 }  // namespace decode
@@ -1239,28 +1257,37 @@ struct Next {
 // Grain of matmul's parallel_for: at least 8 panels (128 outputs) per task.
 constexpr int64_t kGrain = 8;
 
-// Ask for panels [from, upto) of the share of `next` that thread `thread` (-1: this one, as
-// at::parallel_for numbers it) will take (the split at::parallel_for makes with OpenMP: equal
-// chunks of ceil(panels / tasks)) into L2, so that they arrive during the work between two
-// matmuls (norms, RoPE, SwiGLU's activation, attention) instead of at the start of the next
-// one. By default its first kAhead panels (24 at the end of a matmul measured slower).
-void prefetch_next_share(const Next& next, int64_t from = 0, int64_t upto = kAhead,
-                         int thread = -1) {
-  const int64_t panels = next.n / kPanel, groups = next.k / kGroupK;
-  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), (panels + kGrain - 1) / kGrain);
+// Thread `thread`'s panels [begin, end) of `panels` among `threads`: the split matmul's
+// parallel_for makes (with OpenMP: equal chunks of ceil(panels / tasks), at least kGrain
+// panels a task), which matmul_share makes too.
+inline std::pair<int64_t, int64_t> share_of(int64_t panels, int64_t threads, int64_t thread) {
+  const int64_t tasks = std::min<int64_t>(threads, (panels + kGrain - 1) / kGrain);
   const int64_t chunk = (panels + tasks - 1) / tasks;
-  const int64_t begin = (thread >= 0 ? thread : at::get_thread_num()) * chunk + from;
-  if (from >= chunk || begin >= panels) return;
-  const int64_t count = std::min({upto - from, chunk - from, panels - begin});
+  return {std::min(panels, thread * chunk), std::min(panels, (thread + 1) * chunk)};
+}
+
+// Ask for panels [from, upto) of the share of `next` that thread `thread` of `threads` will
+// take (-1: this one, of at::parallel_for's threads) into L2, so that they arrive during the
+// work between two matmuls (norms, RoPE, SwiGLU's activation, attention) instead of at the
+// start of the next one. By default its first kAhead panels (24 at the end of a matmul
+// measured slower).
+void prefetch_next_share(const Next& next, int64_t from = 0, int64_t upto = kAhead,
+                         int thread = -1, int threads = -1) {
+  const int64_t panels = next.n / kPanel, groups = next.k / kGroupK;
+  const auto [first, end] = share_of(panels, threads >= 0 ? threads : at::get_num_threads(),
+                                     thread >= 0 ? thread : at::get_thread_num());
+  const int64_t begin = first + from;
+  if (begin >= std::min(end, first + upto)) return;
+  const int64_t count = std::min(end, first + upto) - begin;
   const int64_t panel_q = groups * 8 * 32, panel_sm = groups * 2 * kPanel;
   simd::prefetch_bytes<_MM_HINT_T1>(next.q + begin * panel_q, count * panel_q);
   simd::prefetch_bytes<_MM_HINT_T1>(next.sm + begin * panel_sm, count * panel_sm * 2);
 }
 
-void matmul(const uint16_t* x, int64_t m, int64_t x_stride, const uint8_t* q,
-            const uint16_t* sm, int64_t n, int64_t k, uint16_t* out, const Next& next = {}) {
-  const int64_t groups = k / kGroupK, panels = n / kPanel;
-  std::vector<float> xsum(m * groups);  // per row and group: the sum of x (for the minima)
+// Per row of x and group of kGroupK inputs: the sum of x (for the minima)
+inline std::vector<float> group_sums(const uint16_t* x, int64_t m, int64_t x_stride,
+                                     int64_t groups) {
+  std::vector<float> xsum(m * groups);
   for (int64_t r = 0; r < m; ++r) {
     const c10::BFloat16* xr = reinterpret_cast<const c10::BFloat16*>(x + r * x_stride);
     for (int64_t g = 0; g < groups; ++g) {
@@ -1268,16 +1295,43 @@ void matmul(const uint16_t* x, int64_t m, int64_t x_stride, const uint8_t* q,
           _mm512_add_ps(simd::load16(xr + g * kGroupK), simd::load16(xr + g * kGroupK + 16)));
     }
   }
-  at::parallel_for(0, panels, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = 0; r < m; r += 8) {
-      with_rows<8>(m - r, [&](auto rows) {
-        constexpr int R = decltype(rows)::value;
-        run_panels<R, kPanelsAtOnce<R>>(x + r * x_stride, x_stride, xsum.data() + r * groups,
-                                        groups, q, sm, begin, end, out + r * n, n);
-      });
-    }
+  return xsum;
+}
+
+// Output panels [begin, end) of every row of x
+inline void panels_of_rows(const uint16_t* x, int64_t m, int64_t x_stride, const float* xsum,
+                           const uint8_t* q, const uint16_t* sm, int64_t n, int64_t k,
+                           int64_t begin, int64_t end, uint16_t* out) {
+  const int64_t groups = k / kGroupK;
+  for (int64_t r = 0; r < m; r += 8) {
+    with_rows<8>(m - r, [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      run_panels<R, kPanelsAtOnce<R>>(x + r * x_stride, x_stride, xsum + r * groups, groups, q,
+                                      sm, begin, end, out + r * n, n);
+    });
+  }
+}
+
+void matmul(const uint16_t* x, int64_t m, int64_t x_stride, const uint8_t* q,
+            const uint16_t* sm, int64_t n, int64_t k, uint16_t* out, const Next& next = {}) {
+  const auto xsum = group_sums(x, m, x_stride, k / kGroupK);
+  at::parallel_for(0, n / kPanel, kGrain, [&](int64_t begin, int64_t end) {
+    panels_of_rows(x, m, x_stride, xsum.data(), q, sm, n, k, begin, end, out);
     if (next.q != nullptr) prefetch_next_share(next);
   });
+}
+
+// matmul's work for thread `thread` of the enclosing parallel region's `threads` (its share
+// of the panels, then the first panels of its share of `next`); the caller's barrier ends it.
+void matmul_share(const uint16_t* x, int64_t m, int64_t x_stride, const uint8_t* q,
+                  const uint16_t* sm, int64_t n, int64_t k, uint16_t* out, const Next& next,
+                  int thread, int threads) {
+  const auto [begin, end] = share_of(n / kPanel, threads, thread);
+  if (begin < end) {
+    const auto xsum = group_sums(x, m, x_stride, k / kGroupK);
+    panels_of_rows(x, m, x_stride, xsum.data(), q, sm, n, k, begin, end, out);
+  }
+  if (next.q != nullptr) prefetch_next_share(next, 0, kAhead, thread, threads);
 }
 
 }  // namespace int4w
@@ -2548,6 +2602,9 @@ class DecodeStack {
                     const Plan& plan) const {
     const bool int8 = !kv_scales.empty();
     const int64_t t = x.size(0), qkv_n = layers_[0].qkv.n, inter = layers_[0].down.k;
+    if (plan.chunks.empty() && t <= kOneRegionRows && !(int8_ && t > max_packed_rows_)) {
+      return run_decodes(x, cos, sin, kv, kv_scales, slots, plan);
+    }
     const auto opts = x.options();
     auto residual = x.clone();
     auto h = torch::empty({t, hidden_}, opts), out = torch::empty({t, hidden_}, opts);
@@ -2620,6 +2677,121 @@ class DecodeStack {
     }
     rms_norm_rows(op, r, final_norm_.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
     return h;
+  }
+
+  // Row `row`'s RoPE and cache write for KV head `kvh` (its query heads into q, its key and
+  // value into the cache at slots[row]), as rope_write_impl / rope_write_i8 do them.
+  void rope_write_head(const at::BFloat16* qkv, const at::BFloat16* cos, const at::BFloat16* sin,
+                       const torch::Tensor& cache, at::Half* kv_scale, const int64_t* slots,
+                       at::BFloat16* q, int64_t row, int64_t kvh) const {
+    const int64_t per_kv = heads_ / kv_heads_, d = d_;
+    const int64_t num_slots = cache.size(2) * cache.size(3), slot = slots[row];
+    const at::BFloat16* x = qkv + row * (heads_ + 2 * kv_heads_) * d;
+    const at::BFloat16* c = cos + row * d;
+    const at::BFloat16* sn = sin + row * d;
+    for (int64_t p = 0; p < per_kv; ++p) {
+      const int64_t head = kvh * per_kv + p;
+      rope_head(x + head * d, c, sn, q + (row * heads_ + head) * d, d);
+    }
+    const at::BFloat16* k = x + (heads_ + kvh) * d;
+    const at::BFloat16* v = x + (heads_ + kv_heads_ + kvh) * d;
+    const int64_t at_slot = kvh * num_slots + slot, v_heads = kv_heads_ * num_slots;
+    if (kv_scale == nullptr) {
+      at::BFloat16* kv = cache.data_ptr<at::BFloat16>();
+      rope_head(k, c, sn, kv + at_slot * d, d);
+      std::memcpy(kv + (v_heads + at_slot) * d, v, d * sizeof(at::BFloat16));
+      return;
+    }
+    int8_t* kv = cache.data_ptr<int8_t>();
+    alignas(64) at::BFloat16 rotated[kMaxHeadDim];
+    rope_head(k, c, sn, rotated, d);
+    quantize_head(rotated, d, kv + at_slot * d, kv_scale + at_slot);
+    quantize_head(v, d, kv + (v_heads + at_slot) * d, kv_scale + v_heads + at_slot);
+  }
+
+  // Steps of up to this many decodes (on the int4 weights) run in one parallel region
+  static constexpr int64_t kOneRegionRows = 8;
+
+  // run() for a step of decodes only, on the int4 weights: every op in one parallel region,
+  // a barrier after each whose output the threads share out (a matmul: each thread its panels,
+  // split as matmul's parallel_for splits them; attention: a task per request and KV head as
+  // threads come free, each doing its heads' RoPE and cache write first). A region per op
+  // cost its fork and join, ~2.5 us a matmul at a 320 ns round trip between the vCPUs
+  // (docs/benchmarks.md, session 22: the stack at one row 0.94x the time, paired). The norms
+  // and SwiGLU's activation (a few rows) run in every thread, on its own copy of the residual
+  // stream and of their outputs, so that no barrier precedes a matmul. The same arithmetic as
+  // run(): the same output, bit for bit.
+  torch::Tensor run_decodes(const torch::Tensor& x, const torch::Tensor& cos,
+                            const torch::Tensor& sin, const std::vector<torch::Tensor>& kv,
+                            const std::vector<torch::Tensor>& kv_scales,
+                            const torch::Tensor& slots, const Plan& plan) const {
+    const bool int8 = !kv_scales.empty();
+    const int64_t t = x.size(0), qkv_n = layers_[0].qkv.n, inter = layers_[0].down.k;
+    const int threads = at::get_num_threads();
+    const auto opts = x.options();
+    auto qkv = torch::empty({t, qkv_n}, opts), q = torch::empty({t, heads_, d_}, opts);
+    auto att = torch::empty({t, heads_, d_}, opts), out = torch::empty({t, hidden_}, opts);
+    auto gate_up = torch::empty({t, 2 * inter}, opts), final = torch::empty({t, hidden_}, opts);
+    // per thread: the residual stream, the norms' output, SwiGLU's activation
+    auto residual = x.unsqueeze(0).repeat({threads, 1, 1});
+    auto h = torch::empty({threads, t, hidden_}, opts);
+    auto act = torch::empty({threads, t, inter}, opts);
+    using BF = at::BFloat16;
+    BF* const op = out.data_ptr<BF>();
+    BF* const gp = gate_up.data_ptr<BF>();
+    const int64_t row = heads_ * d_;
+    auto attend_decodes = d_ == 64 ? decode::decode_attention_team<64>
+                                   : decode::decode_attention_team<128>;
+#pragma omp parallel num_threads(threads)
+    {
+      const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+      BF* const r = residual.data_ptr<BF>() + tid * t * hidden_;
+      BF* const hp = h.data_ptr<BF>() + tid * t * hidden_;
+      BF* const ap = act.data_ptr<BF>() + tid * t * inter;
+      auto linear = [&](const Int4& w, const BF* in, int64_t k, BF* dst, const Int4* next) {
+        int4w::matmul_share(reinterpret_cast<const uint16_t*>(in), t, k, w.q.data_ptr<uint8_t>(),
+                            bits(w.scale_min), w.n, w.k, reinterpret_cast<uint16_t*>(dst),
+                            next != nullptr ? next_of(*next) : int4w::Next{}, tid, team);
+#pragma omp barrier
+      };
+      rms_norm_rows(r, static_cast<BF*>(nullptr), layers_[0].in_norm.data_ptr<BF>(), hp, t,
+                    hidden_, eps_);
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        const Layer& layer = layers_[l];
+        if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<BF>(), hp, t, hidden_, eps_);
+        linear(layer.qkv, hp, hidden_, qkv.data_ptr<BF>(), &layer.o);
+        const auto& cache = kv[l];
+        const int64_t blocks = cache.size(2), block_size = cache.size(3);
+        at::Half* kv_scale = int8 ? kv_scales[l].data_ptr<at::Half>() : nullptr;
+        // each attention task first rotates its query heads and its key, and writes its key
+        // and value into the cache (what rope_write does for the whole step, the same bits)
+        const std::function<void(int64_t, int64_t)> rope_write = [&](int64_t m, int64_t kvh) {
+          rope_write_head(qkv.data_ptr<BF>(), cos.data_ptr<BF>(), sin.data_ptr<BF>(), cache,
+                          kv_scale, slots.data_ptr<int64_t>(), q.data_ptr<BF>(),
+                          plan.decode_first + m, kvh);
+        };
+        // o's panels past the first kAhead are fetched by each thread once out of tasks
+        const int4w::Next o_next = next_of(layer.o);
+        const std::function<void()> fetch_o = [&o_next, tid, team] {
+          int4w::prefetch_next_share(o_next, int4w::kAhead, o_next.n / int4w::kPanel, tid,
+                                     team);
+        };
+        attend_decodes(bits(q) + plan.decode_first * row, row, d_, cache.data_ptr(), kv_scale,
+                       plan.tables, plan.seq_lens, bits(att) + plan.decode_first * row,
+                       plan.decodes, heads_, kv_heads_, blocks, block_size, plan.max_blocks,
+                       scale_, &fetch_o, &rope_write);
+#pragma omp barrier
+        linear(layer.o, att.data_ptr<BF>(), row, op, &layer.gate_up);
+        rms_norm_rows(op, r, layer.post_norm.data_ptr<BF>(), hp, t, hidden_, eps_);
+        linear(layer.gate_up, hp, hidden_, gp, &layer.down);
+        silu_and_mul_impl(static_cast<const BF*>(gp), ap, t, inter);
+        linear(layer.down, ap, inter, op, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
+      }
+      if (tid == 0) {
+        rms_norm_rows(op, r, final_norm_.data_ptr<BF>(), final.data_ptr<BF>(), t, hidden_, eps_);
+      }
+    }
+    return final;
   }
 
   struct Int4 {

@@ -232,6 +232,16 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
+def decode_stack_weights(layer: LlamaDecoderLayer) -> list[Tensor]:
+    """A layer's tensors in the order CpuKernels.decode_stack takes them (its projections
+    int4 PackedLinears)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [layer.input_layernorm.weight, attn.qkv_proj.qweight, attn.qkv_proj.scales,
+            attn.o_proj.qweight, attn.o_proj.scales, layer.post_attention_layernorm.weight,
+            mlp.gate_up_proj.qweight, mlp.gate_up_proj.scales, mlp.down_proj.qweight,
+            mlp.down_proj.scales]
+
+
 def _build_decode_stack(model: LlamaForCausalLM, kernels: CpuKernels | None):
     """The compiled whole-model decode step, where it applies: AVX-512 BF16 kernels, a
     bfloat16 model with no biases whose every projection is int4 on those kernels (and
@@ -249,10 +259,7 @@ def _build_decode_stack(model: LlamaForCausalLM, kernels: CpuKernels | None):
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if any(w.dtype != torch.bfloat16 for w in norms):
             return None
-        weights += [norms[0], attn.qkv_proj.qweight, attn.qkv_proj.scales,
-                    attn.o_proj.qweight, attn.o_proj.scales, norms[1],
-                    mlp.gate_up_proj.qweight, mlp.gate_up_proj.scales,
-                    mlp.down_proj.qweight, mlp.down_proj.scales]
+        weights += decode_stack_weights(layer)
     if model.model.norm.weight.dtype != torch.bfloat16:
         return None
     return kernels.decode_stack(weights, model.model.norm.weight, config.num_heads,
