@@ -30,7 +30,7 @@ from torch.utils.cpp_extension import load_inline
 
 from kernel_ab import report
 
-from ember.engine.memory import HUGE_PAGE, huge_page_zeros
+from ember.engine.memory import huge_page_zeros, move_to_huge_pages
 from ember.engine.roofline import hand_off_probe
 from ember.kernels import CpuKernels, build_cpu_ops, pack_int4_panels
 
@@ -94,19 +94,14 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30   # qkv, o, gat
 
 
 def side_by_side(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `tensors`, side by side in one huge-page buffer, each 64-byte aligned: as
-    move_to_huge_pages lays out the model's weights (a buffer each, the small ones got no huge
-    pages and read slower: 23.9-24.9 GB/s against 27.3-28.0 for the regions, probe)."""
-    sizes = [-(-t.nbytes // 64) * 64 for t in tensors]
-    arena = huge_page_zeros((sum(sizes) + HUGE_PAGE,), torch.uint8, "cpu")
-    offset = -arena.data_ptr() % HUGE_PAGE
-    out = []
-    for t, size in zip(tensors, sizes):
-        view = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        out.append(view)
-        offset += size
-    return out
+    """`tensors` moved side by side into one huge-page buffer by move_to_huge_pages, as the
+    engine moves the model's weights (a buffer each, the small ones got no huge pages and
+    read slower: 23.9-24.9 GB/s against 27.3-28.0 for the regions, probe)."""
+    holder = torch.nn.Module()
+    for i, t in enumerate(tensors):
+        holder.register_buffer(f"t{i}", t)
+    move_to_huge_pages([(holder, f"t{i}") for i in range(len(tensors))])
+    return [getattr(holder, f"t{i}") for i in range(len(tensors))]
 
 
 def main() -> None:

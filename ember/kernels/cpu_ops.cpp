@@ -1725,25 +1725,32 @@ inline void rope_head(const T* x, const T* cos, const T* sin, T* out, int64_t d)
   }
 }
 
+// One token's query heads of KV head h (x: its q, k, v row; q_out: its [heads, d]) rotated,
+// and its key (rotated) and value written into the cache kv [2, kv_heads, num_slots, d] at
+// `slot`.
+template <typename T>
+inline void rope_write_kv_head(const T* x, const T* c, const T* s, T* kv, int64_t slot,
+                               T* q_out, int64_t h, int64_t heads, int64_t kv_heads, int64_t d,
+                               int64_t num_slots) {
+  const int64_t per_kv = heads / kv_heads;
+  for (int64_t head = h * per_kv; head < (h + 1) * per_kv; ++head) {
+    rope_head(x + head * d, c, s, q_out + head * d, d);
+  }
+  T* k_dst = kv + (h * num_slots + slot) * d;
+  rope_head(x + (heads + h) * d, c, s, k_dst, d);
+  std::memcpy(k_dst + kv_heads * num_slots * d, x + (heads + kv_heads + h) * d, d * sizeof(T));
+}
+
 template <typename T>
 void rope_write_impl(const T* qkv, const T* cos, const T* sin, T* kv, const int64_t* slots,
                      T* q_out, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
                      int64_t num_slots) {
   const int64_t row = (heads + 2 * kv_heads) * d;
-  const int64_t v_offset = kv_heads * num_slots * d;  // K then V, heads first
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const T* x = qkv + t * row;
-      const T* c = cos + t * d;
-      const T* s = sin + t * d;
-      for (int64_t h = 0; h < heads; ++h) {
-        rope_head(x + h * d, c, s, q_out + (t * heads + h) * d, d);
-      }
-      const int64_t slot = slots[t];
       for (int64_t h = 0; h < kv_heads; ++h) {
-        T* k_dst = kv + (h * num_slots + slot) * d;
-        rope_head(x + (heads + h) * d, c, s, k_dst, d);
-        std::memcpy(k_dst + v_offset, x + (heads + kv_heads + h) * d, d * sizeof(T));
+        rope_write_kv_head(qkv + t * row, cos + t * d, sin + t * d, kv, slots[t],
+                           q_out + t * heads * d, h, heads, kv_heads, d, num_slots);
       }
     }
   });
@@ -1769,31 +1776,40 @@ inline void quantize_head(const c10::BFloat16* x, int64_t d, int8_t* q, at::Half
   }
 }
 
-// rope_write_impl into an int8 cache (kv int8, kv_scale [2, kv_heads, num_slots] float16):
+// rope_write_kv_head into an int8 cache (kv int8, kv_scale [2, kv_heads, num_slots] float16):
 // the rotated k, rounded to bfloat16 first (as the torch path holds it), and v, quantized.
+// With k_out ([d]), the rotated k is kept there too, before its rounding.
+inline void rope_write_kv_head_i8(const c10::BFloat16* x, const c10::BFloat16* c,
+                                  const c10::BFloat16* s, int8_t* kv, at::Half* kv_scale,
+                                  int64_t slot, c10::BFloat16* q_out, int64_t h, int64_t heads,
+                                  int64_t kv_heads, int64_t d, int64_t num_slots,
+                                  c10::BFloat16* k_out = nullptr) {
+  const int64_t per_kv = heads / kv_heads, v_heads = kv_heads * num_slots;
+  for (int64_t head = h * per_kv; head < (h + 1) * per_kv; ++head) {
+    rope_head(x + head * d, c, s, q_out + head * d, d);
+  }
+  alignas(64) c10::BFloat16 buffer[kMaxHeadDim];
+  const int64_t at = h * num_slots + slot;
+  c10::BFloat16* k = k_out != nullptr ? k_out : buffer;
+  rope_head(x + (heads + h) * d, c, s, k, d);
+  quantize_head(k, d, kv + at * d, kv_scale + at);
+  quantize_head(x + (heads + kv_heads + h) * d, d, kv + (v_heads + at) * d,
+                kv_scale + v_heads + at);
+}
+
+// rope_write_impl into an int8 cache (rope_write_kv_head_i8 for each token and KV head).
 // With k_out ([tokens, kv_heads, d]), the rotated k is kept there too, before its rounding.
 void rope_write_i8(const c10::BFloat16* qkv, const c10::BFloat16* cos, const c10::BFloat16* sin,
                    int8_t* kv, at::Half* kv_scale, const int64_t* slots, c10::BFloat16* q_out,
                    int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
                    int64_t num_slots, c10::BFloat16* k_out = nullptr) {
-  const int64_t row = (heads + 2 * kv_heads) * d, v_heads = kv_heads * num_slots;
+  const int64_t row = (heads + 2 * kv_heads) * d;
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
-    alignas(64) c10::BFloat16 buffer[kMaxHeadDim];
     for (int64_t t = begin; t < end; ++t) {
-      const c10::BFloat16* x = qkv + t * row;
-      const c10::BFloat16* c = cos + t * d;
-      const c10::BFloat16* sn = sin + t * d;
-      for (int64_t h = 0; h < heads; ++h) {
-        rope_head(x + h * d, c, sn, q_out + (t * heads + h) * d, d);
-      }
-      const int64_t slot = slots[t];
       for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t at = h * num_slots + slot;
-        c10::BFloat16* k = k_out != nullptr ? k_out + (t * kv_heads + h) * d : buffer;
-        rope_head(x + (heads + h) * d, c, sn, k, d);
-        quantize_head(k, d, kv + at * d, kv_scale + at);
-        quantize_head(x + (heads + kv_heads + h) * d, d, kv + (v_heads + at) * d,
-                      kv_scale + v_heads + at);
+        rope_write_kv_head_i8(qkv + t * row, cos + t * d, sin + t * d, kv, kv_scale, slots[t],
+                              q_out + t * heads * d, h, heads, kv_heads, d, num_slots,
+                              k_out != nullptr ? k_out + (t * kv_heads + h) * d : nullptr);
       }
     }
   });
@@ -2680,33 +2696,20 @@ class DecodeStack {
   }
 
   // Row `row`'s RoPE and cache write for KV head `kvh` (its query heads into q, its key and
-  // value into the cache at slots[row]), as rope_write_impl / rope_write_i8 do them.
+  // value into the cache at slots[row]): what rope_write_impl / rope_write_i8 do per head.
   void rope_write_head(const at::BFloat16* qkv, const at::BFloat16* cos, const at::BFloat16* sin,
                        const torch::Tensor& cache, at::Half* kv_scale, const int64_t* slots,
                        at::BFloat16* q, int64_t row, int64_t kvh) const {
-    const int64_t per_kv = heads_ / kv_heads_, d = d_;
-    const int64_t num_slots = cache.size(2) * cache.size(3), slot = slots[row];
+    const int64_t d = d_, num_slots = cache.size(2) * cache.size(3);
     const at::BFloat16* x = qkv + row * (heads_ + 2 * kv_heads_) * d;
-    const at::BFloat16* c = cos + row * d;
-    const at::BFloat16* sn = sin + row * d;
-    for (int64_t p = 0; p < per_kv; ++p) {
-      const int64_t head = kvh * per_kv + p;
-      rope_head(x + head * d, c, sn, q + (row * heads_ + head) * d, d);
-    }
-    const at::BFloat16* k = x + (heads_ + kvh) * d;
-    const at::BFloat16* v = x + (heads_ + kv_heads_ + kvh) * d;
-    const int64_t at_slot = kvh * num_slots + slot, v_heads = kv_heads_ * num_slots;
     if (kv_scale == nullptr) {
-      at::BFloat16* kv = cache.data_ptr<at::BFloat16>();
-      rope_head(k, c, sn, kv + at_slot * d, d);
-      std::memcpy(kv + (v_heads + at_slot) * d, v, d * sizeof(at::BFloat16));
-      return;
+      rope_write_kv_head(x, cos + row * d, sin + row * d, cache.data_ptr<at::BFloat16>(),
+                         slots[row], q + row * heads_ * d, kvh, heads_, kv_heads_, d, num_slots);
+    } else {
+      rope_write_kv_head_i8(x, cos + row * d, sin + row * d, cache.data_ptr<int8_t>(), kv_scale,
+                            slots[row], q + row * heads_ * d, kvh, heads_, kv_heads_, d,
+                            num_slots);
     }
-    int8_t* kv = cache.data_ptr<int8_t>();
-    alignas(64) at::BFloat16 rotated[kMaxHeadDim];
-    rope_head(k, c, sn, rotated, d);
-    quantize_head(rotated, d, kv + at_slot * d, kv_scale + at_slot);
-    quantize_head(v, d, kv + (v_heads + at_slot) * d, kv_scale + v_heads + at_slot);
   }
 
   // Steps of up to this many decodes (on the int4 weights) run in one parallel region
