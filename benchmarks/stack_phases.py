@@ -15,8 +15,10 @@ takes every other step (the order flips each step) and each op's paired ratio ne
 reported too, as `kernel_ab.py` does for the stack as a whole. With `--cache-fed`, NEW's
 stack runs every layer on layer 0's weights (2.2 MB on the default model: they stay in
 cache), the same ops on the same caches otherwise: what a step would cost if the weights
-came for free (pair it with `--old-source` naming the same source). The ~300 ticks a
-step cost a few microseconds. If the layer loop's code changes, the tick points below stop
+came for free (pair it with `--old-source` naming the same source). The threads' round trip
+(`ember roofline`'s hand-off probe) is recorded before and after the steps: ~100 ns where the
+two vCPUs sit close, ~300 ns where they sit far apart, and the figures differ between the two.
+The ~300 ticks a step cost a few microseconds. If the layer loop's code changes, the tick points below stop
 matching and the script says which.
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kernel_ab import build, decode_stack_of, report
 from ember.bench.workloads import default_corpus
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore
+from ember.engine.roofline import hand_off_probe
 from ember.kernels import SOURCE, CpuKernels
 from ember.models.llama import decode_stack_weights
 from ember.request import RequestOptions, SamplingParams
@@ -157,6 +160,8 @@ def main() -> None:
         ops.phases()   # the prompt steps' ticks cleared
     phases: dict[str, list[list[float]]] = {name: [] for name in builds}
     steps: dict[str, list[float]] = {name: [] for name in builds}
+    hand_off = hand_off_probe(CpuKernels(builds["new"]))
+    round_trips = [hand_off()["round_trip_ns"]]   # the threads' placement, before and after
     for step in range(args.steps):
         for name in sorted(builds, reverse=step % 2 == 1):
             model.decode_stack = stacks[name]
@@ -164,8 +169,10 @@ def main() -> None:
             core.step()
             steps[name].append(time.perf_counter() - start)
             phases[name].append(builds[name].phases()[:len(OPS)])
+    round_trips.append(hand_off()["round_trip_ns"])
     result = {"rows": args.rows, "prompt_tokens": args.prompt_tokens, "steps": args.steps,
-              "sources": {name: str(path) for name, path in sources.items()}}
+              "sources": {name: str(path) for name, path in sources.items()},
+              "cache_fed": args.cache_fed, "round_trip_ns": round_trips}
     for name in builds:
         result[name] = {"step_us": statistics.median(steps[name]) * 1e6,
                         "op_us": {op: statistics.median(p[i] for p in phases[name]) / 1e3
