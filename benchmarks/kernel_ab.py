@@ -9,7 +9,8 @@ their own (`git show HEAD~1:ember/kernels/cpu_ops.cpp > OLD.cpp` gives the previ
 one engine on the default model serves both, and each decode step alternates between the two
 builds' decode stacks (the order flips every step), `--rows` requests of U(LO, HI)-token
 prompts decoding. Reported per build: the decode stack's time per step and the output
-projection's (int8_linear_a8 on the model's head, `--rows` rows), with the median and
+projection's (int8_linear_a8 on the model's head as the engine runs it, on the quads,
+`--rows` rows, right after each step), with the median and
 quartiles of the paired ratios new / old, and per round the threads' hand-off (a cache
 line's round trip between the two vCPUs, which the VM moves: at ~60-140 ns and at ~300 ns
 the weights stream at different rates and patterns) with that round's ratios. The engine's
@@ -144,7 +145,7 @@ def main() -> None:
                 core.step()
                 if head.act_group is not None:
                     start = time.perf_counter()
-                    builds[name].int8_linear_a8(x, head.packed, head.scales, head.act_group)
+                    builds[name].int8_linear_a8(x, head.quads, head.scales, head.act_group)
                     head_times[name].append(time.perf_counter() - start)
         on[0] = False
         per_round.append({"round_trip_ns": [placement["round_trip_ns"],

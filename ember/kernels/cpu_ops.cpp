@@ -1663,6 +1663,73 @@ void matmul(const Rows& x, const uint8_t* quads, const float* scales, int64_t n,
   });
 }
 
+// Up to kStreamRows rows (decode steps): each thread's panels one after another, one panel
+// at a time, so that a thread reads its share of the weight as one stream (matmul's tiles of
+// four panels side by side read four streams, and at one row took 1.06-1.28x the time of
+// int8w's bfloat16 kernel on the output projection). At one row it issues a third of that
+// kernel's instructions per weight byte (no widening: the weight is vpdpbusd's operand as
+// stored). C chains of int32 sums per row hide vpdpbusd's latency (R x C >= 4); their total
+// is exact in any order, and the float32 arithmetic after it is tile's: the same bits as
+// matmul, so a row's output does not depend on its batch.
+constexpr int kStreamRows = 8;
+
+template <int R>
+void panel_stream(const Rows& x, int64_t first, const __m512i* w, const float* ws, float* out,
+                  int64_t stride) {
+  constexpr int C = R >= 4 ? 1 : 4 / R;
+  const int64_t per = x.group / 4;
+  __m512 f[R];
+  for (int64_t g = 0; g < x.groups; ++g) {
+    __m512i sum[R][4];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_setzero_si512();
+    }
+    const __m512i* wg = w + g * per;
+    const int8_t* xg = x.q + (g * x.m + first) * x.group;
+    for (int64_t s = 0; s < per; ++s) {
+      const __m512i b = _mm512_loadu_si512(wg + s);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xg + r * x.group + 4 * s, 4);
+        dpbusd(sum[r][s % C], b, _mm512_set1_epi32(four));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (first + r) * x.groups + g;
+      const __m512i total = _mm512_add_epi32(_mm512_add_epi32(sum[r][0], sum[r][1]),
+                                             _mm512_add_epi32(sum[r][2], sum[r][3]));
+      const __m512 v = _mm512_cvtepi32_ps(
+          _mm512_sub_epi32(total, _mm512_set1_epi32(128 * x.sum[at])));
+      if (x.groups == 1) {
+        f[r] = _mm512_mul_ps(v, _mm512_mul_ps(_mm512_set1_ps(x.scale[at]), _mm512_loadu_ps(ws)));
+      } else {
+        f[r] = g == 0 ? _mm512_mul_ps(v, _mm512_set1_ps(x.scale[at]))
+                      : _mm512_fmadd_ps(v, _mm512_set1_ps(x.scale[at]), f[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (x.groups > 1) f[r] = _mm512_mul_ps(f[r], _mm512_loadu_ps(ws));
+    store16(out + r * stride, f[r]);
+  }
+}
+
+// out [m, n] float32 = x w^T for m <= kStreamRows, w in quads with scales [n] (matmul's
+// kFloat, the same bits)
+void matmul_stream(const Rows& x, const uint8_t* quads, const float* scales, int64_t n,
+                   int64_t k, float* out) {
+  const int64_t per_panel = k / 4, panels = n / kPanel;
+  const __m512i* base = reinterpret_cast<const __m512i*>(quads);
+  at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      with_rows<kStreamRows>(x.m, [&](auto rows) {
+        panel_stream<decltype(rows)::value>(x, 0, base + p * per_panel, scales + p * kPanel,
+                                            out + p * kPanel, n);
+      });
+    }
+  });
+}
+
 // The output projection: out [m, n] float32 = x w^T with w as int8w's panels (pairs), made
 // quads kTilePanels panels at a time into a buffer (~36 KB at k = 576: in L1/L2 for every row).
 void matmul_pairs(const Rows& x, const int8_t* packed, const float* scales, int64_t n,
@@ -2273,18 +2340,18 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 
 #ifdef EMBER_INT8_DOT
 // x [m, k] bfloat16 rounded to int8 (times smooth, nullptr: 1), one scale per `group` inputs,
-// in tensors of its own: an op's int8a8 operand
+// in buffers of its own (three fewer tensor allocations a call): an op's int8a8 operand
 struct Quantized {
-  torch::Tensor q, scale, sum;
-  int8a8::Rows rows;
-  Quantized(const torch::Tensor& x, const float* smooth, int64_t group) {
-    const int64_t m = x.size(0), k = x.size(1), groups = k / group;
-    q = torch::empty({groups, m, group}, x.options().dtype(at::kChar));
-    scale = torch::empty({m, groups}, x.options().dtype(at::kFloat));
-    sum = torch::empty({m, groups}, x.options().dtype(at::kInt));
-    rows = int8a8::quantize(x.data_ptr<at::BFloat16>(), m, k, x.stride(0), smooth, group,
-                            q.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                            sum.data_ptr<int32_t>());
+  std::vector<int8_t> q;      // [k / group, m, group]
+  std::vector<float> scale;   // [m, k / group]
+  std::vector<int32_t> sum;   // [m, k / group]
+  int8a8::Rows rows;   // points into the buffers above
+  Quantized(const Quantized&) = delete;
+  Quantized(const torch::Tensor& x, const float* smooth, int64_t group)
+      : q(x.size(0) * x.size(1)), scale(x.size(0) * (x.size(1) / group)),
+        sum(x.size(0) * (x.size(1) / group)) {
+    rows = int8a8::quantize(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), x.stride(0),
+                            smooth, group, q.data(), scale.data(), sum.data());
   }
 };
 #endif
@@ -2307,7 +2374,10 @@ torch::Tensor int8_linear_a8(torch::Tensor x, torch::Tensor packed, torch::Tenso
 #ifdef EMBER_INT8_DOT
   if (m > 0) {
     const Quantized xq(x, nullptr, group);
-    if (quads) {
+    if (quads && m <= int8a8::kStreamRows) {
+      int8a8::matmul_stream(xq.rows, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), n, k,
+                            out.data_ptr<float>());
+    } else if (quads) {
       int8a8::matmul<int8a8::Out::kFloat>(xq.rows, packed.data_ptr<uint8_t>(),
                                           scales.data_ptr<float>(), n, k, out.data_ptr());
     } else {

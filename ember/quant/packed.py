@@ -54,10 +54,13 @@ METHODS = ("int8", "int4")
 SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength: half the activations' range moves
 # at this many rows or fewer the packed kernel beats dense bfloat16 (measured: equal near 8)
 PACKED_MAX_ROWS = 8
-# the output projection on int8 activations (int4 formats): above this many rows, where it
-# is compute-bound (equal to bfloat16 activations at 8 rows, 2x faster at 22-32; slower at
-# 1, where reading the weight bounds it), with one scale per this many inputs
-A8_MIN_ROWS = 8
+# the output projection on int8 activations (int4 formats): above this many rows (every
+# batch: 2x faster than bfloat16 activations at 22-32 rows, where it is compute-bound; at one
+# row, on the kernel's one-stream path, a batch-1 step 0.96-0.97x the time with the vCPUs far
+# apart and the same close, where reading the weight bounds it; docs/benchmarks.md), with one
+# scale per this many inputs. Each row is rounded on its own, so a request's logits do not
+# depend on its batch.
+A8_MIN_ROWS = 0
 HEAD_ACT_GROUP = 64
 
 
@@ -271,14 +274,16 @@ class KernelInt8Linear(nn.Module):
     packed int8 kernel (2x at 1 row) and bfloat16 (at 8-64 rows, counting the reorder oneDNN
     does on a weight it cannot keep blocked), so no bfloat16 copy is kept for it.
 
-    With `act_group` (not None), batches of more than A8_MIN_ROWS rows round x to int8 first,
-    one scale per `act_group` inputs (0: a row), and run on int8 dot products
+    With `act_group` (not None), batches of more than A8_MIN_ROWS rows (every batch) round x
+    to int8 first, one scale per `act_group` inputs (0: a row), and run on int8 dot products
     (int8_linear_a8): at 22-32 rows (a busy server's decode step) the projection is
-    compute-bound and that halves it; fewer rows are bound by reading the weight and keep
-    bfloat16 activations. The int4 weight formats use it (their budget allows the rounding;
-    docs/benchmarks.md has the perplexity). Those batches read the weight in quads, kept
-    beside the pairs (28 MB on the default model): making them from the pairs on every call
-    cost 15% of the projection at 16-32 rows (docs/benchmarks.md)."""
+    compute-bound and that halves it; at one row it is bound by reading the weight, and the
+    kernel's one-stream path spends a third of the instructions per byte, which shows where
+    the vCPUs sit far apart. The int4 weight formats use it (their budget allows the
+    rounding; docs/benchmarks.md has the perplexity). It reads the weight in quads, kept
+    beside the pairs (28 MB on the default model; the tied embedding reads its rows from the
+    pairs): making them from the pairs on every call cost 15% of the projection at 16-32
+    rows (docs/benchmarks.md)."""
 
     def __init__(self, linear: nn.Linear, kernels: CpuKernels,
                  act_group: int | None = None) -> None:
@@ -300,8 +305,8 @@ class KernelInt8Linear(nn.Module):
                 and n % 16 == 0 and k % 4 == 0)
 
     def packed_bytes(self) -> int:
-        """The bytes a call reads: the pairs (a batch of up to A8_MIN_ROWS rows) or the quads
-        (more), the same size, plus the scales."""
+        """The bytes a call reads: the pairs (bfloat16 inputs) or the quads (int8 ones), the
+        same size, plus the scales."""
         return self.packed.numel() + self.scales.numel() * self.scales.element_size()
 
     def forward(self, x: Tensor) -> Tensor:

@@ -376,8 +376,9 @@ def test_int8_linear_is_the_dequantized_matmul(kernels, m):
         kernels.int8_linear(x[:, :64].contiguous(), pack_int8_panels(q), scales)
 
 
-@pytest.mark.parametrize(("m", "k", "group"), [(1, 96, 0), (4, 96, 32), (7, 576, 64),
-                                               (25, 576, 192), (40, 64, 16)])
+@pytest.mark.parametrize(("m", "k", "group"), [(1, 96, 0), (2, 576, 64), (4, 96, 32),
+                                               (7, 576, 64), (8, 64, 16), (25, 576, 192),
+                                               (40, 64, 16)])
 def test_int8_linear_a8_is_the_matmul_of_x_rounded_per_group(kernels, m, k, group):
     """x rounded to int8 per row and group of inputs (max / 127, round half to even), an
     exact integer product, the two scales: the reference in float64 (the kernel sums the
@@ -401,7 +402,8 @@ def test_int8_linear_a8_is_the_matmul_of_x_rounded_per_group(kernels, m, k, grou
                                atol=1e-6 * float(want.abs().max()) * float(scales.max()))
     exact = x.float() @ (q.float() * scales[:, None]).T
     assert (got - exact).abs().max() < 0.03 * exact.abs().max()
-    # the same weight kept in quads (the output projection's above A8_MIN_ROWS): the same sums
+    # the same weight kept in quads (the output projection's; up to 8 rows read as one
+    # stream per thread, more in tiles, where the pairs always go): the same sums, bit for bit
     assert torch.equal(kernels.int8_linear_a8(x, pack_int8_quads(q), scales, group), got)
     with pytest.raises(RuntimeError, match="group"):
         kernels.int8_linear_a8(x, pack_int8_panels(q), scales, 6)
