@@ -2479,30 +2479,43 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
 }
 
 // int8_rows(ids [t] int64, packed, scales) -> [t, k] bfloat16: rows ids of w (as above), e.g.
-// a tied embedding read from its output projection's int8 weight.
+// a tied embedding read from its output projection's int8 weight; packed as int8_linear's
+// pairs, or as int8_linear_a8's quads (uint8, each value q + 128).
 torch::Tensor int8_rows(torch::Tensor ids, torch::Tensor packed, torch::Tensor scales) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
               "ids must be [t] contiguous int64");
-  check_int8_panels(packed);
+  const bool quads = packed.scalar_type() == at::kByte;
+  if (quads) {
+    check_int8_quads(packed, "packed");
+  } else {
+    check_int8_panels(packed);
+  }
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == packed.size(0) * 16,
               "scales must be [n] float32");
-  const int64_t t = ids.size(0), pairs = packed.size(1), n = packed.size(0) * 16;
+  // a row's values come `per` at a time, one run every 64 bytes (16 rows x per inputs)
+  const int64_t per = quads ? 4 : 2, runs = packed.size(1), n = packed.size(0) * 16;
+  const int64_t k = runs * per;
   const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t t = ids.size(0);
   for (int64_t i = 0; i < t; ++i) {
     TORCH_CHECK(id[i] >= 0 && id[i] < n, "token id ", id[i], " is outside the vocabulary (",
                 n, ")");
   }
-  auto out = torch::empty({t, 2 * pairs}, scales.options().dtype(at::kBFloat16));
-  const int8_t* q = packed.data_ptr<int8_t>();
+  auto out = torch::empty({t, k}, scales.options().dtype(at::kBFloat16));
+  const auto* base = static_cast<const uint8_t*>(packed.data_ptr());
+  const int offset = quads ? 128 : 0;   // quads hold q + 128 as unsigned bytes
   const float* s = scales.data_ptr<float>();
   auto* o = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, t, 8, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int8_t* row = q + (id[i] / 16) * pairs * 32 + (id[i] % 16) * 2;
+      const uint8_t* row = base + (id[i] / 16) * runs * 16 * per + (id[i] % 16) * per;
       const float scale = s[id[i]];
-      for (int64_t c = 0; c < pairs; ++c) {
-        o[i * 2 * pairs + 2 * c] = static_cast<float>(row[c * 32]) * scale;
-        o[i * 2 * pairs + 2 * c + 1] = static_cast<float>(row[c * 32 + 1]) * scale;
+      for (int64_t c = 0; c < runs; ++c) {
+        for (int64_t j = 0; j < per; ++j) {
+          const int value = quads ? static_cast<int>(row[c * 16 * per + j]) - offset
+                                  : static_cast<int8_t>(row[c * 16 * per + j]);
+          o[i * k + c * per + j] = static_cast<float>(value) * scale;
+        }
       }
     }
   });

@@ -54,13 +54,12 @@ METHODS = ("int8", "int4")
 SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength: half the activations' range moves
 # at this many rows or fewer the packed kernel beats dense bfloat16 (measured: equal near 8)
 PACKED_MAX_ROWS = 8
-# the output projection on int8 activations (int4 formats): above this many rows (every
-# batch: 2x faster than bfloat16 activations at 22-32 rows, where it is compute-bound; at one
-# row, on the kernel's one-stream path, a batch-1 step 0.96-0.97x the time with the vCPUs far
-# apart and the same close, where reading the weight bounds it; docs/benchmarks.md), with one
-# scale per this many inputs. Each row is rounded on its own, so a request's logits do not
-# depend on its batch.
-A8_MIN_ROWS = 0
+# the output projection on int8 activations (int4 formats), at every batch size (2x faster
+# than bfloat16 activations at 22-32 rows, where it is compute-bound; at one row, on the
+# kernel's one-stream path, a batch-1 step 0.94-0.97x the time with the vCPUs far apart and
+# the same close, where reading the weight bounds it; docs/benchmarks.md), with one scale per
+# this many inputs. Each row is rounded on its own, so a request's logits do not depend on
+# its batch.
 HEAD_ACT_GROUP = 64
 
 
@@ -274,16 +273,15 @@ class KernelInt8Linear(nn.Module):
     packed int8 kernel (2x at 1 row) and bfloat16 (at 8-64 rows, counting the reorder oneDNN
     does on a weight it cannot keep blocked), so no bfloat16 copy is kept for it.
 
-    With `act_group` (not None), batches of more than A8_MIN_ROWS rows (every batch) round x
-    to int8 first, one scale per `act_group` inputs (0: a row), and run on int8 dot products
-    (int8_linear_a8): at 22-32 rows (a busy server's decode step) the projection is
-    compute-bound and that halves it; at one row it is bound by reading the weight, and the
-    kernel's one-stream path spends a third of the instructions per byte, which shows where
-    the vCPUs sit far apart. The int4 weight formats use it (their budget allows the
-    rounding; docs/benchmarks.md has the perplexity). It reads the weight in quads, kept
-    beside the pairs (28 MB on the default model; the tied embedding reads its rows from the
-    pairs): making them from the pairs on every call cost 15% of the projection at 16-32
-    rows (docs/benchmarks.md)."""
+    With `act_group` (not None), every batch rounds x to int8 first, one scale per
+    `act_group` inputs (0: a row), and runs on int8 dot products (int8_linear_a8): at 22-32
+    rows (a busy server's decode step) the projection is compute-bound and that halves it;
+    at one row it is bound by reading the weight, and the kernel's one-stream path spends a
+    third of the instructions per byte, which shows where the vCPUs sit far apart. The int4
+    weight formats use it (their budget allows the rounding; docs/benchmarks.md has the
+    perplexity). The weight is then kept in quads only (`quads`; `packed`, the pairs, is
+    None), 28 MB on the default model: making quads from the pairs on every call cost 15% of
+    the projection at 16-32 rows (docs/benchmarks.md). Without it, in pairs only."""
 
     def __init__(self, linear: nn.Linear, kernels: CpuKernels,
                  act_group: int | None = None) -> None:
@@ -294,7 +292,7 @@ class KernelInt8Linear(nn.Module):
                                       or (act_group and self.in_features % act_group)):
             act_group = None   # no VNNI kernels here, or a group that does not fit
         self.kernels, self.act_group = kernels, act_group
-        self.register_buffer("packed", pack_int8_panels(q))
+        self.register_buffer("packed", pack_int8_panels(q) if act_group is None else None)
         self.register_buffer("quads", None if act_group is None else pack_int8_quads(q))
         self.register_buffer("scales", scale.float())
 
@@ -304,20 +302,25 @@ class KernelInt8Linear(nn.Module):
         return (kernels is not None and kernels.has_bf16_dot and linear.bias is None
                 and n % 16 == 0 and k % 4 == 0)
 
+    @property
+    def weight_int8(self) -> Tensor:
+        """The int8 weight as kept: the quads (int8 activations) or the pairs."""
+        return self.quads if self.quads is not None else self.packed
+
     def packed_bytes(self) -> int:
-        """The bytes a call reads: the pairs (bfloat16 inputs) or the quads (int8 ones), the
-        same size, plus the scales."""
-        return self.packed.numel() + self.scales.numel() * self.scales.element_size()
+        """The bytes a call reads: the weight as kept, plus the scales."""
+        return self.weight_int8.numel() + self.scales.numel() * self.scales.element_size()
 
     def forward(self, x: Tensor) -> Tensor:
         x = x.contiguous()
-        if self.quads is not None and x.shape[0] > A8_MIN_ROWS:
+        if self.quads is not None:
             return self.kernels.int8_linear_a8(x, self.quads, self.scales, self.act_group)
         return self.kernels.int8_linear(x, self.packed, self.scales)
 
     def extra_repr(self) -> str:
-        a8 = "" if self.act_group is None else f", int8 activations/{self.act_group}"
-        return f"in={self.in_features}, out={self.out_features}, int8 panels{a8}"
+        kept = "int8 panels" if self.act_group is None else \
+            f"int8 quads, int8 activations/{self.act_group}"
+        return f"in={self.in_features}, out={self.out_features}, {kept}"
 
 
 class Int8Embedding(nn.Module):
@@ -327,7 +330,8 @@ class Int8Embedding(nn.Module):
     def __init__(self, head: KernelInt8Linear) -> None:
         super().__init__()
         self.kernels = head.kernels
-        self.register_buffer("packed", head.packed)   # the same tensors, shared
+        # the same tensors, shared: the head's pairs or quads (int8_rows reads either)
+        self.register_buffer("packed", head.weight_int8)
         self.register_buffer("scales", head.scales)
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -336,8 +340,8 @@ class Int8Embedding(nn.Module):
 
 def step_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(module, buffer name) for the compact weights a decode step reads: every PackedLinear's
-    packed int4/int8 weight and scales, and the int8 output projection's pairs, quads and
-    scales (a tied Int8Embedding names the same tensors). Not the linears' int8 prompt
+    packed int4/int8 weight and scales, and the int8 output projection's weight (pairs or
+    quads: one is None) and scales (a tied Int8Embedding names the same tensors). Not the linears' int8 prompt
     weights (use_int8_dense): on huge pages too, a loaded server peaked 20-30 MB higher
     and no step measured faster (docs/benchmarks.md)."""
     kinds = ((PackedLinear, ("qweight", "scales")),

@@ -547,15 +547,18 @@ def test_int4_panels_unpack_to_what_was_packed():
     assert torch.equal(back[2], minimum.bfloat16().float())
 
 
-def test_int8_rows_read_the_panels_back(kernels):
+@pytest.mark.parametrize("pack", [pack_int8_panels, pack_int8_quads])
+def test_int8_rows_read_the_panels_back(kernels, pack):
+    """Rows of an int8 weight from its pairs (int8_linear's) or its quads (int8_linear_a8's,
+    each value + 128): a tied embedding reads the output projection's weight as kept."""
     g = torch.Generator().manual_seed(6)
-    q = torch.randint(-127, 128, (64, 32), generator=g, dtype=torch.int8)
+    q = torch.randint(-128, 128, (64, 32), generator=g, dtype=torch.int8)
     scales = torch.rand(64, generator=g)
     ids = torch.tensor([0, 17, 63, 17, 5])
     want = (q[ids].float() * scales[ids, None]).to(torch.bfloat16)
-    assert torch.equal(kernels.int8_rows(ids, pack_int8_panels(q), scales), want)
+    assert torch.equal(kernels.int8_rows(ids, pack(q), scales), want)
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
-        kernels.int8_rows(torch.tensor([64]), pack_int8_panels(q), scales)
+        kernels.int8_rows(torch.tensor([64]), pack(q), scales)
 
 
 def test_the_torch_path_is_chosen_or_fallen_back_to(monkeypatch, caplog):

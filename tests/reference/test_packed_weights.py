@@ -19,7 +19,6 @@ from ember.engine.calibrate import activation_group, calibration_prompt
 from ember.engine.perplexity import perplexity
 from ember.errors import ConfigError
 from ember.kernels import load_kernels
-from ember.quant import packed as packed_module
 from ember.quant.packed import (
     HEAD_ACT_GROUP,
     KernelInt8Linear,
@@ -128,7 +127,7 @@ def test_packed_greedy_tokens_agree_with_bf16_by_the_closeness_rule(formats, met
     assert_greedy_close(ref, got)
 
 
-def test_packed_perplexity_on_shakespeare_within_bounds(formats, monkeypatch):
+def test_packed_perplexity_on_shakespeare_within_bounds(formats):
     """The decode path (the packed weights, chunks of 512 rows): for int4 its output
     projection on int8 activations, as every decode step runs it."""
     if not SHAKESPEARE.exists():
@@ -138,34 +137,36 @@ def test_packed_perplexity_on_shakespeare_within_bounds(formats, monkeypatch):
     ppl = {k: perplexity(formats[k].engine, ids, window=512)["perplexity"] for k in formats}
     assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01, ppl
     assert abs(ppl["int4"] / ppl["none"] - 1) < 0.05, ppl
-    if getattr(formats["int4"].engine.runner.model.lm_head, "act_group", None) is not None:
-        monkeypatch.setattr(packed_module, "A8_MIN_ROWS", 1 << 30)   # bfloat16 inputs only
-        plain_head = perplexity(formats["int4"].engine, ids, window=512)["perplexity"]
-        assert plain_head != ppl["int4"]                  # what was measured was the int8 one
 
 
 def test_output_projection_takes_int8_activations_over_int4_weights(formats):
     """int4 formats: the output projection rounds its input to int8 per group of
     HEAD_ACT_GROUP at every batch size (int8_linear_a8, on the weight kept in quads: the same
     sums as from the pairs, up to 8 rows on the kernel's one-stream path, above on its tiles),
-    each row on its own, so that a row's logits do not depend on its batch; int8 formats keep
-    bfloat16 inputs at every size (their 1% budget)."""
+    each row on its own, so that a row's logits do not depend on its batch), and keeps the
+    weight in quads only, from which the tied embedding reads its rows too; int8 formats keep
+    bfloat16 inputs at every size (their 1% budget), on the pairs. Both formats round the
+    output projection to the same int8 weight."""
     heads = {k: formats[k].engine.runner.model.lm_head for k in ("int4", "int8")}
     if not isinstance(heads["int4"], KernelInt8Linear) or not heads["int4"].kernels.has_int8_dot:
         pytest.skip("int8 activations need the compiled kernels with AVX-512 VNNI")
     assert heads["int4"].act_group == HEAD_ACT_GROUP and heads["int8"].act_group is None
-    assert heads["int4"].quads is not None and heads["int8"].quads is None  # kept where used
-    head, kernels = heads["int4"], heads["int4"].kernels
+    assert heads["int4"].quads is not None and heads["int4"].packed is None  # one copy each
+    assert heads["int8"].quads is None and heads["int8"].packed is not None
+    head, kernels, pairs = heads["int4"], heads["int4"].kernels, heads["int8"].packed
+    assert torch.equal(head.scales, heads["int8"].scales)
     batch = torch.randn(32, head.in_features).bfloat16()
     for rows in (1, 3, 8, 9, 32):
         x = batch[:rows]
-        plain = kernels.int8_linear(x, head.packed, head.scales)
-        a8 = kernels.int8_linear_a8(x, head.packed, head.scales, HEAD_ACT_GROUP)
+        plain = kernels.int8_linear(x, pairs, head.scales)
+        a8 = kernels.int8_linear_a8(x, pairs, head.scales, HEAD_ACT_GROUP)
         assert not torch.equal(plain, a8)
         assert torch.equal(head(x), a8)
         assert torch.equal(head(x), head(batch)[:rows])    # the same rows in a larger batch
-        assert torch.equal(heads["int8"](x), kernels.int8_linear(x, heads["int8"].packed,
-                                                                 heads["int8"].scales))
+        assert torch.equal(heads["int8"](x), plain)
+    ids = torch.tensor([0, 1, 17, 49151, 17])
+    embeds = [formats[k].engine.runner.model.model.embed_tokens(ids) for k in ("int4", "int8")]
+    assert torch.equal(embeds[0], embeds[1])
 
 
 def test_int8_prompt_matmuls_smooth_away_an_outlier_channel():
