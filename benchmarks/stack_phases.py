@@ -18,8 +18,8 @@ cache), the same ops on the same caches otherwise: what a step would cost if the
 came for free (pair it with `--old-source` naming the same source). The threads' round trip
 (`ember roofline`'s hand-off probe) is recorded before and after the steps: ~100 ns where the
 two vCPUs sit close, ~300 ns where they sit far apart, and the figures differ between the two.
-The ~300 ticks a step cost a few microseconds. If the layer loop's code changes, the tick points below stop
-matching and the script says which.
+The ~300 ticks a step cost a few microseconds. If the layer loop's code changes, the tick
+points below stop matching and the script says which.
 """
 from __future__ import annotations
 

@@ -276,8 +276,9 @@ class KernelInt8Linear(nn.Module):
     With `act_group` (not None), every batch rounds x to int8 first, one scale per
     `act_group` inputs (0: a row), and runs on int8 dot products (int8_linear_a8): at 22-32
     rows (a busy server's decode step) the projection is compute-bound and that halves it;
-    at one row it is bound by reading the weight, and the kernel's one-stream path spends a
-    third of the instructions per byte, which shows where the vCPUs sit far apart. The int4
+    at one row it is bound by reading the weight, and the kernel's one-stream path spends
+    about a fifth of the bfloat16 kernel's vector instructions per weight byte, which shows
+    where the vCPUs sit far apart. The int4
     weight formats use it (their budget allows the rounding; docs/benchmarks.md has the
     perplexity). The weight is then kept in quads only (`quads`; `packed`, the pairs, is
     None), 28 MB on the default model: making quads from the pairs on every call cost 15% of
@@ -341,9 +342,9 @@ class Int8Embedding(nn.Module):
 def step_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(module, buffer name) for the compact weights a decode step reads: every PackedLinear's
     packed int4/int8 weight and scales, and the int8 output projection's weight (pairs or
-    quads: one is None) and scales (a tied Int8Embedding names the same tensors). Not the linears' int8 prompt
-    weights (use_int8_dense): on huge pages too, a loaded server peaked 20-30 MB higher
-    and no step measured faster (docs/benchmarks.md)."""
+    quads: one is None) and scales (a tied Int8Embedding names the same tensors). Not the
+    linears' int8 prompt weights (use_int8_dense): on huge pages too, a loaded server peaked
+    20-30 MB higher and no step measured faster (docs/benchmarks.md)."""
     kinds = ((PackedLinear, ("qweight", "scales")),
              (KernelInt8Linear, ("packed", "quads", "scales")),
              (Int8Embedding, ("packed", "scales")))
