@@ -187,14 +187,19 @@ class LlamaForCausalLM(nn.Module):
         the layers call, in the same order (each chunk on the prefill kernel, the decodes on
         the decode kernel), without the Python and torch work between the calls, ~12% of a
         prompt step's time on the default model (docs/benchmarks.md)."""
-        if self.decode_stack is None:
-            return None
-        cache = kv_caches[0]
-        if cache.data.dtype != (torch.bfloat16 if cache.scale is None else torch.int8):
+        if not self.stack_runs_decodes(kv_caches):
             return None
         if meta.decodes is not None:
             return meta.decodes
         return meta.prompt_step if self.int8_decode else None
+
+    def stack_runs_decodes(self, kv_caches: list[PagedKV]) -> bool:
+        """Whether every step of decodes runs in decode_stack with these caches (a bfloat16
+        or an int8 cache): its inputs then need no attention groups (prepare_inputs)."""
+        if self.decode_stack is None:
+            return False
+        cache = kv_caches[0]
+        return cache.data.dtype == (torch.bfloat16 if cache.scale is None else torch.int8)
 
     def use_int8_decode(self) -> None:
         """After the int8 prompt matmuls are set up (use_int8_dense): decode steps of more than

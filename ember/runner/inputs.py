@@ -190,7 +190,38 @@ def _queue_prompt_step(fresh: list[tuple[int, int, int]], members: list[_Member]
             columns.add(info, (len(info) // 4, 4)), chunk_tables)
 
 
-def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+def _decode_inputs(plan: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+    """A step of decodes laid out for the decode stack alone: ids, positions, slots and the
+    DecodeBatch, no attention groups (the stack attends the whole batch in one call). Five
+    columns where the general layout builds nine, and none of its grouping: a batch-1 step's
+    inputs took ~130 us on cold caches (docs/benchmarks.md, session 24)."""
+    scheduled = plan.scheduled
+    columns = _LongColumns()
+    positions = [item.start for item in scheduled]
+    members = [_Member(row, 1, item.end, item.block_ids) for row, item in enumerate(scheduled)]
+    flat = [columns.add([item.request.all_token_ids[item.start] for item in scheduled]),
+            columns.add(positions),
+            columns.add([item.block_ids[pos // block_size] * block_size + pos % block_size
+                         for item, pos in zip(scheduled, positions)]),
+            _block_tables(members, block_size, columns),
+            columns.add([item.end for item in scheduled])]
+    logits_rows = [row for row, item in enumerate(scheduled) if item.samples]
+    logits = None if len(logits_rows) == len(scheduled) else columns.add(logits_rows)
+    built = columns.build(device)
+    attn = AttentionMetadata(slot_mapping=built[flat[2]],
+                             decodes=DecodeBatch(built[flat[3]], built[flat[4]]))
+    return ModelInputs(built[flat[0]], built[flat[1]], attn,
+                       None if logits is None else built[logits],
+                       [item.request for item in scheduled if item.samples])
+
+
+def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
+                   decode_stack: bool = False) -> ModelInputs:
+    """The step's flat inputs. With `decode_stack` (the model runs every step of decodes in
+    its decode stack), such a step gets only what the stack reads (no attention groups)."""
+    if decode_stack and plan.scheduled and all(
+            item.num_new_tokens == 1 for item in plan.scheduled):
+        return _decode_inputs(plan, block_size, device)
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []

@@ -29,7 +29,8 @@ class ModelRunner:
         Returns the requests that sample this step and their logits [S, vocab] float32.
         """
         self._copy_blocks(plan)
-        inputs = prepare_inputs(plan, self.block_size, self.device)
+        inputs = prepare_inputs(plan, self.block_size, self.device,
+                                self.model.stack_runs_decodes(self.kv_caches))
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         if not inputs.sampling_requests:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)

@@ -82,6 +82,16 @@ def build_sampling_batch(requests: list[Request], vocab_size: int,
     return batch
 
 
+def _argmax_alone(request: Request) -> bool:
+    """Greedy with nothing that changes or reads the logits (no bias, penalty, grammar, held
+    back stop token or logprobs): the argmax of the model's logits is the token. Such a step
+    skips the batch's settings (a batch-1 step's sampling 65-75 -> ~30 us on cold caches)."""
+    p = request.params
+    return (p.greedy and request.grammar is None and p.logprobs is None and not p.logit_bias
+            and p.repetition_penalty == 1 and not p.presence_penalty
+            and not p.frequency_penalty and not _held_back_ids(request))
+
+
 def _held_back_ids(request: Request) -> list[int]:
     """Stop tokens may not end a request before it has min_tokens outputs."""
     if len(request.output_token_ids) >= request.params.min_tokens:
@@ -185,6 +195,8 @@ class Sampler:
                ) -> tuple[list[int], list[SampledLogprob | None]]:
         """logits [B, V] float32, one row per request -> a token per row (+ logprobs if asked).
         Overwrites `logits` where no row asks for logprobs (the runner reads them no more)."""
+        if all(_argmax_alone(r) for r in requests):   # the usual greedy step
+            return self._argmax(logits).tolist(), [None] * len(requests)
         batch = build_sampling_batch(requests, logits.shape[-1], logits.device)
         masked, matchers = self._constrain(logits, requests)
         # the model's own logits are read again only for logprobs; a masked copy never

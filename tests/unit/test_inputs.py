@@ -88,3 +88,29 @@ def test_a_prompt_step_without_decodes_or_that_the_stack_cannot_lay_out():
                                         decode("b", 44, 20)])) is None
     assert prompt_step(SchedulerOutput([decode("a", 40, 0), chunk("p", 32, 16, 10)])) is None
     assert prompt_step(SchedulerOutput([decode("a", 40, 0), decode("b", 44, 20)])) is None
+
+
+def test_a_step_of_decodes_for_the_stack_gets_the_same_columns_and_no_groups():
+    """With decode_stack, a step that only decodes gets what the stack reads, equal to the
+    general layout's columns, and no attention groups; any other step ignores the flag."""
+    cpu = torch.device("cpu")
+    plan = SchedulerOutput([decode("a", 40, 0), decode("b", 75, 10), decode("c", 3, 20)])
+    general = prepare_inputs(plan, BLOCK, cpu)
+    lean = prepare_inputs(plan, BLOCK, cpu, decode_stack=True)
+    assert lean.attn.groups == [] and lean.attn.fresh == [] and lean.attn.prompt_step is None
+    for name in ("input_ids", "positions"):
+        assert torch.equal(getattr(lean, name), getattr(general, name)), name
+    assert torch.equal(lean.attn.slot_mapping, general.attn.slot_mapping)
+    assert torch.equal(lean.attn.decodes.block_tables, general.attn.decodes.block_tables)
+    assert torch.equal(lean.attn.decodes.seq_lens, general.attn.decodes.seq_lens)
+    assert lean.attn.decodes.block_tables.tolist() == [[0, 1, 2, 0, 0], [10, 11, 12, 13, 14],
+                                                       [20, 0, 0, 0, 0]]
+    assert lean.logits_indices is None and general.logits_indices is None
+    assert lean.sampling_requests == general.sampling_requests
+    # a one-token row that does not sample (a prompt's leading chunk): logits rows named
+    quiet = ScheduledRequest(make_request("q", 30), 20, 1, [30, 31], samples=False)
+    lean = prepare_inputs(SchedulerOutput(plan.scheduled + [quiet]), BLOCK, cpu, True)
+    assert lean.logits_indices.tolist() == [0, 1, 2] and len(lean.sampling_requests) == 3
+    assert lean.attn.slot_mapping.tolist()[-1] == 31 * BLOCK + 4
+    mixed = SchedulerOutput(plan.scheduled + [chunk("p", 0, 30, 30)])
+    assert prepare_inputs(mixed, BLOCK, cpu, decode_stack=True).attn.groups

@@ -13,7 +13,7 @@ import torch
 from ember.errors import BadSamplingParams
 from ember.request import Request, SamplingParams
 from ember.sampling import processors as P
-from ember.sampling.sampler import (ARGMAX_BLOCK, Sampler, argmax_rows,
+from ember.sampling.sampler import (ARGMAX_BLOCK, Sampler, _argmax_alone, argmax_rows,
                                     build_sampling_batch, process_logits, sampling_probs)
 
 VOCAB = 8
@@ -228,3 +228,23 @@ def test_greedy_batches_build_no_temperatures_and_mixed_ones_do():
     assert mixed.temperature.tolist() == [0.0, 0.5]
     want = (LOGITS[0] / 0.5).softmax(-1)
     torch.testing.assert_close(sampling_probs(LOGITS.repeat(2, 1), mixed)[1], want)
+
+
+@pytest.mark.parametrize("params,alone", [
+    ({"temperature": 0}, True), ({"temperature": 0, "top_k": 3, "stop": "x"}, True),
+    ({"temperature": 0.7}, False), ({"temperature": 0, "logprobs": 0}, False),
+    ({"temperature": 0, "logit_bias": {1: 1.0}}, False),
+    ({"temperature": 0, "presence_penalty": 0.5}, False),
+    ({"temperature": 0, "frequency_penalty": 0.5}, False),
+    ({"temperature": 0, "repetition_penalty": 1.1}, False),
+    ({"temperature": 0, "min_tokens": 2, "max_tokens": 9}, False),
+])
+def test_only_plain_greedy_rows_skip_the_processing(params, alone):
+    """A greedy row with nothing that changes or reads its logits takes their argmax alone;
+    in a batch with any other row, every row goes through the processors."""
+    assert _argmax_alone(req(**params)) is alone
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    requests = [req(temperature=0), req(**params)]
+    tokens, logprobs = Sampler(0, torch.device("cpu")).sample(logits.clone(), requests)
+    assert tokens[0] == int(logits[0].argmax())
+    assert (logprobs[1] is None) is ("logprobs" not in params)
