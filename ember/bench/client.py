@@ -153,7 +153,12 @@ class Runner:
     async def run(self, requests: list[BenchRequest]) -> list[RequestRecord]:
         if self.post is not None:
             return await self._run(self.post, requests)
-        connector = aiohttp.TCPConnector(limit=max(64, self.cfg.concurrency or 0))
+        # a connection per request, closed after it: llama-server closes some kept-alive
+        # connections after a streamed response although its headers say keep-alive, and the
+        # next request sent on one failed ("Can not write request body": half of a
+        # one-stream run); vLLM's benchmark also gave each request its own connection
+        connector = aiohttp.TCPConnector(limit=max(64, self.cfg.concurrency or 0),
+                                         force_close=True)
         async with aiohttp.ClientSession(connector=connector, headers=self.cfg.headers,
                                          timeout=aiohttp.ClientTimeout(total=None)) as session:
             return await self._run(aiohttp_post(session), requests)

@@ -180,3 +180,38 @@ def test_rate_mode_sends_on_the_arrival_schedule():
     for r, at in zip(records, schedule):
         assert r.start >= at - 1e-3
         assert r.start < at + 0.2  # asyncio wake-up slack on a loaded machine
+
+
+def test_a_server_that_drops_kept_alive_connections_loses_no_request():
+    """A real server on loopback that answers one request per connection and then leaves
+    the connection hanging (as llama-server does with some kept-alive connections after a
+    streamed response, though its headers say keep-alive): every request still completes,
+    because each goes out on a connection of its own."""
+    served: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        served.append(len(served))
+        body = b"".join(b"data: " + json.dumps({"choices": [{"text": f"w{k} "}]}).encode()
+                        + b"\n\n" for k in range(3)) + b"data: [DONE]\n\n"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nKeep-Alive: "
+                     b"timeout=5, max=100\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.3)   # a next request on this connection is never read
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        config = LoadConfig(base_url=f"http://127.0.0.1:{port}/v1", concurrency=1,
+                            timeout_s=5.0)
+        async with server:
+            return await Runner(config).run([completion(i) for i in range(3)])
+
+    records = asyncio.run(main())
+    assert [r.error for r in records] == [None, None, None], [r.error_message for r in records]
+    assert [len(r.chunk_times) for r in records] == [3, 3, 3] and served == [0, 1, 2]
