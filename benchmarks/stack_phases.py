@@ -63,7 +63,8 @@ TICKS = [
     ("      linear(layer.down, act, out, l + 1 < layers_.size() ? &layers_[l + 1].qkv : "
      "nullptr);\n", "TICK(8);"),
 ]
-POST_NORM = ("      linear(layer.o, att.view({t, heads_ * d_}), out, &layer.gate_up);\n      TICK(4);\n"
+POST_NORM = ("      linear(layer.o, att.view({t, heads_ * d_}), out, &layer.gate_up);\n"
+             "      TICK(4);\n"
              "      rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, "
              "eps_);\n")
 LOOP = ("    for (size_t l = 0; l < layers_.size(); ++l) {\n"

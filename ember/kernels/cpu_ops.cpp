@@ -1668,9 +1668,9 @@ void matmul(const Rows& x, const uint8_t* quads, const float* scales, int64_t n,
 // four panels side by side read four streams, and at one row took 1.06-1.28x the time of
 // int8w's bfloat16 kernel on the output projection). At one row it issues about a fifth of
 // that kernel's vector instructions per weight byte (3 against 14 per 64 bytes: no widening,
-// the weight is vpdpbusd's operand as stored). C chains of int32 sums per row hide vpdpbusd's latency (R x C >= 4); their total
-// is exact in any order, and the float32 arithmetic after it is tile's: the same bits as
-// matmul, so a row's output does not depend on its batch.
+// the weight is vpdpbusd's operand as stored). C chains of int32 sums per row hide vpdpbusd's
+// latency (R x C >= 4); their total is exact in any order, and the float32 arithmetic after
+// it is tile's: the same bits as matmul, so a row's output does not depend on its batch.
 constexpr int kStreamRows = 8;
 
 template <int R>
