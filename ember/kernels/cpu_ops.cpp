@@ -1673,11 +1673,16 @@ void matmul(const Rows& x, const uint8_t* quads, const float* scales, int64_t n,
 // it is tile's: the same bits as matmul, so a row's output does not depend on its batch.
 constexpr int kStreamRows = 8;
 
+// Each operand also asks for the one a panel ahead (k / 4 operands, 9 KB at k = 576) into
+// L2. In a decode step the output projection's weight follows the layers' through the caches,
+// and with it a whole batch-1 step took 0.955-0.974x the time with the vCPUs close, 0.93x far
+// apart (docs/benchmarks.md, session 24), although the call alone after a flush was 6-10%
+// faster without such a prefetch (session 23): the step is what counts.
 template <int R>
 void panel_stream(const Rows& x, int64_t first, const __m512i* w, const float* ws, float* out,
                   int64_t stride) {
   constexpr int C = R >= 4 ? 1 : 4 / R;
-  const int64_t per = x.group / 4;
+  const int64_t per = x.group / 4, ahead = x.groups * per;
   __m512 f[R];
   for (int64_t g = 0; g < x.groups; ++g) {
     __m512i sum[R][4];
@@ -1687,6 +1692,7 @@ void panel_stream(const Rows& x, int64_t first, const __m512i* w, const float* w
     const __m512i* wg = w + g * per;
     const int8_t* xg = x.q + (g * x.m + first) * x.group;
     for (int64_t s = 0; s < per; ++s) {
+      _mm_prefetch(reinterpret_cast<const char*>(wg + s + ahead), _MM_HINT_T1);
       const __m512i b = _mm512_loadu_si512(wg + s);
       for (int r = 0; r < R; ++r) {
         int32_t four;
