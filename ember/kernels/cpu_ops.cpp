@@ -2509,7 +2509,6 @@ torch::Tensor int8_rows(torch::Tensor ids, torch::Tensor packed, torch::Tensor s
   }
   auto out = torch::empty({t, k}, scales.options().dtype(at::kBFloat16));
   const auto* base = static_cast<const uint8_t*>(packed.data_ptr());
-  const int offset = quads ? 128 : 0;   // quads hold q + 128 as unsigned bytes
   const float* s = scales.data_ptr<float>();
   auto* o = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, t, 8, [&](int64_t begin, int64_t end) {
@@ -2518,8 +2517,8 @@ torch::Tensor int8_rows(torch::Tensor ids, torch::Tensor packed, torch::Tensor s
       const float scale = s[id[i]];
       for (int64_t c = 0; c < runs; ++c) {
         for (int64_t j = 0; j < per; ++j) {
-          const int value = quads ? static_cast<int>(row[c * 16 * per + j]) - offset
-                                  : static_cast<int8_t>(row[c * 16 * per + j]);
+          const uint8_t byte = row[c * 16 * per + j];   // quads hold q + 128 (unsigned)
+          const int value = quads ? byte - 128 : static_cast<int8_t>(byte);
           o[i * k + c * per + j] = static_cast<float>(value) * scale;
         }
       }

@@ -201,8 +201,7 @@ def _decode_inputs(plan: SchedulerOutput, block_size: int, device: torch.device)
     members = [_Member(row, 1, item.end, item.block_ids) for row, item in enumerate(scheduled)]
     flat = [columns.add([item.request.all_token_ids[item.start] for item in scheduled]),
             columns.add(positions),
-            columns.add([item.block_ids[pos // block_size] * block_size + pos % block_size
-                         for item, pos in zip(scheduled, positions)]),
+            columns.add([slot for item in scheduled for slot in _slots(item, block_size)]),
             _block_tables(members, block_size, columns),
             columns.add([item.end for item in scheduled])]
     logits_rows = [row for row, item in enumerate(scheduled) if item.samples]
