@@ -11,7 +11,7 @@ sit beside the KV cache, which kept `ember serve` under 1.6 GiB while it starts.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -22,8 +22,21 @@ from ember.kernels import CpuKernels
 from ember.quant.packed import PackedLinear
 from ember.request import RequestOptions, SamplingParams
 
-if TYPE_CHECKING:
-    from ember.engine.core import EngineCore
+
+
+class Engine(Protocol):
+    """What calibration needs of an idle EngineCore (a protocol, so this module does not
+    import the core that calls it)."""
+
+    max_model_len: int
+    model_config: Any
+    runner: Any
+    scheduler: Any
+
+    def has_unfinished(self) -> bool: ...
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, options: RequestOptions = ...) -> Any: ...
+    def step(self) -> list[Any]: ...
 
 CALIBRATION_TOKENS = 256
 CALIBRATION_SEED = 0
@@ -69,7 +82,7 @@ def prepare_int8_prefill(model: torch.nn.Module) -> None:
         module.shrink_dense()
 
 
-def input_amax(core: EngineCore, token_ids: list[int], modules: list[PackedLinear]
+def input_amax(core: Engine, token_ids: list[int], modules: list[PackedLinear]
                ) -> dict[PackedLinear, Tensor]:
     """Run `token_ids` as one prompt through an idle engine (one prefill step when it fits
     the step budget) and return max |x| per input channel for each of `modules`."""
@@ -101,7 +114,7 @@ def input_amax(core: EngineCore, token_ids: list[int], modules: list[PackedLinea
     return amax
 
 
-def use_int8_prefill(core: EngineCore, kernels: CpuKernels) -> int:
+def use_int8_prefill(core: Engine, kernels: CpuKernels) -> int:
     """Calibrate, then give each int8_prefill_targets linear its SmoothQuant int8 weight,
     made from the int8 copy prepare_int8_prefill left. Returns how many linears."""
     room = min(core.max_model_len, core.scheduler.kv.capacity_tokens) - 1  # 1 output token
