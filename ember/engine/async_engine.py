@@ -8,6 +8,11 @@ The engine thread owns EngineCore; nothing else touches it. torch releases the G
 kernels, so the event loop keeps serving HTTP while a step runs. A crash in the loop marks the
 engine dead: every open stream gets EngineDead and `ready` turns False. A request that can
 never run is refused before it is queued; a cancelled caller aborts its request at once.
+
+A step that raises is not a crash: the requests it scheduled step again in halves, alone,
+until the one that fails a step by itself is found. That request alone gets RequestFailed
+(its blocks freed); the others go on, their tokens unchanged. Only a fault that fails
+request after request with no step succeeding between them is taken as the engine's own.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from typing import Any
 
 from ember.config import EngineConfig
 from ember.constraint import Constraint
-from ember.engine.core import EngineCore
+from ember.engine.core import EngineCore, StepFailed
 from ember.engine.memory import return_free_memory
 from ember.engine.output import SequenceText
 from ember.errors import EmberError, EngineDead, EngineLoading, Overloaded, RequestFailed
@@ -92,6 +97,7 @@ def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
 
 
 _STOP = object()
+MAX_FAILURES_IN_A_ROW = 3  # requests failed alone with no good step between: the engine is sick
 
 
 class AsyncEngine:
@@ -110,6 +116,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}      # by request id
         self._texts: dict[str, tuple[str, SequenceText]] = {}  # by sequence id
         self._loaded = threading.Event()
+        self.num_failed_requests = 0
+        self._failures_in_a_row = 0
         self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -169,9 +177,7 @@ class AsyncEngine:
             core.check_request(prompt_token_ids, child)
         if request_id in self._streams:
             raise RequestFailed(f"request id {request_id!r} is already running")
-        if self.stats.num_waiting + len(self._inbox) >= self.max_waiting:
-            raise Overloaded(f"the server already has {self.max_waiting} requests waiting; "
-                             "retry later")
+        self.check_room(len(children))
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(),
                          [f"{request_id}-{i}" for i in range(len(children))],
                          len(prompt_token_ids), time.monotonic())
@@ -184,6 +190,16 @@ class AsyncEngine:
         deadline = None if self.request_timeout_s is None else \
             time.monotonic() + self.request_timeout_s
         return RequestStream(self, request_id, stream, deadline)
+
+    def check_room(self, num_sequences: int) -> None:
+        """Raise Overloaded unless `num_sequences` more can wait (each of a request's n
+        completions of each prompt is one sequence) without passing max_waiting."""
+        queued = self.stats.num_waiting + sum(len(p[2]) for kind, p in list(self._inbox)
+                                              if kind == "add")
+        if queued + num_sequences > self.max_waiting:
+            raise Overloaded(f"the server has {queued} sequences waiting and takes at most "
+                             f"{self.max_waiting}; this request adds {num_sequences}; "
+                             "retry later")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        options: RequestOptions = RequestOptions()
@@ -231,7 +247,10 @@ class AsyncEngine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                self._step()
+                try:
+                    self._step()
+                except StepFailed as failure:
+                    self._isolate(failure)
                 worked = True
         except BaseException as e:  # noqa: BLE001 - any crash ends the engine, loudly
             log.exception("engine loop crashed")
@@ -282,6 +301,11 @@ class AsyncEngine:
         except EmberError as e:
             self._abort(request_id)
             stream.put(e)
+        except Exception as e:  # noqa: BLE001 - this request's fault, not the engine's
+            log.error("request %s failed", request_id, exc_info=e)
+            self.num_failed_requests += 1
+            self._abort(request_id)
+            stream.put(_failed(e))
 
     def _abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
@@ -291,10 +315,49 @@ class AsyncEngine:
             self.core.finish(seq_id, FinishReason.ABORT)
             self._texts.pop(seq_id, None)
 
-    def _step(self) -> None:
+    def _isolate(self, failure: StepFailed) -> None:
+        """Find the request that makes steps fail and fail it alone (see the module doc)."""
+        log.warning("a step failed (%s); stepping its %d requests apart to find the cause",
+                    failure, len(failure.request_ids))
+        if not failure.request_ids:
+            raise failure.error  # nothing was scheduled: the engine itself is broken
+        pending = [failure.request_ids]
+        while pending:
+            group = [r for r in pending.pop() if r in self.core.scheduler.requests]
+            if not group:
+                continue
+            try:
+                self._step(only=frozenset(group))
+            except StepFailed as again:
+                if len(group) > 1:
+                    half = len(group) // 2
+                    pending += [group[half:], group[:half]]
+                else:
+                    self._fail(group[0], again.error)
+
+    def _fail(self, seq_id: str, error: Exception) -> None:
+        """End the request that sequence `seq_id` belongs to with RequestFailed."""
+        log.error("request %s failed", seq_id, exc_info=error)
+        self.num_failed_requests += 1
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row >= MAX_FAILURES_IN_A_ROW:
+            raise RuntimeError(f"{self._failures_in_a_row} requests in a row failed with no "
+                               f"good step between them; the last: {error!r}") from error
+        entry = self._texts.get(seq_id)
+        if entry is None:
+            self.core.finish(seq_id, FinishReason.ABORT)
+            return
+        stream = self._streams.get(entry[0])
+        self._abort(entry[0])
+        if stream is not None:
+            stream.put(_failed(error))
+
+    def _step(self, only: frozenset[str] | None = None) -> None:
         """One engine step; its outputs reach the event loop in one call (one wake-up of the
         loop per step, not one per request: 26 a step at concurrency 32)."""
-        advanced = self.core.step()
+        advanced = self.core.step(only)
+        if advanced:
+            self._failures_in_a_row = 0
         outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
 
         def put(stream: _Stream, item: Any) -> None:
@@ -306,14 +369,19 @@ class AsyncEngine:
                 continue
             request_id, seq = entry
             stream = self._streams.get(request_id)
-            if seq.update():
-                self.core.finish(request.request_id, FinishReason.STOP)
+            try:
+                if seq.update():
+                    self.core.finish(request.request_id, FinishReason.STOP)
+                delta = seq.take_delta()
+            except Exception as e:  # noqa: BLE001 - detokenizing one request failed
+                self._fail(request.request_id, e)
+                continue
             if stream is None:
                 continue
             if stream.first_scheduled is None:
                 stream.first_scheduled = request.first_scheduled_time
                 stream.num_cached_tokens = request.num_cached_tokens
-            put(stream, seq.take_delta())
+            put(stream, delta)
             if seq.finish_reason is not None:
                 del self._texts[request.request_id]
                 stream.num_open -= 1
@@ -344,6 +412,12 @@ class AsyncEngine:
         """The prefix cache's stored/removed events after `seq` (any thread may ask)."""
         return self._core().scheduler.kv.pool.events_after(seq)
 
+
+
+def _failed(error: Exception) -> RequestFailed:
+    return RequestFailed(f"the server failed while serving this request ({type(error).__name__}"
+                         f": {error}); other requests were not affected; retry it, and report "
+                         "it if it happens again")
 
 
 class RequestStream:

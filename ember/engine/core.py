@@ -31,6 +31,17 @@ from ember.weights.loader import (ModelFiles, apply_quantization, load_model, op
 log = logging.getLogger(__name__)
 
 
+class StepFailed(Exception):
+    """A step raised. `request_ids` are the requests that may have caused it (those it
+    scheduled, or every unfinished one when planning itself failed); the engine's state is as
+    before the step, so the step can be tried again without some of them."""
+
+    def __init__(self, request_ids: list[str], error: Exception) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.request_ids = request_ids
+        self.error = error
+
+
 def load_tokenizer(files: ModelFiles) -> Tokenizer:
     if isinstance(files, GGUFFile):
         return Tokenizer.from_gguf_metadata(files.metadata)
@@ -175,7 +186,17 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[Request]:
-        plan = self.scheduler.schedule()             # which tokens each request computes now
-        result = self.runner.execute(plan)           # forward + sample on the device
-        return self.scheduler.update(plan, result)   # append tokens, finish, free
+    def step(self, only: frozenset[str] | None = None) -> list[Request]:
+        """One step; with `only`, the other requests sit it out. Raises StepFailed."""
+        self.scheduler.held = frozenset() if only is None else \
+            frozenset(self.scheduler.requests) - only
+        try:
+            plan = self.scheduler.schedule()         # which tokens each request computes now
+        except Exception as e:
+            raise StepFailed(list(self.scheduler.requests), e) from e
+        try:
+            result = self.runner.execute(plan)           # forward + sample on the device
+            return self.scheduler.update(plan, result)   # append tokens, finish, free
+        except Exception as e:
+            self.scheduler.unschedule(plan)
+            raise StepFailed([s.request.request_id for s in plan.scheduled], e) from e

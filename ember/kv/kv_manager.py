@@ -149,6 +149,10 @@ class KVCacheManager:
         copies, self._copies = self._copies, []
         return copies
 
+    def return_copies(self, copies: list[BlockCopy]) -> None:
+        """Copies taken for a step that did not run go first into the next one."""
+        self._copies = list(copies) + self._copies
+
     def cache_full_blocks(self, request: Request) -> None:
         """Cache the request's blocks whose tokens have all been computed."""
         if not self._uses_cache(request):

@@ -41,6 +41,9 @@ class Scheduler:
         self._freed_ids: set[str] = set()
         self._short_of_memory = False  # a running request lost its blocks in this step
         self.num_preemptions = 0
+        # Requests kept out of the next steps while the engine finds which one makes a step
+        # fail (they keep their blocks and their place).
+        self.held: frozenset[str] = frozenset()
 
     # -- admission and removal -------------------------------------------------------------
 
@@ -92,6 +95,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.request_id in self.held:
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new):
                 break
@@ -105,6 +111,12 @@ class Scheduler:
         freed, self._freed_ids = frozenset(self._freed_ids), set()
         return SchedulerOutput(scheduled, freed, self.kv.take_copies())
 
+    def unschedule(self, plan: SchedulerOutput) -> None:
+        """A plan that never ran: its requests keep their computed tokens (update() was not
+        applied), and the next plan carries its freed ids and block copies again."""
+        self._freed_ids |= plan.finished_request_ids
+        self.kv.return_copies(plan.block_copies)
+
     def _budget(self) -> int:
         """The step's tokens: all of max_num_batched_tokens, or, while requests are decoding,
         one per decode and at most prefill_tokens_with_decodes of prompts."""
@@ -113,14 +125,16 @@ class Scheduler:
         return budget if cap is None or decoding == 0 else min(budget, decoding + cap)
 
     def _next_waiting(self) -> Request | None:
-        if not self.waiting:
+        waiting = [r for r in self.waiting if r.request_id not in self.held] \
+            if self.held else self.waiting
+        if not waiting:
             return None
         if not self.config.fair_share:
-            return min(self.waiting, key=rank)
+            return min(waiting, key=rank)
         load: dict[str | None, int] = {}
         for r in self.running:
             load[r.user] = load.get(r.user, 0) + 1
-        return min(self.waiting, key=lambda r: (r.priority, load.get(r.user, 0), rank(r)))
+        return min(waiting, key=lambda r: (r.priority, load.get(r.user, 0), rank(r)))
 
     def _blocks_to_admit(self, request: Request, budget: int) -> int:
         """Free blocks the request needs to start (ignoring cache hits: an upper bound)."""

@@ -12,8 +12,12 @@ router = APIRouter()
 
 
 @router.get("/health/live")
-async def live() -> JSONResponse:
-    """The process is up and answering (says nothing about the model)."""
+async def live(request: Request) -> JSONResponse:
+    """The process is up and its engine has not died (a loading engine is live). A dead
+    engine answers 503 here, and the server exits soon after (server/serve.py)."""
+    engine = server_state(request).engine
+    if engine.state is EngineState.DEAD:
+        return JSONResponse({"status": "dead", "error": repr(engine.error)}, status_code=503)
     return JSONResponse({"status": "live"})
 
 

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
 
+from ember.errors import EmberError
 from ember.server.state import server_state
 
 router = APIRouter()
@@ -43,13 +44,18 @@ async def kv_events(request: Request, after: int = Query(-1)) -> JSONResponse:
 
 @router.get("/kv/events/stream")
 async def kv_event_stream(request: Request, after: int = Query(-1)) -> StreamingResponse:
-    engine = server_state(request).engine
+    state = server_state(request)
+    engine = state.engine
     engine.kv_events_after(after)  # fail now (503 while loading), not inside the stream
 
     async def events():
         seq = after
-        while True:
-            batch, dropped = engine.kv_events_after(seq)
+        # ends on a drain: an open stream must not hold the shutdown to its timeout
+        while not state.draining:
+            try:
+                batch, dropped = engine.kv_events_after(seq)
+            except EmberError:  # the engine died: the stream ends, as the server soon will
+                return
             for e in batch:
                 yield f"data: {json.dumps(_event(e) | {'dropped': dropped})}\n\n".encode()
                 seq = e.seq

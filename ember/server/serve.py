@@ -2,18 +2,27 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
 
 from ember.config import EngineConfig, ServerConfig
-from ember.engine.async_engine import AsyncEngine
+from ember.engine.async_engine import AsyncEngine, EngineState
 from ember.server.app import create_app
 from ember.server.state import ServerState
+
+
+log = logging.getLogger(__name__)
+
+# A dead engine's process lingers this long, answering /health/live 503 (so a prober sees why),
+# then exits 1 so its supervisor restarts it.
+DEAD_EXIT_AFTER_S = 2.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -24,6 +33,20 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.ember_state = state
+        self.engine_died_at: float | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's ~10 Hz tick: also stop the server once the engine has died."""
+        if self.ember_state.engine.state is EngineState.DEAD:
+            now = time.monotonic()
+            if self.engine_died_at is None:
+                self.engine_died_at = now
+                log.error("the engine died (%s); exiting in %.0f s so a supervisor restarts "
+                          "the server", self.ember_state.engine.error, DEAD_EXIT_AFTER_S)
+            elif now - self.engine_died_at >= DEAD_EXIT_AFTER_S:
+                self.ember_state.draining = True
+                return True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.ember_state.draining = True
@@ -55,4 +78,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
                                access_log=False)
     print(f"ember: serving {app.state.ember.model_name} on http://{config.host}:{config.port} "
           "(chat page at /, readiness at /health/ready)", file=sys.stderr, flush=True)
-    DrainingServer(uv_config, app.state.ember).run()
+    server = DrainingServer(uv_config, app.state.ember)
+    server.run()
+    if engine.state is EngineState.DEAD:
+        sys.exit(1)

@@ -52,11 +52,11 @@ class LiveServer:
         slow phases become long enough to catch, a held gate looks like a stalled engine."""
         real_step = self.engine.core.step
 
-        def delayed_step():
+        def delayed_step(only=None):
             if gate is not None:
                 gate.wait(30)
             time.sleep(seconds)
-            return real_step()
+            return real_step(only)
         self.engine.core.step = delayed_step
 
     @property

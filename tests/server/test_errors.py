@@ -170,7 +170,7 @@ def test_loading_then_ready(tiny_llama_dir, monkeypatch):
     folder, _ = tiny_llama_dir
     live = LiveServer(folder, wait_ready=False)
     try:
-        assert httpx.get(live.url + "/health/live").status_code == 200
+        assert httpx.get(live.url + "/health/live").status_code == 503  # no zombie
         ready = httpx.get(live.url + "/health/ready")
         assert ready.status_code == 503 and ready.json()["status"] == "loading"
         loading = post(live, "/v1/completions", json={"prompt": "x"})
@@ -190,14 +190,14 @@ def test_dead_engine_fails_streams_with_an_error_event_and_health_turns_503(tiny
     folder, _ = tiny_llama_dir
     live = LiveServer(folder)
     try:
-        def crash():
+        def crash(only=None):  # not a StepFailed: the engine itself broke
             raise RuntimeError("kernel exploded")
         live.engine.core.step = crash
         r = post(live, "/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": True})
         assert r.status_code == 200
         assert '"engine_dead_error"' in r.text and r.text.endswith("data: [DONE]\n\n")
         assert httpx.get(live.url + "/health/ready").json()["status"] == "dead"
-        assert httpx.get(live.url + "/health/live").status_code == 200
+        assert httpx.get(live.url + "/health/live").status_code == 503  # no zombie
         assert_error(post(live, "/v1/completions", json={"prompt": "x"}), 503, "restart")
     finally:
         live.close()
