@@ -163,8 +163,9 @@ class EngineCore:
         bad = [t for t in prompt_token_ids
                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise InvalidRequest(f"prompt token ids {[str(t)[:24] for t in bad[:5]]} are "
-                                 f"outside the vocabulary [0, {vocab})", param="prompt")
+            shown = ", ".join(str(t)[:24] for t in bad[:5])  # (an id may have 4000 digits)
+            raise InvalidRequest(f"prompt token ids [{shown}] are outside the vocabulary "
+                                 f"[0, {vocab})", param="prompt")
         bad = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
         bad += [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:

@@ -134,6 +134,7 @@ class SamplingFields(Strict):
                                      f"[{low:g}, {high:g}]", param="logit_bias")
 
     def _check_max_tokens(self, name: str, value: int | None) -> None:
+        """`value` is the max_tokens that applies; min_tokens may not exceed it."""
         _in_range(name, value, 1, MAX_INT32, "; a value past the context is cut to the room "
                   "left")
         if value is not None and self.min_tokens > value:
@@ -394,8 +395,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_limits(self, max_n: int) -> None:
         super().check_limits(max_n)
-        self._check_max_tokens("max_tokens", self.max_tokens)
-        self._check_max_tokens("max_completion_tokens", self.max_completion_tokens)
+        _in_range("max_tokens", self.max_tokens, 1, MAX_INT32)
+        name = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        self._check_max_tokens(name, self.max_new_tokens())
         _in_range("top_logprobs", self.top_logprobs, 0, MAX_LOGPROBS)
         check_messages(self.messages)
         if self.tools is not None:
