@@ -7,6 +7,7 @@ where OpenAI allows 4), vLLM's for its extensions, and torch.Generator's seed ra
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import httpx
@@ -170,3 +171,15 @@ def test_sampling_params_refuse_what_the_engine_step_cannot_hold():
             SamplingParams(**{field: value})
     assert [p.seed for p in SamplingParams(n=3, seed=2**64 - 2).fan_out()] == [2**64 - 2,
                                                                                2**64 - 1, 0]
+
+
+def test_max_n_comes_from_the_server_config(server):
+    config = server.state.config
+    server.state.config = dataclasses.replace(config, max_n=2)
+    try:
+        r = post(server, "/v1/completions", {"prompt": "hi", "n": 3, "max_tokens": 1})
+        assert_error(r, 400, "n=3 must be an integer in [1, 2]", "--max-n", param="n")
+        r = post(server, "/v1/completions", {"prompt": "hi", "n": 2, "max_tokens": 1})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    finally:
+        server.state.config = config
