@@ -199,7 +199,7 @@ def test_compilation_happens_off_the_engine_thread_and_is_cached(server):
         fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMAS[1]["schema"]}}
         for _ in range(2):
             r = httpx.post(server.url + "/v1/chat/completions", json={
-                "messages": ASK, "response_format": fmt, "max_tokens": 300})
+                "messages": ASK, "response_format": fmt, "max_tokens": 300}, timeout=60)
             assert r.status_code == 200
     finally:
         compiled._fn = real
