@@ -183,6 +183,8 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
                    help="seconds before a request is ended with an error")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    g.add_argument("--max-n", type=int, default=d.max_n,
+                   help="the most completions one request may ask for (n and best_of)")
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="on SIGTERM, seconds for in-flight requests to finish")
 
@@ -193,7 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
         request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-        drain_timeout_s=args.drain_timeout))
+        drain_timeout_s=args.drain_timeout, max_n=args.max_n))
 
 
 def cmd_perplexity(args: argparse.Namespace) -> None:

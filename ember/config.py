@@ -201,6 +201,7 @@ class ServerConfig:
     request_timeout_s: float | None = 600.0
     max_body_bytes: int = 4 << 20
     max_json_depth: int = 32
+    max_n: int = 16                       # completions one request may ask for (n, best_of)
     drain_timeout_s: float = 30.0         # SIGTERM: time for in-flight requests to finish
     stall_timeout_s: float = 60.0         # /health/ready turns 503 if a busy engine stalls
 
@@ -209,7 +210,7 @@ class ServerConfig:
             raise ConfigError(f"port={self.port} must be in [0, 65535]")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key is empty; pass a non-empty key or none at all")
-        for name in ("max_waiting", "max_body_bytes", "max_json_depth"):
+        for name in ("max_waiting", "max_body_bytes", "max_json_depth", "max_n"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
         for name in ("request_timeout_s", "drain_timeout_s", "stall_timeout_s"):

@@ -11,6 +11,8 @@ from ember.constraint import Constraint
 from ember.errors import BadSamplingParams, InvalidRequest
 
 MAX_LOGPROBS = 20
+MAX_INT32 = 2**31 - 1          # counts and token ids travel in int32/int64 tensors
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        self._validate_ints()
         _check(self.n >= 1, "n", self.n, "must be at least 1")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens,
                "must be at least 1 (or None to fill the context)")
@@ -81,16 +84,36 @@ class SamplingParams:
                    "keys must be token ids >= 0")
             _check(-100 <= bias <= 100, "logit_bias", bias, "values must be in [-100, 100]")
 
+    def _validate_ints(self) -> None:
+        """Integers a tensor or torch.Generator will hold: out of range, they would raise
+        OverflowError inside the engine step, far from the request that caused it."""
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "logprobs"):
+            value = getattr(self, name)
+            _check(value is None or _is_int(value) and -MAX_INT32 <= value <= MAX_INT32, name,
+                   value, f"must be an integer in [0, {MAX_INT32}]")
+        low, high = SEED_RANGE
+        _check(self.seed is None or _is_int(self.seed) and low <= self.seed <= high, "seed",
+               self.seed, f"must be an integer in [{low}, {high}]")
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("logit_bias", tuple(self.logit_bias or {}))):
+            _check(all(_is_int(t) and 0 <= t <= MAX_INT32 for t in ids), name, ids,
+                   f"must hold token ids in [0, {MAX_INT32}] (and in the vocabulary)")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def fan_out(self) -> list["SamplingParams"]:
-        """n completions are n sequences; with a seed, completion i uses seed + i."""
+        """n completions are n sequences; with a seed, completion i uses seed + i (mod 2**64,
+        which is how torch.Generator reads a negative seed too)."""
         if self.n == 1:
             return [self]
-        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
-                for i in range(self.n)]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None
+                                    else (self.seed + i) % 2**64) for i in range(self.n)]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:
@@ -108,9 +131,10 @@ class RequestOptions:
     prefix_cache: bool = True         # False: neither reuse nor store cached KV
 
     def __post_init__(self) -> None:
-        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
-            raise InvalidRequest(f"priority={self.priority!r} must be an integer (lower runs "
-                                 "first)", param="priority")
+        if not _is_int(self.priority) or not -MAX_INT32 - 1 <= self.priority <= MAX_INT32:
+            raise InvalidRequest(f"priority={self.priority!r} must be an integer in "
+                                 f"[{-MAX_INT32 - 1}, {MAX_INT32}] (lower runs first)",
+                                 param="priority")
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str)
                                                 and self.cache_salt):
             raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")

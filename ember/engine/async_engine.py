@@ -160,11 +160,9 @@ class AsyncEngine:
     # -- requests --------------------------------------------------------------------------
 
     async def compile(self, constraint: Constraint) -> object:
-        """Compile a structured-output constraint in a worker thread, so the engine keeps
-        stepping meanwhile (compiled grammars are cached: a repeat returns at once)."""
-        core = self._core()
-        return await asyncio.get_running_loop().run_in_executor(
-            None, core.grammars.compile, constraint)
+        """Compile a structured-output constraint in a compile thread, under a time limit, so
+        the engine keeps stepping meanwhile (a repeat comes from the cache at once)."""
+        return await self._core().grammars.compile_async(constraint)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                options: RequestOptions = RequestOptions(),

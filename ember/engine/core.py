@@ -150,31 +150,35 @@ class EngineCore:
         return request
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raise if the request can never run; else return its resolved max_tokens.
+        """Raise if the request can never run; else return its resolved max_tokens: what it
+        asked for, cut to the room the context (and the whole KV cache) leaves after the
+        prompt, as a request without max_tokens gets. A prompt with no room left is refused.
 
         Reads only what never changes after start-up, so any thread may call it.
         """
         self._check_token_ids(prompt_token_ids, params)
-        room = self.max_model_len - len(prompt_token_ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else max(room, 1)
-        total = len(prompt_token_ids) + max_tokens
-        if total > self.max_model_len:
-            raise ContextTooLong(len(prompt_token_ids), max_tokens, self.max_model_len)
-        if total > self.cache_info.num_tokens:
-            raise ContextTooLong(len(prompt_token_ids), max_tokens, self.cache_info.num_tokens,
+        num_prompt = len(prompt_token_ids)
+        asked = params.max_tokens if params.max_tokens is not None else 1
+        if num_prompt >= self.max_model_len:
+            raise ContextTooLong(num_prompt, asked, self.max_model_len)
+        if num_prompt >= self.cache_info.num_tokens:
+            raise ContextTooLong(num_prompt, asked, self.cache_info.num_tokens,
                                  what="the whole KV cache")
-        return max_tokens
+        room = min(self.max_model_len, self.cache_info.num_tokens) - num_prompt
+        return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def _check_token_ids(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty; send at least one token", param="prompt")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids
+               if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary "
+            shown = ", ".join(str(t)[:24] for t in bad[:5])  # (an id may have 4000 digits)
+            raise InvalidRequest(f"prompt token ids [{shown}] are outside the vocabulary "
                                  f"[0, {vocab})", param="prompt")
-        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
-        bad += [t for t in params.stop_token_ids if t >= vocab]
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
+        bad += [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"token ids {bad[:5]} in logit_bias or stop_token_ids are "
                                  f"outside the vocabulary [0, {vocab})", param="logit_bias")

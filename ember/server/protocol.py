@@ -14,13 +14,33 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 
 from ember.errors import InvalidRequest
 from ember.constraint import Constraint
-from ember.request import MAX_LOGPROBS, RequestOptions, SamplingParams
+from ember.request import MAX_INT32, MAX_LOGPROBS, SEED_RANGE, RequestOptions, SamplingParams
+
+# Bounds on what one request may ask for (the README's "Limits and errors" table lists them).
+# Each is checked here, before the engine sees the request, with a message naming the range.
+DEFAULT_MAX_N = 16
+MAX_LOGIT_BIAS = 1024          # entries
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_STOP = 16                  # stop strings
+MAX_STOP_CHARS = 256           # characters in one stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_MESSAGES = 2048
+MAX_TOOLS = 128
+MAX_TOOLS_BYTES = 256 << 10    # the tools list, serialized as JSON
+MAX_CONSTRAINT_BYTES = 64 << 10  # a schema, regex, grammar or choice list, serialized
+MAX_CONSTRAINT_DEPTH = 64      # nesting of a schema's JSON, or of a regex's or grammar's brackets
+MAX_CHOICES = 1024
+# (name, lowest, highest, lowest included): OpenAI's ranges, and vLLM's for its extensions
+FLOAT_RANGES = (("temperature", 0.0, 2.0, True), ("top_p", 0.0, 1.0, False),
+                ("min_p", 0.0, 1.0, True), ("presence_penalty", -2.0, 2.0, True),
+                ("frequency_penalty", -2.0, 2.0, True), ("repetition_penalty", 0.0, 10.0, False))
 
 
 class Strict(BaseModel):
-    """Unknown fields are refused; a null field means "use the default"."""
+    """Unknown fields are refused; a null field means "use the default". Floats must be
+    finite: Python's json reads NaN and Infinity, which no sampling parameter can take."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -66,6 +86,61 @@ class SamplingFields(Strict):
     structured_outputs: dict[str, Any] | None = None  # json, regex, choice, grammar, lark,
                                                       # json_object (vLLM-style extension)
 
+    def check_limits(self, max_n: int) -> None:
+        """Every bound a sampling field has, each with a message that names its range."""
+        _in_range("n", self.n, 1, max_n, " (the server's --max-n)")
+        _in_range("seed", self.seed, *SEED_RANGE)
+        _in_range("min_tokens", self.min_tokens, 0, MAX_INT32)
+        if self.top_k != -1:
+            _in_range("top_k", self.top_k, 0, MAX_INT32, "; 0 or -1 turn it off")
+        _in_range("priority", self.priority, -MAX_INT32 - 1, MAX_INT32, "; lower runs first")
+        for name, low, high, closed in FLOAT_RANGES:
+            value = getattr(self, name)
+            if not (low <= value if closed else low < value) or value > high:
+                raise InvalidRequest(f"{name}={value} must be in {'[' if closed else '('}"
+                                     f"{low:g}, {high:g}]", param=name)
+        self._check_stop()
+        self._check_logit_bias()
+
+    def _check_stop(self) -> None:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP:
+            raise InvalidRequest(f"stop has {len(stop)} strings; send at most {MAX_STOP}",
+                                 param="stop")
+        if not all(0 < len(s) <= MAX_STOP_CHARS for s in stop):
+            raise InvalidRequest(f"each stop string must have 1 to {MAX_STOP_CHARS} characters",
+                                 param="stop")
+        ids = self.stop_token_ids or []
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"stop_token_ids has {len(ids)} ids; send at most "
+                                 f"{MAX_STOP_TOKEN_IDS}", param="stop_token_ids")
+        if not all(0 <= t <= MAX_INT32 for t in ids):
+            raise InvalidRequest("stop_token_ids must be token ids in the vocabulary (at least "
+                                 "0; see /tokenize)", param="stop_token_ids")
+
+    def _check_logit_bias(self) -> None:
+        bias = self._bias() or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias has {len(bias)} entries; send at most "
+                                 f"{MAX_LOGIT_BIAS}", param="logit_bias")
+        low, high = LOGIT_BIAS_RANGE
+        for token_id, value in bias.items():
+            if not 0 <= token_id <= MAX_INT32:
+                raise InvalidRequest(f"logit_bias key {token_id} is not a token id; keys are "
+                                     "token ids in the vocabulary (see /tokenize)",
+                                     param="logit_bias")
+            if not low <= value <= high:
+                raise InvalidRequest(f"logit_bias value {value} for token {token_id} must be in "
+                                     f"[{low:g}, {high:g}]", param="logit_bias")
+
+    def _check_max_tokens(self, name: str, value: int | None) -> None:
+        """`value` is the max_tokens that applies; min_tokens may not exceed it."""
+        _in_range(name, value, 1, MAX_INT32, "; a value past the context is cut to the room "
+                  "left")
+        if value is not None and self.min_tokens > value:
+            raise InvalidRequest(f"min_tokens={self.min_tokens} must be in [0, {name}={value}]",
+                                 param="min_tokens")
+
     def constraint(self) -> Constraint | None:
         """response_format or structured_outputs (not both) -> a Constraint."""
         if self.response_format and self.structured_outputs:
@@ -88,7 +163,7 @@ class SamplingFields(Strict):
     def _bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
-        try:
+        try:  # (int() refuses a string of over 4300 digits with a ValueError too)
             return {int(k): v for k, v in self.logit_bias.items()}
         except ValueError:
             raise InvalidRequest("logit_bias keys must be token ids (strings of integers)",
@@ -112,6 +187,60 @@ class SamplingFields(Strict):
             include_stop_str_in_output=self.include_stop_str_in_output, constraint=constraint)
 
 
+def _in_range(name: str, value: int | None, low: int, high: int, note: str = "") -> None:
+    if value is not None and not low <= value <= high:
+        raise InvalidRequest(f"{name}={_short(value)} must be an integer in [{low}, {high}]"
+                             f"{note}", param=name)
+
+
+def _short(value: int) -> str:
+    """An integer for a message: a huge one would make the message huge."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
+
+
+def _check_constraint_size(what: str, spec: Any, param: str) -> None:
+    """A schema, regex, grammar or choice list small and shallow enough to compile: the
+    grammar engine's parsers recurse, and its compile time grows with the size."""
+    text = spec if isinstance(spec, str) else json.dumps(spec)
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_CONSTRAINT_BYTES:
+        raise InvalidRequest(f"the {what} is over {MAX_CONSTRAINT_BYTES} bytes; simplify it",
+                             param=param)
+    depth = bracket_depth(text)
+    if depth > MAX_CONSTRAINT_DEPTH:
+        raise InvalidRequest(f"the {what} nests {depth} levels deep; at most "
+                             f"{MAX_CONSTRAINT_DEPTH} are allowed, so simplify it", param=param)
+
+
+def bracket_depth(text: str) -> int:
+    """The deepest nesting of (), [] and {} in `text`, not counting backslash-escaped ones.
+    It over-counts brackets inside quotes or character classes, which only errs on the safe
+    side."""
+    depth = deepest = 0
+    escaped = False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in ")]}":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def _load_schema(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise InvalidRequest(f"the JSON schema nests deeper than {MAX_CONSTRAINT_DEPTH} levels",
+                             param=param) from None
+    except ValueError as e:
+        raise InvalidRequest(f"the JSON schema is not valid JSON ({e})", param=param) from None
+
+
 def _response_format(fmt: dict[str, Any]) -> Constraint | None:
     kind = fmt.get("type")
     if kind == "text":
@@ -123,6 +252,7 @@ def _response_format(fmt: dict[str, Any]) -> Constraint | None:
         if not isinstance(spec, dict) or "schema" not in spec:
             raise InvalidRequest("response_format json_schema needs {'name': ..., 'schema': "
                                  "{...}}", param="response_format.json_schema")
+        _check_constraint_size("JSON schema", spec["schema"], "response_format.json_schema")
         return Constraint.json_schema(spec["schema"])
     raise InvalidRequest(f"response_format type {kind!r} is not one of text, json_object, "
                          "json_schema", param="response_format.type")
@@ -138,10 +268,17 @@ def _structured_outputs(spec: dict[str, Any]) -> Constraint:
                                                              if unknown else ""),
                              param="structured_outputs")
     kind = given[0]
+    param = f"structured_outputs.{kind}"
+    if kind != "json_object":
+        _check_constraint_size(kind, spec[kind], param)
     if kind == "json":
         schema = spec["json"]
-        return Constraint.json_schema(json.loads(schema) if isinstance(schema, str) else schema)
+        return Constraint.json_schema(_load_schema(schema, param) if isinstance(schema, str)
+                                      else schema)
     if kind == "choice":
+        if isinstance(spec["choice"], list) and len(spec["choice"]) > MAX_CHOICES:
+            raise InvalidRequest(f"choice has {len(spec['choice'])} entries; send at most "
+                                 f"{MAX_CHOICES}", param=param)
         return Constraint.choice(spec["choice"])
     if kind == "json_object":
         return Constraint("json_object")
@@ -154,7 +291,7 @@ def _structured_outputs(spec: dict[str, Any]) -> Constraint:
 class CompletionRequest(SamplingFields):
     prompt: Any  # checked by prompt_list(): pydantic's union errors would be unreadable
     max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -170,6 +307,12 @@ class CompletionRequest(SamplingFields):
                                  "ids, or a list of lists of token ids (not empty)",
                                  param="prompt")
         return p
+
+    def check_limits(self, max_n: int) -> None:
+        super().check_limits(max_n)
+        self._check_max_tokens("max_tokens", self.max_tokens)
+        _in_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _in_range("best_of", self.best_of, 1, max_n, " (the server's --max-n)")
 
     def check_supported(self) -> None:
         if self.best_of is not None and self.best_of != self.n:
@@ -244,11 +387,21 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # extension: False continues the last message
+
+    def check_limits(self, max_n: int) -> None:
+        super().check_limits(max_n)
+        _in_range("max_tokens", self.max_tokens, 1, MAX_INT32)
+        name = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        self._check_max_tokens(name, self.max_new_tokens())
+        _in_range("top_logprobs", self.top_logprobs, 0, MAX_LOGPROBS)
+        check_messages(self.messages)
+        if self.tools is not None:
+            check_tool_list(self.tools)
 
     def check_supported(self) -> None:
         if self.tool_choice not in (None, "none") and not self.tools:
@@ -265,6 +418,23 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def check_messages(messages: list[ChatMessage] | None) -> None:
+    if messages is not None and len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"messages has {len(messages)} entries; send at most "
+                             f"{MAX_MESSAGES}", param="messages")
+
+
+def check_tool_list(tools: list[dict[str, Any]]) -> None:
+    """Few and small enough tools: each becomes part of the grammar to compile."""
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"tools has {len(tools)} entries; send at most {MAX_TOOLS}",
+                             param="tools")
+    size = len(json.dumps(tools).encode("utf-8", "surrogatepass"))
+    if size > MAX_TOOLS_BYTES:
+        raise InvalidRequest(f"tools is {size} bytes as JSON; the limit is {MAX_TOOLS_BYTES}",
+                             param="tools")
+
+
 class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
@@ -279,10 +449,18 @@ class TokenizeRequest(Strict):
             raise ValueError("messages must not be empty")
         return v
 
+    def check_limits(self, max_n: int) -> None:
+        check_messages(self.messages)
+
 
 class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int]
+
+    def check_limits(self, max_n: int) -> None:
+        if not all(0 <= t <= MAX_INT32 for t in self.tokens):
+            raise InvalidRequest("tokens must be token ids in the vocabulary (at least 0)",
+                                 param="tokens")
 
 
 def json_depth(value: Any, limit: int) -> int:
@@ -301,22 +479,48 @@ def json_depth(value: Any, limit: int) -> int:
     return deepest
 
 
-def parse_body(raw: bytes, model: type[BaseModel], max_depth: int) -> Any:
+def _has_lone_surrogate(value: Any) -> bool:
+    """JSON's \\ud800 escapes decode to a lone surrogate, which no tokenizer can encode."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def parse_body(raw: bytes, model: type[BaseModel], max_depth: int,
+               max_n: int = DEFAULT_MAX_N) -> Any:
     """Bytes -> a validated request model, or an InvalidRequest that says what is wrong."""
     try:
         data = json.loads(raw)
     except RecursionError:
         raise InvalidRequest(f"the JSON body nests deeper than {max_depth} levels") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"the body is not valid JSON ({e})") from None
+    except ValueError as e:  # bad JSON, bad UTF-8, or an integer of over 4300 digits
+        raise InvalidRequest(f"the body is not valid JSON ({str(e)[:200]})") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object")
     if json_depth(data, max_depth) > max_depth:
         raise InvalidRequest(f"the JSON body nests deeper than {max_depth} levels")
+    if _has_lone_surrogate(data):
+        raise InvalidRequest("the body has a string with a lone UTF-16 surrogate (an unpaired "
+                             "\\ud800-\\udfff escape); send valid Unicode")
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e) from None
+    check = getattr(body, "check_limits", None)
+    if check is not None:
+        check(max_n)
+    return body
 
 
 def _validation_error(error: ValidationError) -> InvalidRequest:
@@ -327,4 +531,11 @@ def _validation_error(error: ValidationError) -> InvalidRequest:
                               "remove it from the request", param=param)
     if first["type"] == "missing":
         return InvalidRequest(f"missing required parameter {param!r}", param=param)
-    return InvalidRequest(f"invalid value for {param!r}: {first['msg']}", param=param)
+    message = f"invalid value for {param!r}: {first['msg']}"[:500]
+    ranges = {name: f"{'[' if closed else '('}{low:g}, {high:g}]"
+              for name, low, high, closed in FLOAT_RANGES}
+    ranges["logit_bias"] = "[{:g}, {:g}]".format(*LOGIT_BIAS_RANGE)
+    root = str(first["loc"][0]) if first["loc"] else ""
+    if root in ranges:
+        message += f"; it must be a finite number in {ranges[root]}"
+    return InvalidRequest(message, param=param)

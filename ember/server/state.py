@@ -83,4 +83,5 @@ async def read_json_body(request: Request, model: type[M]) -> M:
         if size > limit:
             raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
         chunks.append(chunk)
-    return parse_body(b"".join(chunks), model, server_state(request).config.max_json_depth)
+    config = server_state(request).config
+    return parse_body(b"".join(chunks), model, config.max_json_depth, config.max_n)

@@ -38,7 +38,7 @@ def assert_error(response: httpx.Response, status: int, *words: str, param: str 
     (b"{not json", ["not valid JSON"], None),
     (b"[1, 2]", ["JSON object"], None),
     (b'{"prompt": "x", "frobnicate": 1}', ["unknown parameter 'frobnicate'"], "frobnicate"),
-    (b'{"prompt": "x", "temperature": -1}', ["temperature", ">= 0"], "temperature"),
+    (b'{"prompt": "x", "temperature": -1}', ["temperature", "[0, 2]"], "temperature"),
     (b'{"prompt": "x", "top_p": 0}', ["top_p"], "top_p"),
     (b'{"prompt": "x", "n": 0}', ["n=0"], "n"),
     (b'{"prompt": "x", "logprobs": 50}', ["logprobs"], "logprobs"),

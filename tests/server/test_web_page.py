@@ -57,8 +57,7 @@ def test_errors_show_in_the_page(browser, server):
     page = browser.new_page()
     page.goto(server.url + "/")
     page.wait_for_function("document.getElementById('status').textContent === 'ready'")
-    page.fill("#max_tokens", "100000")
-    page.fill("#prompt", "Hello")
+    page.fill("#prompt", "hello " * 600)  # a prompt the 512-token context cannot hold
     page.click("#send")
     page.wait_for_selector(".msg.assistant.error")
     assert "context holds 512" in page.text_content(".msg.assistant.error")
