@@ -135,6 +135,26 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(live, monkeypatch):
     assert big[0].status_code == 400 and "shorten the prompt" in big[0].text
 
 
+def test_the_tokenizer_lets_other_threads_run_while_it_encodes(live):
+    """The worker thread only helps if the tokenizer lets go of the GIL: while it encodes a
+    2 MB prompt, this thread takes the GIL back 200 times (a tokenizer that held it would
+    leave this thread stopped until the encoding ended)."""
+    huge = "All work and no play makes Jack a dull boy. " * 50_000
+    started = threading.Event()
+
+    def encode() -> None:
+        started.set()
+        live.engine.tokenizer.encode(huge)
+    thread = threading.Thread(target=encode)
+    thread.start()
+    started.wait()
+    for _ in range(200):
+        time.sleep(0)  # gives up the GIL and waits to take it back
+    still_encoding = thread.is_alive()
+    thread.join()
+    assert still_encoding
+
+
 # -- tenants -----------------------------------------------------------------------------------
 
 def test_tenants_never_see_each_others_cached_prefixes(live):
