@@ -1,10 +1,10 @@
 """Prometheus metrics, through prometheus-client, in a registry of this app's own.
 
 Latencies are measured where the client sees them: from the request's arrival at the server
-(before its body is read) to each piece of output handed to the response. Engine state (running, waiting, KV usage,
-preemptions) is read from the engine's published stats at scrape time. The `vllm:` names are
-the ones Kubernetes inference routers (the Gateway API Inference Extension's endpoint picker)
-read by default, so such routers work with ember unmodified.
+(before its body is read) to each piece of output handed to the response. Engine state
+(running, waiting, KV usage, preemptions) is read from the engine's published stats at scrape
+time. The `vllm:` names are the ones Kubernetes inference routers (the Gateway API Inference
+Extension's endpoint picker) read by default, so such routers work with ember unmodified.
 """
 from __future__ import annotations
 

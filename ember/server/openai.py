@@ -24,7 +24,7 @@ from ember.server.generation import Generation, collect
 from ember.server.metrics import RequestTracker
 from ember.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest)
-from ember.server.sse import event_stream
+from ember.server.sse import Chunks, UsageChunk, event_stream
 from ember.server.state import (ServerState, arrival_time, read_json_body, request_tenant,
                                 server_state)
 from ember.server.tools import ToolCallParser
@@ -77,40 +77,53 @@ async def parse_request(request: Request, model: type[M]
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     state, body, tracker = await parse_request(request, CompletionRequest)
-    tokenizer = state.engine.tokenizer
     work = await completion_input(state, body, request_tenant(request))
-    params = work.params
     request_id = f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(state, request_id, work, tracker)
-    echo = [text for text in work.texts for _ in range(params.n)] if body.echo \
+    echo = [text for text in work.texts for _ in range(work.params.n)] if body.echo \
         else [""] * len(gen.choices)
     base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
+    tokenizer = state.engine.tokenizer
     if body.stream:
-        offsets = [len(e) for e in echo]
-        echoed = [False] * len(echo)
-
-        def chunks(index: int, delta: CompletionOutput) -> list[dict[str, Any]]:
-            text = delta.text
-            if not echoed[index]:
-                echoed[index], text = True, echo[index] + text
-            logprobs = None
-            if delta.logprobs is not None:
-                logprobs = completion_logprobs(tokenizer, delta.logprobs, offsets[index])
-            offsets[index] += len(delta.text)
-            choice = {"index": index, "text": text, "logprobs": logprobs,
-                      "finish_reason": _finish(delta), "stop_reason": delta.stop_reason}
-            return [base | {"choices": [choice]} | _null_usage(body.include_usage)]
-
-        usage = (lambda u: base | {"choices": [], "usage": u}) if body.include_usage else None
-        return event_stream(gen, chunks, usage)
+        return event_stream(gen, completion_chunks(base, echo, tokenizer, body.include_usage),
+                            _usage_chunk(base, body.include_usage))
     await collect(request, gen)
-    choices = [{"index": i, "text": echo[i] + c.text,
-                "logprobs": completion_logprobs(tokenizer, c.logprobs, len(echo[i]))
-                if body.logprobs is not None else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-               for i, c in enumerate(gen.choices)]
-    return JSONResponse(base | {"choices": choices, "usage": gen.usage()})
+    return JSONResponse(base | {"choices": completion_choices(
+        gen, echo, tokenizer, body.logprobs is not None), "usage": gen.usage()})
+
+
+def completion_chunks(base: dict[str, Any], echo: list[str], tokenizer: Tokenizer,
+                      include_usage: bool) -> Chunks:
+    """The streamed chunks of one completion delta; a choice's first carries its echo."""
+    offsets = [len(e) for e in echo]
+    echoed = [False] * len(echo)
+
+    def chunks(index: int, delta: CompletionOutput) -> list[dict[str, Any]]:
+        text = delta.text
+        if not echoed[index]:
+            echoed[index], text = True, echo[index] + text
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs = completion_logprobs(tokenizer, delta.logprobs, offsets[index])
+        offsets[index] += len(delta.text)
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": _finish(delta), "stop_reason": delta.stop_reason}
+        return [base | {"choices": [choice]} | _null_usage(include_usage)]
+    return chunks
+
+
+def completion_choices(gen: Generation, echo: list[str], tokenizer: Tokenizer,
+                       with_logprobs: bool) -> list[dict[str, Any]]:
+    return [{"index": i, "text": echo[i] + c.text,
+             "logprobs": completion_logprobs(tokenizer, c.logprobs, len(echo[i]))
+             if with_logprobs else None,
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            for i, c in enumerate(gen.choices)]
+
+
+def _usage_chunk(base: dict[str, Any], include_usage: bool) -> UsageChunk | None:
+    return (lambda usage: base | {"choices": [], "usage": usage}) if include_usage else None
 
 
 def _finish(delta: CompletionOutput) -> str | None:
@@ -162,42 +175,55 @@ def _tool_calls(parser: ToolCallParser) -> list[dict[str, Any]]:
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
     state, body, tracker = await parse_request(request, ChatCompletionRequest)
-    tokenizer = state.engine.tokenizer
     work = await chat_input(state, body, request_tenant(request))
-    functions, params = work.functions, work.params
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(state, request_id, work, tracker,
-                     answers=None if functions else state.answers())
+                     answers=None if work.functions else state.answers())
     base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": state.model_name}
-    views = [ChatChoice(ToolCallParser() if functions else None) for _ in range(params.n)]
+    views = [ChatChoice(ToolCallParser() if work.functions else None)
+             for _ in range(work.params.n)]
+    tokenizer = state.engine.tokenizer
     if body.stream:
-        def chunks(index: int, delta: CompletionOutput) -> list[dict[str, Any]]:
-            view, out = views[index], []
-            extra = _null_usage(body.include_usage)
-            if not view.started:
-                view.started = True
-                out.append(base | {"choices": [{"index": index, "delta": {
-                    "role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None}]} | extra)
-            logprobs = chat_logprobs(tokenizer, delta.logprobs) if delta.logprobs else None
-            pieces = view.deltas(delta.text, delta.finish_reason is not None)
-            if logprobs and not pieces:
-                pieces = [{"content": ""}]
-            for k, piece in enumerate(pieces):
-                out.append(base | {"choices": [{"index": index, "delta": piece,
-                                                "logprobs": logprobs if k == 0 else None,
-                                                "finish_reason": None}]} | extra)
-            if delta.finish_reason is not None:
-                out.append(base | {"choices": [{
-                    "index": index, "delta": {}, "logprobs": None,
-                    "finish_reason": view.finish_reason(_finish(delta)),
-                    "stop_reason": delta.stop_reason}]} | extra)
-            return out
-
-        usage = (lambda u: base | {"choices": [], "usage": u}) if body.include_usage else None
-        return event_stream(gen, chunks, usage)
+        return event_stream(gen, chat_chunks(base, views, tokenizer, body.include_usage),
+                            _usage_chunk(base, body.include_usage))
     await collect(request, gen)
+    return JSONResponse(base | {"object": "chat.completion", "choices": chat_choices(
+        gen, views, tokenizer, bool(body.logprobs)), "usage": gen.usage()})
+
+
+def chat_chunks(base: dict[str, Any], views: list[ChatChoice], tokenizer: Tokenizer,
+                include_usage: bool) -> Chunks:
+    """The streamed chunks of one chat delta: a choice opens with its role, and closes with
+    a chunk of its finish reason."""
+    extra = _null_usage(include_usage)
+
+    def chunks(index: int, delta: CompletionOutput) -> list[dict[str, Any]]:
+        view, out = views[index], []
+        if not view.started:
+            view.started = True
+            out.append(base | {"choices": [{"index": index, "delta": {
+                "role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}]} | extra)
+        logprobs = chat_logprobs(tokenizer, delta.logprobs) if delta.logprobs else None
+        pieces = view.deltas(delta.text, delta.finish_reason is not None)
+        if logprobs and not pieces:
+            pieces = [{"content": ""}]
+        for k, piece in enumerate(pieces):
+            out.append(base | {"choices": [{"index": index, "delta": piece,
+                                            "logprobs": logprobs if k == 0 else None,
+                                            "finish_reason": None}]} | extra)
+        if delta.finish_reason is not None:
+            out.append(base | {"choices": [{
+                "index": index, "delta": {}, "logprobs": None,
+                "finish_reason": view.finish_reason(_finish(delta)),
+                "stop_reason": delta.stop_reason}]} | extra)
+        return out
+    return chunks
+
+
+def chat_choices(gen: Generation, views: list[ChatChoice], tokenizer: Tokenizer,
+                 with_logprobs: bool) -> list[dict[str, Any]]:
     choices = []
     for i, (c, view) in enumerate(zip(gen.choices, views)):
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
@@ -208,11 +234,10 @@ async def create_chat_completion(request: Request) -> Response:
             if view.parser.calls:
                 message["tool_calls"] = _tool_calls(view.parser)
         choices.append({"index": i, "message": message,
-                        "logprobs": chat_logprobs(tokenizer, c.logprobs) if body.logprobs
+                        "logprobs": chat_logprobs(tokenizer, c.logprobs) if with_logprobs
                         else None, "finish_reason": view.finish_reason(c.finish_reason),
                         "stop_reason": c.stop_reason})
-    return JSONResponse(base | {"object": "chat.completion", "choices": choices,
-                                "usage": gen.usage()})
+    return choices
 
 
 # -- models, tokenize, detokenize ----------------------------------------------------------------
