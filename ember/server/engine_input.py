@@ -39,7 +39,7 @@ async def completion_input(state: ServerState, body: CompletionRequest,
                            tenant: ApiKey | None) -> EngineInput:
     constraint = body.constraint()
     params = body.sampling_params(body.max_tokens, body.logprobs, constraint)
-    options = tenant_options(body, tenant)
+    options = tenant_options(body, tenant, state.tenant_salts)
     texts, prompts = await anyio.to_thread.run_sync(
         encode_prompts, body.prompt_list(), state.engine.tokenizer, body.echo)
     return EngineInput(prompts, params, options, await compile_grammar(state, constraint),
@@ -57,7 +57,7 @@ async def chat_input(state: ServerState, body: ChatCompletionRequest,
         constraint = tool_constraint(functions, body.tool_choice or "auto",
                                      body.parallel_tool_calls)
     params = body.sampling_params(body.max_new_tokens(), body.num_logprobs(), constraint)
-    options = tenant_options(body, tenant)
+    options = tenant_options(body, tenant, state.tenant_salts)
     prompt = await anyio.to_thread.run_sync(partial(
         chat_prompt, state, body.messages, body.add_generation_prompt,
         body.tools if functions else None, functions))
@@ -98,7 +98,8 @@ def chat_prompt(state: ServerState, messages: list, add_generation_prompt: bool,
         return state.engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-def tenant_options(body: SamplingFields, tenant: ApiKey | None) -> RequestOptions:
+def tenant_options(body: SamplingFields, tenant: ApiKey | None, salts: dict[str, str]
+                   ) -> RequestOptions:
     """The request's options within its tenant's bounds: cached prefixes salted by tenant, and
     a priority no more important than the key allows (an unset one runs at the allowance)."""
     options = body.request_options()
@@ -112,10 +113,10 @@ def tenant_options(body: SamplingFields, tenant: ApiKey | None) -> RequestOption
                             f"first): send priority >= {best}", param="priority")
         priority = best
     return replace(options, priority=priority,
-                   cache_salt=tenant_salt(tenant.tenant, options.cache_salt))
+                   cache_salt=tenant_salt(salts[tenant.tenant], options.cache_salt))
 
 
-def tenant_salt(tenant: str, cache_salt: str | None) -> str:
-    """A salt no other tenant can send: tenant names hold no whitespace, so the tenant part
-    ends where the first newline is, whatever the request's own salt."""
-    return tenant if cache_salt is None else f"{tenant}\n{cache_salt}"
+def tenant_salt(secret: str, cache_salt: str | None) -> str:
+    """A salt no other tenant can send: the tenant's secret is hex of a fixed length, so it
+    ends where the request's own salt begins."""
+    return secret if cache_salt is None else f"{secret}\n{cache_salt}"

@@ -2,6 +2,7 @@
 (its key's tenant) and when it arrived. Held on `app.state`."""
 from __future__ import annotations
 
+import hashlib
 import hmac
 import time
 from dataclasses import dataclass, field
@@ -33,9 +34,11 @@ class ServerState:
     _chat_template: ChatTemplate | None = None
     _answers: AnswerTokens | None = None
     keys: tuple[ApiKey, ...] = field(init=False)  # with tenants: every accepted key
+    tenant_salts: dict[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
         self.keys = self.config.tenant_keys()
+        self.tenant_salts = tenant_salts(self.keys)
 
     def check_model(self, model: str | None) -> None:
         """`model` is a served name, never a path; None means the one model served."""
@@ -58,6 +61,19 @@ class ServerState:
     def max_model_len(self) -> int | None:
         core = self.engine.core
         return core.max_model_len if core is not None else None
+
+
+def tenant_salts(keys: tuple[ApiKey, ...]) -> dict[str, str]:
+    """Each tenant's cache salt: a digest of its keys. Every replica reading the same file
+    salts alike (routers match prefixes across replicas), and no one without the tenant's keys
+    can work it out, so the block hashes /kv/events publishes cannot be probed by tenant name
+    (which /metrics shows)."""
+    by_tenant: dict[str, list[str]] = {}
+    for key in keys:
+        by_tenant.setdefault(key.tenant, []).append(key.key)
+    return {tenant: hashlib.sha256("\n".join(["ember tenant salt", *sorted(secrets)])
+                                   .encode()).hexdigest()
+            for tenant, secrets in by_tenant.items()}
 
 
 def server_state(request: Request) -> ServerState:

@@ -16,9 +16,11 @@ import httpx
 import pytest
 
 from ember.config import ApiKey
+from ember.kv.prefix_cache import extend_keys
 from tests.server.conftest import LiveServer
 
 KEYS = (ApiKey("key-a", "alice"), ApiKey("key-b", "bob", best_priority=0))
+AUTH = {"Authorization": "Bearer key-a"}
 LONG = "The quick brown fox jumps over the lazy dog. " * 12
 
 
@@ -170,6 +172,23 @@ def test_tenants_never_see_each_others_cached_prefixes(live):
     complete(live, "key-a", prompt=prompt + " salted", cache_salt="shared")
     salted = complete(live, "key-b", prompt=prompt + " salted", cache_salt="shared")
     assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_kv_events_cannot_be_probed_by_tenant_name(live):
+    """The tenant names are public (/metrics shows them); the salt of a tenant's prefixes is
+    not, so the block hashes /kv/events publishes match nothing anyone can compute from a
+    tenant's name and a guessed prompt (with or without a request salt)."""
+    start = httpx.get(live.url + "/kv/events", headers=AUTH).json()
+    last = max([e["seq"] for e in start["events"]], default=-1)
+    prompt = "Probe: " + LONG.replace("dog", "owl")
+    complete(live, "key-a", prompt=prompt, max_tokens=1)
+    complete(live, "key-a", prompt=prompt, max_tokens=1, cache_salt="s")
+    ids = post(live, "/tokenize", prompt=prompt).json()["tokens"]
+    page = httpx.get(live.url + "/kv/events", params={"after": last}, headers=AUTH).json()
+    stored = {e["block_hash"] for e in page["events"] if e["type"] == "stored"}
+    assert len(stored) >= 2 * (len(ids) // 16)  # both requests' blocks were published
+    for salt in (None, "alice", "alice\ns", "s"):
+        assert not stored & set(extend_keys([], ids, 16, salt)), salt
 
 
 def test_priority_above_the_keys_allowance_is_403(live):
