@@ -15,10 +15,10 @@ from pathlib import Path
 
 from ember.bench.cli import add_bench_parser
 from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, PREFILL_MATMULS,
-                          QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig,
-                          ServerConfig)
+                          QUANTIZATIONS, ApiKey, CacheConfig, EngineConfig, SchedulerConfig,
+                          ServerConfig, parse_api_keys)
 from ember.engine.llm import LLM
-from ember.errors import EmberError, InvalidRequest
+from ember.errors import ConfigError, EmberError, InvalidRequest
 from ember.request import SamplingParams
 
 
@@ -176,6 +176,11 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=d.port)
     g.add_argument("--api-key", default=os.environ.get("EMBER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $EMBER_API_KEY)")
+    g.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="tenants: one 'KEY [TENANT [BEST_PRIORITY]]' per line (# comments); "
+                        "each tenant's cached prefixes are its own, its requests may not ask "
+                        "for a priority below BEST_PRIORITY (lower runs first), and metrics "
+                        "get a tenant label; --api-key, if also given, is tenant 'default'")
     g.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the file or folder name)")
     g.add_argument("--max-waiting", type=int, default=d.max_waiting,
@@ -189,13 +194,30 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds for in-flight requests to finish")
 
 
-def cmd_serve(args: argparse.Namespace) -> None:
-    from ember.server.serve import serve  # the server's dependencies load only when serving
-    serve(engine_config(args), ServerConfig(
+def read_api_keys(path: str | None) -> tuple[ApiKey, ...]:
+    if path is None:
+        return ()
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read the API keys file {path}: {e.strerror}; check "
+                          "--api-keys") from None
+    return parse_api_keys(text, source=path)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key,
+        api_keys=read_api_keys(args.api_keys),
         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
         request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-        drain_timeout_s=args.drain_timeout, max_n=args.max_n))
+        drain_timeout_s=args.drain_timeout, max_n=args.max_n)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from ember.server.serve import serve  # the server's dependencies load only when serving
+    config = server_config(args)  # a bad keys file fails before the model loads
+    serve(engine_config(args), config)
 
 
 def cmd_perplexity(args: argparse.Namespace) -> None:

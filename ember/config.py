@@ -189,6 +189,66 @@ class EngineConfig:
                    scheduler=SchedulerConfig(**groups[SchedulerConfig]))
 
 
+TENANT_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One accepted API key and the tenant it belongs to.
+
+    A tenant's requests share cached prefixes only with each other, and are counted under
+    its name in the metrics. `best_priority` is the most important priority the key may ask
+    for: lower runs first, so a request's priority must be >= it (None: any priority).
+    """
+
+    key: str
+    tenant: str
+    best_priority: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            raise ConfigError("an API key is empty; give each key at least one character")
+        if not self.tenant or not set(self.tenant) <= TENANT_NAME_CHARS:
+            raise ConfigError(f"tenant name {self.tenant!r} must be letters, digits, '_', '.' "
+                              "or '-' (it becomes a metrics label)")
+
+
+def parse_api_keys(text: str, source: str = "the API keys file") -> tuple[ApiKey, ...]:
+    """Lines of `KEY [TENANT [BEST_PRIORITY]]`; blank lines and lines starting with `#` are
+    skipped (a `#` inside a key is part of the key).
+
+    A key without a tenant name is a tenant of its own, named after its line (`line7`).
+    """
+    keys: list[ApiKey] = []
+    seen: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        parts = line.split()
+        if not parts or parts[0].startswith("#"):
+            continue
+        where = f"{source} line {number}"
+        if len(parts) > 3:
+            raise ConfigError(f"{where} has {len(parts)} fields; write KEY [TENANT "
+                              "[BEST_PRIORITY]], separated by spaces")
+        if parts[0] in seen:
+            raise ConfigError(f"{where} repeats the key of line {seen[parts[0]]}; "
+                              "give each key once")
+        try:
+            best = int(parts[2]) if len(parts) == 3 else None
+        except ValueError:
+            raise ConfigError(f"{where}: BEST_PRIORITY {parts[2]!r} must be an integer "
+                              "(lower runs first)") from None
+        try:
+            keys.append(ApiKey(parts[0], parts[1] if len(parts) > 1 else f"line{number}",
+                               best))
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e.message}") from None
+        seen[parts[0]] = number
+    if not keys:
+        raise ConfigError(f"{source} holds no key; write one `KEY [TENANT [BEST_PRIORITY]]` "
+                          "per line")
+    return tuple(keys)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP server: where it listens, whom it lets in, and how much it takes on."""
@@ -196,6 +256,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    # tenants (--api-keys); with them, api_key is one more key, of the tenant "default"
+    api_keys: tuple[ApiKey, ...] = ()
     served_model_name: str | None = None  # default: the model file's or folder's name
     max_waiting: int = 256                # queued requests before new ones get 429
     request_timeout_s: float | None = 600.0
@@ -210,6 +272,8 @@ class ServerConfig:
             raise ConfigError(f"port={self.port} must be in [0, 65535]")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key is empty; pass a non-empty key or none at all")
+        if self.api_key is not None and any(k.key == self.api_key for k in self.api_keys):
+            raise ConfigError("api_key is also in the API keys file; give each key once")
         for name in ("max_waiting", "max_body_bytes", "max_json_depth", "max_n"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
@@ -217,3 +281,10 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name}={value} must be positive")
+
+    def tenant_keys(self) -> tuple[ApiKey, ...]:
+        """Every accepted key with its tenant; empty when the server has no tenants."""
+        if not self.api_keys:
+            return ()
+        extra = (ApiKey(self.api_key, "default"),) if self.api_key is not None else ()
+        return self.api_keys + extra

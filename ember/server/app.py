@@ -17,7 +17,7 @@ from ember.engine.async_engine import AsyncEngine
 from ember.server import health, kv_events, openai
 from ember.server.errors import ClientDisconnected, install_error_handlers
 from ember.server.metrics import ServerMetrics
-from ember.server.state import ServerState, guard
+from ember.server.state import ArrivalTime, ServerState, guard
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 
@@ -32,7 +32,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         engine.shutdown()
 
     app = FastAPI(title="ember", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.ember = ServerState(engine, config, model_name, ServerMetrics(engine, model_name))
+    tenants = tuple(dict.fromkeys(k.tenant for k in config.tenant_keys()))
+    app.state.ember = ServerState(engine, config, model_name,
+                                  ServerMetrics(engine, model_name, tenants))
+    app.add_middleware(ArrivalTime)
     install_error_handlers(app)
 
     @app.exception_handler(ClientDisconnected)

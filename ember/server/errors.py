@@ -21,6 +21,13 @@ class Unauthorized(EmberError):
     error_type = "authentication_error"
 
 
+class Forbidden(EmberError):
+    """The key is valid but may not ask for this (a priority above its allowance)."""
+
+    http_status = 403
+    error_type = "permission_error"
+
+
 class NotFound(EmberError):
     http_status = 404
     error_type = "not_found_error"

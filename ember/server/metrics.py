@@ -1,17 +1,19 @@
 """Prometheus metrics, through prometheus-client, in a registry of this app's own.
 
-Latencies are measured where the client sees them: from the request's arrival at the handler to
-each piece of output handed to the response. Engine state (running, waiting, KV usage,
-preemptions) is read from the engine's published stats at scrape time. The `vllm:` names are
-the ones Kubernetes inference routers (the Gateway API Inference Extension's endpoint picker)
-read by default, so such routers work with ember unmodified.
+Latencies are measured where the client sees them: from the request's arrival at the server
+(before its body is read) to each piece of output handed to the response. Engine state
+(running, waiting, KV usage, preemptions) is read from the engine's published stats at scrape
+time. The `vllm:` names are the ones Kubernetes inference routers (the Gateway API Inference
+Extension's endpoint picker) read by default, so such routers work with ember unmodified.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -72,77 +74,117 @@ class EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    """The request metrics. With tenants, each carries a `tenant` label; its values are the
+    tenants of the keys file, so the label stays bounded. Without tenants the label is left
+    out, so scrapers and dashboards of a keyless server see the same series as before."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, tenants: tuple[str, ...] = ()
+                 ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("ember_time_to_first_token_seconds", "Time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
+        t = ("tenant",) if tenants else ()
+        self.ttft = Histogram("ember_time_to_first_token_seconds", "Time from the request's "
+                              "arrival to its first token", t, buckets=LATENCY_BUCKETS,
+                              registry=r)
         self.itl = Histogram("ember_inter_token_latency_seconds", "Gap between consecutive "
-                             "pieces of streamed output", buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("ember_time_per_output_token_seconds", "Per request: (E2E - TTFT) "
-                              "/ (output tokens - 1)", buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("ember_e2e_request_latency_seconds", "End-to-end request latency",
-                             buckets=LATENCY_BUCKETS, registry=r)
+                             "pieces of one choice's output", t, buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.tpot = Histogram("ember_time_per_output_token_seconds", "Per choice: (E2E - TTFT) "
+                              "/ (output tokens - 1)", t, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("ember_e2e_request_latency_seconds", "Time from the request's "
+                             "arrival to its end", t, buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("ember_request_queue_time_seconds", "Time waiting before the "
-                               "first step", buckets=LATENCY_BUCKETS, registry=r)
+                               "first step", t, buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_len = Histogram("ember_request_prompt_tokens", "Prompt length per request",
-                                    buckets=TOKEN_BUCKETS, registry=r)
+                                    t, buckets=TOKEN_BUCKETS, registry=r)
         self.gen_len = Histogram("ember_request_generation_tokens", "Generated tokens per "
-                                 "request", buckets=TOKEN_BUCKETS, registry=r)
+                                 "request", t, buckets=TOKEN_BUCKETS, registry=r)
         self.finished = Counter("ember_request_success", "Requests finished, by finish reason",
-                                ["finish_reason"], registry=r)
+                                ("finish_reason", *t), registry=r)
         self.aborted = Counter("ember_request_aborts", "Requests aborted, by reason",
-                               ["reason"], registry=r)
-        self.prompt_tokens = Counter("ember_prompt_tokens", "Prompt tokens processed",
+                               ("reason", *t), registry=r)
+        self.prompt_tokens = Counter("ember_prompt_tokens", "Prompt tokens processed", t,
                                      registry=r)
-        self.generation_tokens = Counter("ember_generation_tokens", "Tokens generated",
+        self.generation_tokens = Counter("ember_generation_tokens", "Tokens generated", t,
                                          registry=r)
+        self.tenants = frozenset(tenants)
+        for tenant in tenants:  # every tenant's series exists from the start, at zero
+            for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prompt_len,
+                           self.gen_len, self.prompt_tokens, self.generation_tokens):
+                metric.labels(tenant)
         r.register(EngineCollector(engine, model_name))
 
-    def tracker(self) -> "RequestTracker":
-        return RequestTracker(self)
+    def tracker(self, arrival: float, tenant: str | None = None) -> "RequestTracker":
+        """Timings of one request that arrived at `arrival` (time.monotonic)."""
+        labels = {"tenant": tenant or ""} if self.tenants else {}
+        return RequestTracker(self, arrival, labels)
+
+
+@dataclass
+class ChoiceTimes:
+    first: float      # when this choice's first token was handed to the response
+    last: float       # when its latest was
+    num_tokens: int
 
 
 class RequestTracker:
-    """Timings of one HTTP request, reported to the metrics once it ends."""
+    """Timings of one HTTP request, reported to the metrics once it ends.
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    TTFT and E2E run from the request's arrival, so parsing, templating and tokenizing count;
+    ITL and TPOT are per choice, so n > 1 does not divide one choice's time by all tokens.
+    """
+
+    def __init__(self, metrics: ServerMetrics, arrival: float, labels: dict[str, str],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.metrics = metrics
-        self.start = time.monotonic()
+        self.labels = labels
+        self.clock = clock
+        self.start = arrival
         self.first: float | None = None
-        self.last: float | None = None
-        self.num_output_tokens = 0
+        self.choices: dict[int, ChoiceTimes] = {}
         self.done = False
 
-    def on_output(self, num_tokens: int) -> None:
+    def _of(self, metric: MetricWrapperBase, **labels: str) -> MetricWrapperBase:
+        labels |= self.labels
+        return metric.labels(**labels) if labels else metric
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices.values())
+
+    def on_output(self, index: int, num_tokens: int) -> None:
+        """Choice `index` has just handed `num_tokens` new tokens to the response."""
         if num_tokens <= 0:
             return
-        now = time.monotonic()
+        now = self.clock()
         if self.first is None:
             self.first = now
-            self.metrics.ttft.observe(now - self.start)
+            self._of(self.metrics.ttft).observe(now - self.start)
+        choice = self.choices.get(index)
+        if choice is None:
+            self.choices[index] = ChoiceTimes(now, now, num_tokens)
         else:
-            self.metrics.itl.observe(now - self.last)
-        self.last = now
-        self.num_output_tokens += num_tokens
-        self.metrics.generation_tokens.inc(num_tokens)  # as it streams, so rate() is live
+            self._of(self.metrics.itl).observe(now - choice.last)
+            choice.last = now
+            choice.num_tokens += num_tokens
+        self._of(self.metrics.generation_tokens).inc(num_tokens)  # as it streams: rate() is live
 
     def on_finish(self, finish_reasons: list[str], num_prompt_tokens: int,
                   queue_times: list[float]) -> None:
         m, self.done = self.metrics, True
-        e2e = time.monotonic() - self.start
-        m.e2e.observe(e2e)
-        if self.first is not None and self.num_output_tokens > 1:
-            m.tpot.observe((e2e - (self.first - self.start)) / (self.num_output_tokens - 1))
+        self._of(m.e2e).observe(self.clock() - self.start)
+        for choice in self.choices.values():
+            if choice.num_tokens > 1:
+                self._of(m.tpot).observe((choice.last - choice.first) / (choice.num_tokens - 1))
         for q in queue_times:
-            m.queue.observe(q)
+            self._of(m.queue).observe(q)
         for reason in finish_reasons:
-            m.finished.labels(reason).inc()
-        m.prompt_len.observe(num_prompt_tokens)
-        m.gen_len.observe(self.num_output_tokens)
-        m.prompt_tokens.inc(num_prompt_tokens)
+            self._of(m.finished, finish_reason=reason).inc()
+        self._of(m.prompt_len).observe(num_prompt_tokens)
+        self._of(m.gen_len).observe(self.num_output_tokens)
+        self._of(m.prompt_tokens).inc(num_prompt_tokens)
 
     def on_abort(self, reason: str) -> None:
         if not self.done:
             self.done = True
-            self.metrics.aborted.labels(reason).inc()
+            self._of(self.metrics.aborted, reason=reason).inc()

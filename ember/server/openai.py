@@ -1,239 +1,37 @@
 """/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize.
 
-Each handler: parse and check the body, turn prompts into token ids, submit one engine request
-per prompt (all refused together if one cannot run), then either stream SSE chunks or collect
-one JSON response. A client that goes away, at any phase, aborts its requests at once.
+Each handler: parse and check the body, turn it into the engine's input (engine_input.py),
+submit one engine request per prompt (all refused together if one cannot run), then either
+stream SSE chunks (sse.py) or collect one JSON response. A client that goes away, at any phase,
+aborts its requests at once (generation.py).
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
-import anyio
-
-from ember.engine.async_engine import Finished, RequestStream
-from ember.errors import EmberError, InvalidRequest
-from ember.request import CompletionOutput, RequestOptions, SamplingParams, TokenLogprob
-from ember.server.errors import ClientDisconnected, error_body
+from ember.errors import InvalidRequest
+from ember.request import CompletionOutput, TokenLogprob
+from ember.server.engine_input import chat_input, chat_prompt, completion_input
+from ember.server.generation import Generation, collect
 from ember.server.metrics import RequestTracker
 from ember.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest)
-from ember.server.state import ServerState, read_json_body, server_state
-from ember.server.tools import (ToolCallParser, check_tools, render_for_plain_template,
-                                tool_constraint)
-from ember.tokenizer.answers import AnswerTokens
+from ember.server.sse import Chunks, UsageChunk, event_stream
+from ember.server.state import (ServerState, arrival_time, read_json_body, request_tenant,
+                                server_state)
+from ember.server.tools import ToolCallParser
 from ember.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
-T = TypeVar("T")
 M = TypeVar("M", CompletionRequest, ChatCompletionRequest)
-
-
-# -- running requests ------------------------------------------------------------------------
-
-@dataclass
-class Choice:
-    """What one completion has produced so far."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-    def add(self, delta: CompletionOutput) -> None:
-        self.text += delta.text
-        self.token_ids += delta.token_ids
-        self.logprobs += delta.logprobs or []
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason.value
-            self.stop_reason = delta.stop_reason
-
-
-class Generation:
-    """The engine requests behind one HTTP request (one per prompt, each with n sequences)."""
-
-    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
-                 params: SamplingParams, options: RequestOptions,
-                 grammar: object | None = None, answers: AnswerTokens | None = None) -> None:
-        self.n = params.n
-        self.answers = answers  # chat answers to remember by their text once they finish
-        self.num_prompt_tokens = sum(len(p) for p in prompts)
-        self.tracker: RequestTracker = state.metrics.tracker()
-        self.streams: list[RequestStream] = []
-        try:
-            for i, prompt in enumerate(prompts):
-                self.streams.append(state.engine.submit(f"{request_id}-{i}", prompt, params,
-                                                        options, grammar))
-        except BaseException:
-            self.close("refused")
-            raise
-        self.choices = [Choice() for _ in range(len(prompts) * self.n)]
-        self._queue_times: list[float] = []
-        self.num_cached_tokens = 0
-
-    async def deltas(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
-        """(choice index, delta) as the engine produces them, all prompts interleaved."""
-        async for prompt_idx, item in _merge(self.streams):
-            if isinstance(item, Finished):
-                self._queue_times.append(item.queue_time_s)
-                self.num_cached_tokens += item.num_cached_tokens
-                continue
-            index = prompt_idx * self.n + item.index
-            self.choices[index].add(item)
-            self.tracker.on_output(len(item.token_ids))
-            yield index, item
-        if self.answers is not None:
-            for choice in self.choices:
-                if choice.finish_reason in ("stop", "length"):
-                    self.answers.remember(choice.text, choice.token_ids)
-        self.tracker.on_finish([c.finish_reason or "abort" for c in self.choices],
-                               self.num_prompt_tokens, self._queue_times)
-
-    def usage(self) -> dict[str, Any]:
-        completion = sum(len(c.token_ids) for c in self.choices)
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.num_prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
-
-    def close(self, reason: str) -> None:
-        """Abort whatever has not finished (KV blocks are freed by the engine)."""
-        if any(not s.finished for s in self.streams):
-            self.tracker.on_abort(reason)
-        for stream in self.streams:
-            stream.close()
-
-
-async def _merge(streams: list[RequestStream]
-                 ) -> AsyncIterator[tuple[int, CompletionOutput | Finished]]:
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for item in stream:
-                queue.put_nowait((i, item))
-            queue.put_nowait((i, done))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, e))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and so aborting its requests) if the client leaves."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    raise ClientDisconnected()
-
-
-class EventStreamResponse(StreamingResponse):
-    """SSE that stops the moment the client disconnects, even while nothing is being sent
-    (queued, or in a long prefill): the cancelled generator aborts its requests."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as group:
-            async def stream() -> None:
-                await self.stream_response(send)
-                group.cancel_scope.cancel()
-            group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-async def sse_stream(gen: Generation, chunks, usage_chunk) -> AsyncIterator[bytes]:
-    """Frame a generation as SSE: its chunks, the usage chunk if asked, then [DONE].
-
-    An error after the stream has started becomes an `error` event; nothing ends silently.
-    """
-    ended = False
-    try:
-        async for index, delta in gen.deltas():
-            for payload in chunks(index, delta):
-                yield sse(payload)
-        if usage_chunk is not None:
-            yield sse(usage_chunk(gen.usage()))
-        ended = True
-        yield SSE_DONE
-    except EmberError as e:
-        gen.close("timeout" if e.http_status == 504 else "error")
-        ended = True
-        yield sse(error_body(e.http_status, e.message, e.error_type, e.param))
-        yield SSE_DONE
-    finally:
-        if not ended:
-            gen.close("client_disconnect")
-
-
-def _sse_headers() -> dict[str, str]:
-    return {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-async def collect(request: Request, gen: Generation) -> Generation:
-    async def drain() -> Generation:
-        try:
-            async for _ in gen.deltas():
-                pass
-        except EmberError as e:
-            gen.close("timeout" if e.http_status == 504 else "error")
-            raise
-        return gen
-    try:
-        return await unless_disconnected(request, drain())
-    except ClientDisconnected:
-        gen.close("client_disconnect")
-        raise
 
 
 # -- logprobs in the two OpenAI shapes -------------------------------------------------------
@@ -263,62 +61,69 @@ def chat_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> dict[st
 
 # -- /v1/completions ---------------------------------------------------------------------------
 
-def completion_prompts(prompts: list[str | list[int]], tokenizer: Tokenizer
-                       ) -> list[tuple[str | None, list[int]]]:
-    """(text, token ids) per prompt; token-id prompts have no text."""
-    return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, p) for p in prompts]
-
-
-async def parse_request(request: Request, model: type[M]) -> tuple[ServerState, M]:
-    """The body, validated, for the served model, asking only for what ember supports."""
+async def parse_request(request: Request, model: type[M]
+                        ) -> tuple[ServerState, M, RequestTracker]:
+    """The body, validated, for the served model, asking only for what ember supports; and
+    the request's tracker, timing from its arrival."""
     state = server_state(request)
+    tenant = request_tenant(request)
+    tracker = state.metrics.tracker(arrival_time(request), tenant.tenant if tenant else None)
     body = await read_json_body(request, model)
     state.check_model(body.model)
     body.check_supported()
-    return state, body
+    return state, body, tracker
 
 
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
-    state, body = await parse_request(request, CompletionRequest)
-    tokenizer = state.engine.tokenizer
-    prompts = completion_prompts(body.prompt_list(), tokenizer)
-    constraint = body.constraint()
-    grammar = await state.engine.compile(constraint) if constraint else None
-    params = body.sampling_params(body.max_tokens, body.logprobs, constraint)
+    state, body, tracker = await parse_request(request, CompletionRequest)
+    work = await completion_input(state, body, request_tenant(request))
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    gen = Generation(state, request_id, [ids for _, ids in prompts], params,
-                     body.request_options(), grammar)
-    created = int(time.time())
-    echo = [(text if text is not None else tokenizer.decode(ids)) if body.echo else ""
-            for text, ids in prompts for _ in range(params.n)]
-    base = {"id": request_id, "object": "text_completion", "created": created,
+    gen = Generation(state, request_id, work, tracker)
+    echo = [text for text in work.texts for _ in range(work.params.n)] if body.echo \
+        else [""] * len(gen.choices)
+    base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
+    tokenizer = state.engine.tokenizer
     if body.stream:
-        offsets = [len(e) for e in echo]
-        echoed = [False] * len(echo)
-
-        def chunks(index: int, delta: CompletionOutput) -> list[dict[str, Any]]:
-            text = delta.text
-            if not echoed[index]:
-                echoed[index], text = True, echo[index] + text
-            logprobs = None
-            if delta.logprobs is not None:
-                logprobs = completion_logprobs(tokenizer, delta.logprobs, offsets[index])
-            offsets[index] += len(delta.text)
-            choice = {"index": index, "text": text, "logprobs": logprobs,
-                      "finish_reason": _finish(delta), "stop_reason": delta.stop_reason}
-            return [base | {"choices": [choice]} | _null_usage(body.include_usage)]
-
-        usage = (lambda u: base | {"choices": [], "usage": u}) if body.include_usage else None
-        return EventStreamResponse(sse_stream(gen, chunks, usage), headers=_sse_headers())
+        return event_stream(gen, completion_chunks(base, echo, tokenizer, body.include_usage),
+                            _usage_chunk(base, body.include_usage))
     await collect(request, gen)
-    choices = [{"index": i, "text": echo[i] + c.text,
-                "logprobs": completion_logprobs(tokenizer, c.logprobs, len(echo[i]))
-                if body.logprobs is not None else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-               for i, c in enumerate(gen.choices)]
-    return JSONResponse(base | {"choices": choices, "usage": gen.usage()})
+    return JSONResponse(base | {"choices": completion_choices(
+        gen, echo, tokenizer, body.logprobs is not None), "usage": gen.usage()})
+
+
+def completion_chunks(base: dict[str, Any], echo: list[str], tokenizer: Tokenizer,
+                      include_usage: bool) -> Chunks:
+    """The streamed chunks of one completion delta; a choice's first carries its echo."""
+    offsets = [len(e) for e in echo]
+    echoed = [False] * len(echo)
+
+    def chunks(index: int, delta: CompletionOutput) -> list[dict[str, Any]]:
+        text = delta.text
+        if not echoed[index]:
+            echoed[index], text = True, echo[index] + text
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs = completion_logprobs(tokenizer, delta.logprobs, offsets[index])
+        offsets[index] += len(delta.text)
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": _finish(delta), "stop_reason": delta.stop_reason}
+        return [base | {"choices": [choice]} | _null_usage(include_usage)]
+    return chunks
+
+
+def completion_choices(gen: Generation, echo: list[str], tokenizer: Tokenizer,
+                       with_logprobs: bool) -> list[dict[str, Any]]:
+    return [{"index": i, "text": echo[i] + c.text,
+             "logprobs": completion_logprobs(tokenizer, c.logprobs, len(echo[i]))
+             if with_logprobs else None,
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            for i, c in enumerate(gen.choices)]
+
+
+def _usage_chunk(base: dict[str, Any], include_usage: bool) -> UsageChunk | None:
+    return (lambda usage: base | {"choices": [], "usage": usage}) if include_usage else None
 
 
 def _finish(delta: CompletionOutput) -> str | None:
@@ -330,23 +135,6 @@ def _null_usage(include_usage: bool) -> dict[str, Any]:
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------
-
-def chat_prompt(state: ServerState, messages: list, add_generation_prompt: bool,
-                tools: list[dict[str, Any]] | None = None,
-                functions: list[dict[str, Any]] | None = None) -> list[int]:
-    """Token ids of the conversation through the model's template. A template that knows
-    tools gets them; for one that does not, tools and calls are written in (tools.py)."""
-    template_messages = [m.as_template_message(i) for i, m in enumerate(messages)]
-    template = state.chat_template()
-    if template.knows_tools:
-        text = template.render(template_messages, add_generation_prompt, tools=tools)
-    else:
-        text = template.render(render_for_plain_template(template_messages, functions),
-                               add_generation_prompt)
-    answers = [m["content"] for m in template_messages
-               if m["role"] == "assistant" and m["content"] and not m.get("tool_calls")]
-    return state.answers().encode(text, answers)
-
 
 @dataclass
 class ChatChoice:
@@ -386,53 +174,56 @@ def _tool_calls(parser: ToolCallParser) -> list[dict[str, Any]]:
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
-    state, body = await parse_request(request, ChatCompletionRequest)
-    tokenizer = state.engine.tokenizer
-    functions = check_tools(body.tools) if body.tools and body.tool_choice != "none" else None
-    constraint = body.constraint()
-    if functions:
-        if constraint is not None:
-            raise InvalidRequest("tools and response_format cannot be combined in one request",
-                                 param="response_format")
-        constraint = tool_constraint(functions, body.tool_choice or "auto",
-                                     body.parallel_tool_calls)
-    grammar = await state.engine.compile(constraint) if constraint else None
-    prompt = chat_prompt(state, body.messages, body.add_generation_prompt,
-                         body.tools if functions else None, functions)
-    params = body.sampling_params(body.max_new_tokens(), body.num_logprobs(), constraint)
+    state, body, tracker = await parse_request(request, ChatCompletionRequest)
+    work = await chat_input(state, body, request_tenant(request))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = Generation(state, request_id, [prompt], params, body.request_options(), grammar,
-                     answers=None if functions else state.answers())
+    gen = Generation(state, request_id, work, tracker,
+                     answers=None if work.functions else state.answers())
     base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": state.model_name}
-    views = [ChatChoice(ToolCallParser() if functions else None) for _ in range(params.n)]
+    views = [ChatChoice(ToolCallParser() if work.functions else None)
+             for _ in range(work.params.n)]
+    tokenizer = state.engine.tokenizer
     if body.stream:
-        def chunks(index: int, delta: CompletionOutput) -> list[dict[str, Any]]:
-            view, out = views[index], []
-            extra = _null_usage(body.include_usage)
-            if not view.started:
-                view.started = True
-                out.append(base | {"choices": [{"index": index, "delta": {
-                    "role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None}]} | extra)
-            logprobs = chat_logprobs(tokenizer, delta.logprobs) if delta.logprobs else None
-            pieces = view.deltas(delta.text, delta.finish_reason is not None)
-            if logprobs and not pieces:
-                pieces = [{"content": ""}]
-            for k, piece in enumerate(pieces):
-                out.append(base | {"choices": [{"index": index, "delta": piece,
-                                                "logprobs": logprobs if k == 0 else None,
-                                                "finish_reason": None}]} | extra)
-            if delta.finish_reason is not None:
-                out.append(base | {"choices": [{
-                    "index": index, "delta": {}, "logprobs": None,
-                    "finish_reason": view.finish_reason(_finish(delta)),
-                    "stop_reason": delta.stop_reason}]} | extra)
-            return out
-
-        usage = (lambda u: base | {"choices": [], "usage": u}) if body.include_usage else None
-        return EventStreamResponse(sse_stream(gen, chunks, usage), headers=_sse_headers())
+        return event_stream(gen, chat_chunks(base, views, tokenizer, body.include_usage),
+                            _usage_chunk(base, body.include_usage))
     await collect(request, gen)
+    return JSONResponse(base | {"object": "chat.completion", "choices": chat_choices(
+        gen, views, tokenizer, bool(body.logprobs)), "usage": gen.usage()})
+
+
+def chat_chunks(base: dict[str, Any], views: list[ChatChoice], tokenizer: Tokenizer,
+                include_usage: bool) -> Chunks:
+    """The streamed chunks of one chat delta: a choice opens with its role, and closes with
+    a chunk of its finish reason."""
+    extra = _null_usage(include_usage)
+
+    def chunks(index: int, delta: CompletionOutput) -> list[dict[str, Any]]:
+        view, out = views[index], []
+        if not view.started:
+            view.started = True
+            out.append(base | {"choices": [{"index": index, "delta": {
+                "role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}]} | extra)
+        logprobs = chat_logprobs(tokenizer, delta.logprobs) if delta.logprobs else None
+        pieces = view.deltas(delta.text, delta.finish_reason is not None)
+        if logprobs and not pieces:
+            pieces = [{"content": ""}]
+        for k, piece in enumerate(pieces):
+            out.append(base | {"choices": [{"index": index, "delta": piece,
+                                            "logprobs": logprobs if k == 0 else None,
+                                            "finish_reason": None}]} | extra)
+        if delta.finish_reason is not None:
+            out.append(base | {"choices": [{
+                "index": index, "delta": {}, "logprobs": None,
+                "finish_reason": view.finish_reason(_finish(delta)),
+                "stop_reason": delta.stop_reason}]} | extra)
+        return out
+    return chunks
+
+
+def chat_choices(gen: Generation, views: list[ChatChoice], tokenizer: Tokenizer,
+                 with_logprobs: bool) -> list[dict[str, Any]]:
     choices = []
     for i, (c, view) in enumerate(zip(gen.choices, views)):
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
@@ -443,11 +234,10 @@ async def create_chat_completion(request: Request) -> Response:
             if view.parser.calls:
                 message["tool_calls"] = _tool_calls(view.parser)
         choices.append({"index": i, "message": message,
-                        "logprobs": chat_logprobs(tokenizer, c.logprobs) if body.logprobs
+                        "logprobs": chat_logprobs(tokenizer, c.logprobs) if with_logprobs
                         else None, "finish_reason": view.finish_reason(c.finish_reason),
                         "stop_reason": c.stop_reason})
-    return JSONResponse(base | {"object": "chat.completion", "choices": choices,
-                                "usage": gen.usage()})
+    return choices
 
 
 # -- models, tokenize, detokenize ----------------------------------------------------------------
@@ -477,9 +267,11 @@ async def tokenize(request: Request) -> JSONResponse:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("send exactly one of 'prompt' and 'messages'", param="prompt")
     if body.messages is not None:
-        ids = chat_prompt(state, body.messages, body.add_generation_prompt)
+        ids = await anyio.to_thread.run_sync(chat_prompt, state, body.messages,
+                                             body.add_generation_prompt)
     else:
-        ids = state.engine.tokenizer.encode(body.prompt, body.add_special_tokens)
+        ids = await anyio.to_thread.run_sync(state.engine.tokenizer.encode, body.prompt,
+                                             body.add_special_tokens)
     return JSONResponse({"tokens": ids, "count": len(ids),
                          "max_model_len": state.max_model_len()})
 
@@ -494,5 +286,6 @@ async def detokenize(request: Request) -> JSONResponse:
     if bad:
         raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
                              param="tokens")
-    text = state.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
+    text = await anyio.to_thread.run_sync(partial(state.engine.tokenizer.decode, body.tokens,
+                                                  skip_special_tokens=False))
     return JSONResponse({"prompt": text})

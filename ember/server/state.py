@@ -1,6 +1,8 @@
-"""What every handler reads: the engine, the config, the metrics. Held on `app.state`."""
+"""What every handler reads: the engine, the config, the metrics, and who sent the request
+(its key's tenant) and when it arrived. Held on `app.state`."""
 from __future__ import annotations
 
+import hashlib
 import hmac
 import time
 from dataclasses import dataclass, field
@@ -8,8 +10,9 @@ from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ember.config import ServerConfig
+from ember.config import ApiKey, ServerConfig
 from ember.engine.async_engine import AsyncEngine
 from ember.server.errors import NotFound, PayloadTooLarge, Unauthorized, Unavailable
 from ember.server.metrics import ServerMetrics
@@ -30,6 +33,12 @@ class ServerState:
     draining: bool = False
     _chat_template: ChatTemplate | None = None
     _answers: AnswerTokens | None = None
+    keys: tuple[ApiKey, ...] = field(init=False)  # with tenants: every accepted key
+    tenant_salts: dict[str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.keys = self.config.tenant_keys()
+        self.tenant_salts = tenant_salts(self.keys)
 
     def check_model(self, model: str | None) -> None:
         """`model` is a served name, never a path; None means the one model served."""
@@ -54,21 +63,71 @@ class ServerState:
         return core.max_model_len if core is not None else None
 
 
+def tenant_salts(keys: tuple[ApiKey, ...]) -> dict[str, str]:
+    """Each tenant's cache salt: a digest of its keys. Every replica reading the same file
+    salts alike (routers match prefixes across replicas), and no one without the tenant's keys
+    can work it out, so the block hashes /kv/events publishes cannot be probed by tenant name
+    (which /metrics shows)."""
+    by_tenant: dict[str, list[str]] = {}
+    for key in keys:
+        by_tenant.setdefault(key.tenant, []).append(key.key)
+    return {tenant: hashlib.sha256("\n".join(["ember tenant salt", *sorted(secrets)])
+                                   .encode()).hexdigest()
+            for tenant, secrets in by_tenant.items()}
+
+
 def server_state(request: Request) -> ServerState:
     return request.app.state.ember
 
 
 async def guard(request: Request) -> None:
-    """Bearer auth (constant-time compare) and the drain: run before every model endpoint."""
+    """Bearer auth (constant-time compare) and the drain: run before every model endpoint.
+    With tenants, the key's tenant is kept on the request (see `request_tenant`)."""
     state = server_state(request)
-    key = state.config.api_key
-    if key is not None:
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
-            raise Unauthorized("missing or wrong API key; send 'Authorization: Bearer <key>'")
+    if state.keys:
+        request.state.tenant = _match_key(request, state.keys)
+    elif state.config.api_key is not None:
+        _match_key(request, (ApiKey(state.config.api_key, "default"),))
     if state.draining:
         raise Unavailable("the server is shutting down; send the request to another replica")
+
+
+def _match_key(request: Request, keys: tuple[ApiKey, ...]) -> ApiKey:
+    """The key the request's bearer token names. Every key is compared, each in constant
+    time, so the time taken does not tell which key came close."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    found = None
+    for key in keys:
+        if hmac.compare_digest(token.encode(), key.key.encode()):
+            found = key
+    if scheme.lower() != "bearer" or found is None:
+        raise Unauthorized("missing or wrong API key; send 'Authorization: Bearer <key>'")
+    return found
+
+
+def request_tenant(request: Request) -> ApiKey | None:
+    """The tenant `guard` found for this request; None on a server without tenants."""
+    return getattr(request.state, "tenant", None)
+
+
+ARRIVAL = "ember_arrival"
+
+
+class ArrivalTime:
+    """ASGI middleware: stamps each request's arrival (time.monotonic) before anything reads
+    its body, so latencies include parsing, templating and tokenizing, as the client sees."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})[ARRIVAL] = time.monotonic()
+        await self.app(scope, receive, send)
+
+
+def arrival_time(request: Request) -> float:
+    return getattr(request.state, ARRIVAL, None) or time.monotonic()
 
 
 async def read_json_body(request: Request, model: type[M]) -> M:

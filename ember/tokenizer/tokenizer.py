@@ -144,7 +144,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`add_special_tokens` adds what the model's files ask for (a BOS, for some models)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works and encode does not: a server that
+        # tokenizes a long prompt in a worker thread keeps its event loop running meanwhile
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

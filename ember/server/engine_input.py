@@ -1,0 +1,122 @@
+"""Where a parsed completion or chat request becomes what the engine runs: prompts as token
+ids, sampling parameters, request options (with the tenant's salt and priority) and grammar.
+
+Tokenizing and chat templating run in a worker thread: a prompt of megabytes takes a second
+or more to encode, and meanwhile the event loop keeps every other stream moving.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import anyio
+
+from ember.config import ApiKey
+from ember.constraint import Constraint
+from ember.errors import InvalidRequest
+from ember.request import RequestOptions, SamplingParams
+from ember.server.errors import Forbidden
+from ember.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from ember.server.state import ServerState
+from ember.server.tools import check_tools, render_for_plain_template, tool_constraint
+from ember.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineInput:
+    """One HTTP request's work for the engine: one engine request per prompt."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    options: RequestOptions
+    grammar: object | None = None
+    texts: tuple[str, ...] = ()                  # completions: each prompt's text, if echoed
+    functions: list[dict[str, Any]] | None = None  # chat: the tools the model may call
+
+
+async def completion_input(state: ServerState, body: CompletionRequest,
+                           tenant: ApiKey | None) -> EngineInput:
+    constraint = body.constraint()
+    params = body.sampling_params(body.max_tokens, body.logprobs, constraint)
+    options = tenant_options(body, tenant, state.tenant_salts)
+    texts, prompts = await anyio.to_thread.run_sync(
+        encode_prompts, body.prompt_list(), state.engine.tokenizer, body.echo)
+    return EngineInput(prompts, params, options, await compile_grammar(state, constraint),
+                       texts=texts)
+
+
+async def chat_input(state: ServerState, body: ChatCompletionRequest,
+                     tenant: ApiKey | None) -> EngineInput:
+    functions = check_tools(body.tools) if body.tools and body.tool_choice != "none" else None
+    constraint = body.constraint()
+    if functions:
+        if constraint is not None:
+            raise InvalidRequest("tools and response_format cannot be combined in one request",
+                                 param="response_format")
+        constraint = tool_constraint(functions, body.tool_choice or "auto",
+                                     body.parallel_tool_calls)
+    params = body.sampling_params(body.max_new_tokens(), body.num_logprobs(), constraint)
+    options = tenant_options(body, tenant, state.tenant_salts)
+    prompt = await anyio.to_thread.run_sync(partial(
+        chat_prompt, state, body.messages, body.add_generation_prompt,
+        body.tools if functions else None, functions))
+    return EngineInput([prompt], params, options, await compile_grammar(state, constraint),
+                       functions=functions)
+
+
+async def compile_grammar(state: ServerState, constraint: Constraint | None) -> object | None:
+    return await state.engine.compile(constraint) if constraint else None
+
+
+def encode_prompts(prompts: list[str | list[int]], tokenizer: Tokenizer, echo: bool
+                   ) -> tuple[tuple[str, ...], list[list[int]]]:
+    """Each prompt's text (only if echoed: a token-id prompt's is decoded) and token ids."""
+    ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    if not echo:
+        return (), ids
+    return tuple(p if isinstance(p, str) else tokenizer.decode(p) for p in prompts), ids
+
+
+def chat_prompt(state: ServerState, messages: list, add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None,
+                functions: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of the conversation through the model's template. A template that knows
+    tools gets them; for one that does not, tools and calls are written in (tools.py)."""
+    template_messages = [m.as_template_message(i) for i, m in enumerate(messages)]
+    template = state.chat_template()
+    if template.knows_tools:
+        text = template.render(template_messages, add_generation_prompt, tools=tools)
+    else:
+        text = template.render(render_for_plain_template(template_messages, functions),
+                               add_generation_prompt)
+    answers = [m["content"] for m in template_messages
+               if m["role"] == "assistant" and m["content"] and not m.get("tool_calls")]
+    try:
+        return state.answers().encode(text, answers)
+    except KeyError:  # an answer was evicted (on the event loop) between lookup and use
+        return state.engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def tenant_options(body: SamplingFields, tenant: ApiKey | None, salts: dict[str, str]
+                   ) -> RequestOptions:
+    """The request's options within its tenant's bounds: cached prefixes salted by tenant, and
+    a priority no more important than the key allows (an unset one runs at the allowance)."""
+    options = body.request_options()
+    if tenant is None:
+        return options
+    priority, best = options.priority, tenant.best_priority
+    if best is not None and priority < best:
+        if "priority" in body.model_fields_set:
+            raise Forbidden(f"priority={priority} is more important than this API key may ask "
+                            f"for; the most important it may use is {best} (lower runs "
+                            f"first): send priority >= {best}", param="priority")
+        priority = best
+    return replace(options, priority=priority,
+                   cache_salt=tenant_salt(salts[tenant.tenant], options.cache_salt))
+
+
+def tenant_salt(secret: str, cache_salt: str | None) -> str:
+    """A salt no other tenant can send: the tenant's secret is hex of a fixed length, so it
+    ends where the request's own salt begins."""
+    return secret if cache_salt is None else f"{secret}\n{cache_salt}"
