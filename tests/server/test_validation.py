@@ -183,3 +183,20 @@ def test_max_n_comes_from_the_server_config(server):
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
     finally:
         server.state.config = config
+
+
+def test_prompts_times_n_count_against_max_waiting(server):
+    """Every sequence a request asks for (prompts x n) is counted at once: a request the
+    queue cannot take whole is refused whole, before any of it runs."""
+    engine = server.engine
+    limit = engine.max_waiting
+    engine.max_waiting = 4
+    try:
+        r = post(server, "/v1/completions", {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 1})
+        assert_error(r, 429, "takes at most 4", "adds 6")
+        assert r.headers["retry-after"]
+        server.wait_idle()
+        r = post(server, "/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 1})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4
+    finally:
+        engine.max_waiting = limit
