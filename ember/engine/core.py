@@ -48,14 +48,20 @@ def load_tokenizer(files: ModelFiles) -> Tokenizer:
     return Tokenizer.from_hf_folder(files.path)
 
 
-def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+def resolve_max_model_len(config: EngineConfig, model: ModelConfig,
+                          kv_capacity_tokens: int | None = None) -> int:
+    """The longest sequence served: the model's context or the asked length, clipped to what
+    the KV cache holds when its capacity is known (a longer request could never run)."""
     limit = model.context_limit()
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
+    if config.max_model_len is not None and config.max_model_len > limit:
         raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's context of "
                           f"{limit} tokens; lower it or leave it unset")
-    return config.max_model_len
+    max_model_len = limit if config.max_model_len is None else config.max_model_len
+    if kv_capacity_tokens is not None and max_model_len > kv_capacity_tokens:
+        log.warning("max_model_len lowered from %d to %d tokens, all the KV cache holds; raise "
+                    "--kv-cache-gib to serve longer sequences", max_model_len, kv_capacity_tokens)
+        return kv_capacity_tokens
+    return max_model_len
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,8 @@ class EngineCore:
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.quantization,
                                           self.dtype, self.model_config.head_dim, kernels)
         num_blocks = plan_num_blocks(self.model_config, config.cache, self.dtype, kv_dtype)
+        self.max_model_len = resolve_max_model_len(config, self.model_config,
+                                                   num_blocks * block_size)
         self.cache_info = CacheInfo(num_blocks, block_size,
                                     kv_bytes_per_token(self.model_config, self.dtype, kv_dtype),
                                     kv_dtype if kv_dtype != "model" else

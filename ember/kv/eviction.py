@@ -31,7 +31,9 @@ class Candidate:
 
 class LRU:
     """A heap on the release clock, with lazy deletion (a candidate may enter late, when its
-    last cached child goes, and must still be ordered by when it was released)."""
+    last cached child goes, and must still be ordered by when it was released). Stale entries
+    are dropped once they outnumber the live ones, so the heap stays within twice the
+    candidates (plus a few) however often blocks are reused."""
 
     name = "lru"
 
@@ -48,6 +50,13 @@ class LRU:
 
     def remove(self, block_id: int) -> None:
         del self._live[block_id]
+        self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the heap from the live entries once it is mostly stale: amortized O(1)."""
+        if len(self._heap) > 2 * len(self._live) + 16:
+            self._heap = [(released, b) for b, released in self._live.items()]
+            heapq.heapify(self._heap)
 
     def pop(self) -> int:
         while True:

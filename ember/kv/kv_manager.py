@@ -133,16 +133,33 @@ class KVCacheManager:
             room = 0 if table else min(MAX_ROOM_BLOCKS, max(0, cdiv(
                 request.num_prompt_tokens + request.max_tokens, self.block_size)
                 - len(held) - num_new))
+            src = self._hold_copy_source(hit, num_new + idle_hits)
             new_blocks = (self.pool.allocate(num_new, after=held[-1] if held else None,
                                              room=room) if num_new > 0 else [])
+            if src >= 0:
+                self.pool.free([src])
             table = held + new_blocks
             self._tables[request.request_id] = table
             if hit is not None and hit.partial_tokens:
-                # The source is not held: if this step's allocations evict it, its slots are
-                # only overwritten by this step's forward, which runs after the copies.
+                # The source is not held past placement: if this step's allocations evict it,
+                # its slots are only overwritten by this step's forward, after the copies.
                 self._copies.append(BlockCopy(hit.partial_block, new_blocks[0],
                                               hit.partial_tokens))
         return True
+
+    def _hold_copy_source(self, hit: PrefixHit | None, num_needed: int) -> int:
+        """Take a reference to the block a partial hit copies from, while the pool can spare
+        it, so that placing the new blocks (which takes the idle leaf right after the last
+        one) does not evict it: its copy would be cached again when this request finishes,
+        a removed and a stored event for every repeat of a prompt. Returns the block held,
+        or -1."""
+        if hit is None or not hit.partial_tokens:
+            return -1
+        src = hit.partial_block
+        if num_needed + (self.pool.ref_count(src) == 0) > self.pool.num_free_blocks:
+            return -1
+        self.pool.touch([src])
+        return src
 
     def take_copies(self) -> list[BlockCopy]:
         """The block copies the step being planned needs, in order; clears the list."""
