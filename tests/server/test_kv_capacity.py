@@ -51,9 +51,13 @@ def test_the_api_reports_the_clipped_length_and_refuses_longer_requests(small_ca
     models = httpx.get(small_cache_server.url + "/v1/models", timeout=30).json()
     assert [m["max_model_len"] for m in models["data"]] == [CAPACITY]
     r = httpx.post(small_cache_server.url + "/v1/completions", timeout=60,
-                   json={"prompt": [5] * (CAPACITY - 4), "max_tokens": 8})
+                   json={"prompt": [5] * CAPACITY, "max_tokens": 8})
     assert r.status_code == 400, r.text
     assert str(CAPACITY) in r.json()["error"]["message"]
+    cut = httpx.post(small_cache_server.url + "/v1/completions", timeout=60,
+                     json={"prompt": [5] * (CAPACITY - 4), "max_tokens": 8, "ignore_eos": True})
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["completion_tokens"] == 4  # max_tokens cut to the room left
     ok = httpx.post(small_cache_server.url + "/v1/completions", timeout=60,
                     json={"prompt": [5] * (CAPACITY - 8), "max_tokens": 8})
     assert ok.status_code == 200, ok.text
