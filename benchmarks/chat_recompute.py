@@ -2,8 +2,8 @@
 tokens (target: recomputed <= new + one block).
 
     .venv/bin/ember bench serve --workload chat-sessions --sessions 4 --turns 6 \
-        --input-len fixed:60 --output-len fixed:40 --concurrency 4 --out results/chat.json
-    .venv/bin/python benchmarks/chat_recompute.py results/chat.jsonl
+        --input-len fixed:60 --output-len fixed:40 --concurrency 4 --out chat.json
+    .venv/bin/python benchmarks/chat_recompute.py chat.jsonl
 
 For turn t of a session: new(t) = prompt(t) - prompt(t-1) - output(t-1) (the user's message
 and the template's framing; the previous answer was computed while it was generated), and

@@ -1,7 +1,7 @@
 """The compiled CPU kernels (ember/kernels) beside the torch code they replace, per call.
 (For prompt matmuls, "torch" is oneDNN's bfloat16 matmul and "kernel" the int8 one.)
 
-    .venv/bin/python benchmarks/cpu_kernels.py --out results/cpu_kernels.json
+    .venv/bin/python benchmarks/cpu_kernels.py [--out FILE]
 
 bfloat16, torch's threads, SmolLM2-135M's shapes (hidden 576, 9 query / 3 KV heads of 64,
 intermediate 1536), 16-token blocks scattered over a 2000-block cache. Best of 3 timings of
@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from ember.bench.cli import results_dir
 from ember.kernels import CpuKernels, build_cpu_ops
 from ember.models.attention import PagedKV, _matmul_attention
 from ember.quant.packed import KernelInt8Linear, PackedLinear
@@ -153,7 +155,8 @@ def prompt_matmul(kernels: CpuKernels, rows: int, n: int, k: int) -> dict[str, f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/cpu_kernels.json")
+    out_dir = results_dir(os.environ, Path.home())  # never the tree
+    parser.add_argument("--out", default=str(out_dir / "cpu_kernels.json"))
     args = parser.parse_args()
     kernels = CpuKernels(build_cpu_ops())
     results = norms(kernels)

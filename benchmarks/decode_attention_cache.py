@@ -1,6 +1,6 @@
 """Decode attention over a cold cache: what a decode step at concurrency ~20 pays for its K/V.
 
-    .venv/bin/python benchmarks/decode_attention_cache.py --out results/decode_attention.json
+    .venv/bin/python benchmarks/decode_attention_cache.py [--out FILE]
 
 SmolLM2-135M's shapes (9 query / 3 KV heads of 64, 30 layers): one cache per layer, together
 ~1 GiB on transparent huge pages as the engine allocates them (engine/memory.py), 21

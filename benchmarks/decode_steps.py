@@ -1,6 +1,6 @@
 """Decode steps at several batch sizes, through the decode stack and layer by layer.
 
-    .venv/bin/python benchmarks/decode_steps.py --out results/decode_steps.json
+    .venv/bin/python benchmarks/decode_steps.py [--out FILE]
 
 For each batch size B: B requests with 300-token prompts are prefilled, then `--steps` steps
 that only decode are timed twice: with the compiled decode stack (every layer in one call, on

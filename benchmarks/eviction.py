@@ -1,6 +1,6 @@
 """Eviction policies on multi-tenant workloads: where LRU, LFU and cost-aware win or lose.
 
-    .venv/bin/python benchmarks/eviction.py --out results/eviction
+    .venv/bin/python benchmarks/eviction.py [--out FILE]
 
 Three `ember serve` (one per --eviction-policy) with a KV cache of 100 blocks (1600 tokens),
 bf16, each given the identical request sequence at concurrency 1 by `ember bench peers`:
@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
 from pathlib import Path
 
+from ember.bench.cli import results_dir
 from ember.bench.workloads import PromptMaker, default_corpus, local_tokenizer
 
 BLOCKS, KV_BYTES_PER_BLOCK_BF16 = 100, 23040 * 16  # SmolLM2-135M: 23040 bytes/token in bf16
@@ -50,7 +52,8 @@ def build(maker: PromptMaker, kind: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/eviction")
+    out_dir = results_dir(os.environ, Path.home())  # never the tree
+    parser.add_argument("--out", default=str(out_dir / "eviction"))
     parser.add_argument("--model-file", default=None)
     args = parser.parse_args()
     from ember.weights.loader import default_model_path

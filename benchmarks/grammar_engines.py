@@ -1,6 +1,6 @@
 """xgrammar vs llguidance on this CPU, with SmolLM2's vocabulary (49,152 tokens).
 
-    .venv/bin/python benchmarks/grammar_engines.py --out results/grammar_engines.json
+    .venv/bin/python benchmarks/grammar_engines.py [--out FILE]
 
 For each schema of tests/data/schemas.json: first compile (cold, p50 over schemas), a repeated
 compile (cached), and the per-token cost of a constrained step (fill the next-token bitmask,
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from ember.bench.cli import results_dir
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.gguf_metadata import read_gguf_metadata
 from ember.weights.loader import default_model_path
@@ -109,7 +111,8 @@ def bench_ember(tok: Tokenizer) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/grammar_engines.json")
+    out_dir = results_dir(os.environ, Path.home())  # never the tree
+    parser.add_argument("--out", default=str(out_dir / "grammar_engines.json"))
     args = parser.parse_args()
     torch.set_num_threads(2)
     tok = Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model_path()))

@@ -1,7 +1,7 @@
 """Two builds of ember/kernels/cpu_ops.cpp in one process, call against call.
 
     .venv/bin/python benchmarks/kernel_ab.py --old-source OLD.cpp [--new-source NEW.cpp]
-        [--rows 32] [--prompt-tokens 250 350] [--steps 120] [--out results/kernel_ab.json]
+        [--rows 32] [--prompt-tokens 250 350] [--steps 120] [--out FILE]
 
 This machine's speed drifts by 10-30% from hour to hour, so two processes run one after the
 other compare the hours as much as the code. Here both sources are built as extensions of
@@ -36,7 +36,6 @@ from ember.engine.roofline import hand_off_probe
 from ember.kernels import SOURCE, CpuKernels, build_cpu_ops
 from ember.models.llama import _build_decode_stack
 from ember.request import RequestOptions, SamplingParams
-
 
 GLOBAL_CLASS = 'py::class_<DecodeStack>(m, "DecodeStack")'
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/offline.py --llama-python /path/to/llama-venv/bin/python \
         [--formats float32:none,bfloat16:none,bfloat16:int4] [--repeats 3] \
-        [--out results/offline.json]
+        [--out FILE]
 
 The workloads are `ember bench offline`'s (ember/bench/offline.py): one stream (32-token
 prompt, 256 tokens), one 1024-token prefill, and 32 prompts at once (64 tokens each), as the
@@ -16,10 +16,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ember.bench.cli import results_dir
 
 DECODE_TOKENS, BATCH_OUTPUT = 256, 64
 
@@ -101,7 +104,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--formats", default="float32:none,bfloat16:none,bfloat16:int4",
                         help="ember DTYPE:QUANTIZATION pairs to run, comma-separated")
-    parser.add_argument("--out", default="results/offline.json")
+    out_dir = results_dir(os.environ, Path.home())  # never the tree
+    parser.add_argument("--out", default=str(out_dir / "offline.json"))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "llama_cpp":

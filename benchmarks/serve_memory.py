@@ -1,13 +1,13 @@
 """Resident memory of `ember serve`: idle after loading, under load, and idle again.
 
-    .venv/bin/python benchmarks/serve_memory.py --out results/serve_memory.json
+    .venv/bin/python benchmarks/serve_memory.py [--out FILE]
 
 Starts `ember serve` (the default model and KV budget unless --serve-args says otherwise),
 reads VmRSS from /proc/PID/status every 0.2 s, and drives it with `ember bench serve`: the
 standard concurrency-32 workload (64 requests, input U(100,400), output U(64,192); --rounds
-times, other seeds), then one 1024-token prompt. Reports MB (10^6 bytes) and GiB: after loading, the highest sample under
-load, after the burst (the engine hands freed memory back when it goes idle), and VmHWM (the
-peak over the process's life, loading included). Linux only.
+times, other seeds), then one 1024-token prompt. Reports MB (10^6 bytes) and GiB: after
+loading, the highest sample under load, after the burst (the engine hands freed memory back
+when it goes idle), and VmHWM (the peak over the process's life, loading included). Linux only.
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from ember.bench.cli import results_dir
 
 VENV_BIN = Path(sys.executable).parent
 GIB = 1 << 30
@@ -92,7 +94,8 @@ def main() -> None:
     parser.add_argument("--serve-args", default="", help="extra `ember serve` options")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the concurrency-32 workload this many times, seeds 0, 1, ...")
-    parser.add_argument("--out", default="results/serve_memory.json")
+    out_dir = results_dir(os.environ, Path.home())  # never the tree
+    parser.add_argument("--out", default=str(out_dir / "serve_memory.json"))
     args = parser.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -1,6 +1,6 @@
 """HTTP must not slow the engine: the same workload offline and through `ember serve`.
 
-    .venv/bin/python benchmarks/server_overhead.py [--model PATH] [--out results/server_overhead.json]
+    .venv/bin/python benchmarks/server_overhead.py [--model PATH] [--out FILE]
 
 Workloads (`ember bench offline`'s token-id prompts; greedy, EOS banned):
   single  one streaming request: 32-token prompt, 256 tokens
@@ -13,9 +13,10 @@ online / offline (1.0 = no overhead). Median of --repeats runs.
 from __future__ import annotations
 
 import argparse
-import functools
 import asyncio
+import functools
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from ember.bench.cli import results_dir
 from ember.bench.offline import offline_workload
 
 
@@ -86,7 +88,8 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="results/server_overhead.json")
+    out_dir = results_dir(os.environ, Path.home())  # never the tree
+    parser.add_argument("--out", default=str(out_dir / "server_overhead.json"))
     args = parser.parse_args()
 
     from ember import LLM

@@ -1,7 +1,7 @@
 """Where a decode stack step goes, op by op: timers built into a copy of the kernels' source.
 
     .venv/bin/python benchmarks/stack_phases.py [--old-source OLD.cpp] [--new-source NEW.cpp]
-        [--rows 1] [--prompt-tokens 300] [--steps 200] [--out results/phases.json]
+        [--rows 1] [--prompt-tokens 300] [--steps 200] [--out FILE]
 
 The source (the installed one by default) is copied with a steady_clock tick after each op of
 DecodeStack's layer loop (the input norm, the qkv matmul, RoPE and the cache write,
@@ -69,8 +69,8 @@ POST_NORM = ("      linear(layer.o, att.view({t, heads_ * d_}), out, &layer.gate
              "eps_);\n")
 LOOP = ("    for (size_t l = 0; l < layers_.size(); ++l) {\n"
         "      const Layer& layer = layers_[l];\n")
-# The same for run_decodes (a step of up to 8 decodes in one parallel region; sources from
-# session 22 on): thread 0 ticks, each op ending where the barrier after it lets thread 0 on.
+# The same for run_decodes (a step of up to 8 decodes in one parallel region, in sources
+# that have it): thread 0 ticks, each op ending where the barrier after it lets thread 0 on.
 # There RoPE and the cache write run inside attention's tasks: "attention" holds them, and
 # "rope_write" stays 0.
 REGION_LOOP = ("      for (size_t l = 0; l < layers_.size(); ++l) {\n"

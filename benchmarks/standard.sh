@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The standard serving workloads, ember beside peer servers, each run by `ember bench peers`.
 #   benchmarks/standard.sh OUT_DIR PEER_SPEC [PEER_SPEC ...]
-# PEER_SPEC is NAME=COMMAND with {port} and {model} filled in, for example
-#   'llama-cpp-python=/work/peers/llama/bin/python -m llama_cpp.server --model {model}
-#    --port {port} --n_threads 2 --n_threads_batch 2 --n_ctx 4096'
+# OUT_DIR takes the results (keep it outside the repository, e.g. ~/.cache/ember/bench/standard;
+# benchmarks/standard_table.py OUT_DIR prints the table). PEER_SPEC is NAME=COMMAND with {port}
+# and {model} filled in, for example
+#   'llama-server=llama-server -m {model} --port {port} -t 2 --threads-batch 2 -c 65536
+#    -np 32 --host 127.0.0.1'
 # EOS is banned with logit_bias (token 2 is SmolLM2's <|im_end|>) so that servers without
 # ignore_eos make the asked-for lengths too. Extra `ember serve` options: EMBER_ARGS.
 set -euo pipefail

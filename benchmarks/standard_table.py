@@ -1,7 +1,7 @@
 """Markdown table of benchmarks/standard.sh results (the medians `ember bench peers` wrote),
 one pair of columns per peer.
 
-    .venv/bin/python benchmarks/standard_table.py results/standard
+    .venv/bin/python benchmarks/standard_table.py ~/.cache/ember/bench/standard
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """How fast the decode stack's weights can stream at batch 1, by access pattern.
 
-    .venv/bin/python benchmarks/weight_streams.py [--rounds 12] [--out results/streams.json]
+    .venv/bin/python benchmarks/weight_streams.py [--rounds 12] [--out FILE]
 
 The stack's 120 int4 weights (random, SmolLM2-135M's shapes, side by side in huge pages, as
 ember keeps them) are read five ways, each after a 256 MB read that evicts them, rounds

@@ -1,7 +1,8 @@
 """`ember serve | generate | chat`: argv and environment -> configs -> the engine.
 
 The only module that reads environment variables: EMBER_MODEL (the default for --model) and
-EMBER_API_KEY (the default for --api-key).
+EMBER_API_KEY (the default for --api-key), and XDG_CACHE_HOME (where `ember bench` writes
+results without --out).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ember.bench.cli import add_bench_parser
+from ember.bench.cli import add_bench_parser, results_dir
 from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, PREFILL_MATMULS,
                           QUANTIZATIONS, ApiKey, CacheConfig, EngineConfig, SchedulerConfig,
                           ServerConfig, parse_api_keys)
@@ -257,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(serve)
     _server_args(serve)
     serve.set_defaults(func=cmd_serve)
-    add_bench_parser(sub)
+    add_bench_parser(sub, results_dir(os.environ, Path.home()))
     ppl = sub.add_parser("perplexity", help="perplexity of a text: the quality check for "
                          "weight and KV formats")
     ppl.add_argument("--text", default=None, help="a text file (default: the Shakespeare "

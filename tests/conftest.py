@@ -11,7 +11,8 @@ from ember.weights.loader import DEFAULT_MODEL_FILE, default_model_path
 from ember.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+# the first 40 kB of tiny Shakespeare (public domain), shipped as the bench corpus
+SHAKESPEARE = REPO / "ember" / "bench" / "data" / "corpus.txt"
 
 CHAT_PROMPTS = [
     "What is the capital of France?",

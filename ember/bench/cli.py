@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from ember.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 WORKLOADS = ("random", "shared-prefix", "chat-sessions", "jsonl")
+
+
+def results_dir(environ: Mapping[str, str], home: Path) -> Path:
+    """Where results go without --out: the user's cache, never the working directory, so that
+    a run inside a checkout leaves the tree clean."""
+    cache = environ.get("XDG_CACHE_HOME") or str(home / ".cache")
+    return Path(cache) / "ember" / "bench"
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -62,8 +70,9 @@ def add_load_args(p: argparse.ArgumentParser, base_url: bool = True) -> None:
     g.add_argument("--label", default=None)
 
 
-def add_output_args(p: argparse.ArgumentParser, default: str) -> None:
-    p.add_argument("--out", default=default, help="summary JSON (per-request JSONL beside it)")
+def add_output_args(p: argparse.ArgumentParser, default: Path) -> None:
+    p.add_argument("--out", default=str(default),
+                   help="summary JSON, per-request JSONL beside it (default: %(default)s)")
 
 
 def _explained(name: str) -> Callable[[argparse.Namespace], None]:
@@ -85,20 +94,21 @@ def _explained(name: str) -> Callable[[argparse.Namespace], None]:
     return run
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+def add_bench_parser(sub: argparse._SubParsersAction, out_dir: Path) -> None:
+    """out_dir: where results go without --out (results_dir())."""
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     serve = bsub.add_parser("serve", help="drive a running server with a workload")
     add_load_args(serve)
     add_workload_args(serve)
-    add_output_args(serve, "results/bench.json")
+    add_output_args(serve, out_dir / "bench.json")
     serve.set_defaults(func=_explained("cmd_serve"))
     sweep = bsub.add_parser("sweep", help="a series of concurrencies or rates")
     add_load_args(sweep)
     add_workload_args(sweep)
     sweep.add_argument("--concurrencies", default=None, help="e.g. 1,2,4,8")
     sweep.add_argument("--rates", default=None, help="e.g. 0.5,1,2 (requests/s)")
-    add_output_args(sweep, "results/sweep.json")
+    add_output_args(sweep, out_dir / "sweep.json")
     sweep.set_defaults(func=_explained("cmd_sweep"))
     comp = bsub.add_parser("compare", help="summaries side by side, with ratios to the first")
     comp.add_argument("files", nargs="+")
@@ -106,7 +116,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     plot = bsub.add_parser("plot", help="PNG: latency-throughput curve, TTFT and TPOT "
                            "distributions")
     plot.add_argument("files", nargs="+")
-    plot.add_argument("--out", default="results/bench.png")
+    plot.add_argument("--out", default=str(out_dir / "bench.png"),
+                      help="the PNG (default: %(default)s)")
     plot.set_defaults(func=_explained("cmd_plot"))
     off = bsub.add_parser("offline", help="the engine in-process: decode, prefill, batch")
     off.add_argument("--model", default=None)
@@ -116,7 +127,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--repeats", type=int, default=3)
     off.add_argument("--batch-size", type=int, default=32)
     off.add_argument("--seed", type=int, default=0)
-    add_output_args(off, "results/offline.json")
+    add_output_args(off, out_dir / "offline.json")
     off.set_defaults(func=_explained("cmd_offline"))
     peers = bsub.add_parser("peers", help="ember serve beside a peer server, same workloads "
                             "alternately, with ratios")
@@ -129,5 +140,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     peers.add_argument("--ready-timeout", type=float, default=300.0)
     add_load_args(peers, base_url=False)
     add_workload_args(peers)
-    add_output_args(peers, "results/peers.json")
+    add_output_args(peers, out_dir / "peers.json")
     peers.set_defaults(func=_explained("cmd_peers"))

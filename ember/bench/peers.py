@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from ember.bench import report
+from ember.bench.drive import build_requests, run_once
 
 
 @dataclass
@@ -135,7 +136,6 @@ def paired_ratios(runs: dict[str, list[dict[str, Any]]], key: str = "output_tok_
 
 
 def run_peers(args: argparse.Namespace) -> None:
-    from ember.bench.commands import build_requests, run_once
     model_file = args.model_file
     if model_file is None:
         from ember.weights.loader import default_model_path

@@ -60,8 +60,10 @@ def write_results(out: Path, summary: dict[str, Any], records: list[RequestRecor
 
 COMPARE_ROWS = (("output tok/s", ("output_tok_per_s",), True),
                 ("requests/s", ("requests_per_s",), True),
-                ("TTFT p50 ms", ("ttft_s", "p50"), False), ("TTFT p99 ms", ("ttft_s", "p99"), False),
-                ("TPOT p50 ms", ("tpot_s", "p50"), False), ("TPOT p99 ms", ("tpot_s", "p99"), False),
+                ("TTFT p50 ms", ("ttft_s", "p50"), False),
+                ("TTFT p99 ms", ("ttft_s", "p99"), False),
+                ("TPOT p50 ms", ("tpot_s", "p50"), False),
+                ("TPOT p99 ms", ("tpot_s", "p99"), False),
                 ("chunk gap p99 ms", ("chunk_gap_s", "p99"), False),
                 ("E2E p50 ms", ("e2e_s", "p50"), False), ("goodput req/s", ("goodput",
                                                                            "requests_per_s"), True))

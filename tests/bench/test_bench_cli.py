@@ -1,12 +1,14 @@
-"""A tiny `ember bench` run against `ember serve`: valid JSON, JSONL and a PNG (the CI check
-the benchmark issue asks for), plus sweep and compare."""
+"""A tiny `ember bench` run against `ember serve`: valid JSON, JSONL and a PNG, plus sweep,
+compare, and where results go without --out."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from ember import cli
+from ember.bench.cli import results_dir
 from tests.server.conftest import LiveServer
 
 
@@ -84,3 +86,24 @@ def test_mistakes_get_one_clear_line(tmp_path):
     with pytest.raises(SystemExit, match="needs --dataset"):
         cli.main(["bench", "serve", "--base-url", "http://127.0.0.1:9/v1", "--workload",
                   "jsonl"])
+
+
+def test_results_go_to_the_user_cache_by_default():
+    home = Path("/home/u")
+    assert results_dir({}, home) == home / ".cache" / "ember" / "bench"
+    assert results_dir({"XDG_CACHE_HOME": "/c"}, home) == Path("/c/ember/bench")
+    assert results_dir({"XDG_CACHE_HOME": ""}, home) == home / ".cache" / "ember" / "bench"
+
+
+def test_a_run_without_out_writes_to_the_cache_not_the_working_directory(live, tmp_path,
+                                                                           monkeypatch):
+    cwd, cache = tmp_path / "checkout", tmp_path / "cache"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    assert cli.main(["bench", "serve", "--base-url", live.url + "/v1", "--num-requests", "2",
+                     "--input-len", "fixed:8", "--output-len", "fixed:2"]) == 0
+    assert list(cwd.iterdir()) == []
+    summary = json.loads((cache / "ember" / "bench" / "bench.json").read_text())
+    assert summary["completed"] == 2
+    assert (cache / "ember" / "bench" / "bench.jsonl").read_text().count("\n") == 2

@@ -131,7 +131,7 @@ def test_packed_perplexity_on_shakespeare_within_bounds(formats):
     """The decode path (the packed weights, chunks of 512 rows): for int4 its output
     projection on int8 activations, as every decode step runs it."""
     if not SHAKESPEARE.exists():
-        pytest.skip(f"{SHAKESPEARE} is absent (it ships beside the project, not in it)")
+        pytest.skip(f"{SHAKESPEARE} is absent (it ships in ember/bench/data)")
     text = SHAKESPEARE.read_text()[:20000]
     ids = formats["none"].tokenizer.encode(text, add_special_tokens=False)[:1536]
     ppl = {k: perplexity(formats[k].engine, ids, window=512)["perplexity"] for k in formats}
@@ -267,7 +267,7 @@ def test_int8_prompt_matmul_perplexity_within_each_formats_budget(formats, bf16_
     if formats["int4"].engine.prefill_matmul != "int8":
         pytest.skip("int8 prompt matmuls need the compiled kernels with AVX-512 BF16")
     if not SHAKESPEARE.exists():
-        pytest.skip(f"{SHAKESPEARE} is absent (it ships beside the project, not in it)")
+        pytest.skip(f"{SHAKESPEARE} is absent (it ships in ember/bench/data)")
     text = SHAKESPEARE.read_text()[:40000]   # 3072 tokens in windows of 1024, as the docs
     ids = formats["none"].tokenizer.encode(text, add_special_tokens=False)[:3072]
     ppl = {name: perplexity(llm.engine, ids, window=1024, path="prefill")["perplexity"]

@@ -42,7 +42,7 @@ def test_gguf_tokenizer_encodes_like_transformers(ember_tokenizer, hf_smollm_tok
 
 def test_gguf_tokenizer_on_shakespeare(ember_tokenizer, hf_smollm_tokenizer):
     if not SHAKESPEARE.exists():
-        pytest.skip(f"{SHAKESPEARE} is absent (a clone outside the ember workspace)")
+        pytest.skip(f"{SHAKESPEARE} is absent (it ships in ember/bench/data)")
     text = SHAKESPEARE.read_text()[:20000]
     assert ember_tokenizer.encode(text) == hf_smollm_tokenizer.encode(text)
 
