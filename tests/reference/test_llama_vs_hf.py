@@ -75,7 +75,7 @@ def test_logits_match_transformers_at_prefill_and_every_decode_step(tiny_pair):
         assert len(logits) == NUM_STEPS
         for step, (got, want) in enumerate(zip(logits, expected)):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0,
-                                       msg=lambda m: f"step {step}: {m}")
+                                       msg=lambda m, step=step: f"step {step}: {m}")
 
 
 def test_greedy_tokens_match_transformers_batched(tiny_pair):

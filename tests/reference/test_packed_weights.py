@@ -2,7 +2,7 @@
 
 References: the dequantized weights in float32 for the kernels; gguf's own Q4_1 dequantizer
 for the lossless Q4_1 -> int4 conversion; bf16 dense weights for greedy tokens (closeness rule)
-and perplexity (int8 within 1%, int4 within 5%, on Shakespeare as the issue asks); for int8
+and perplexity (int8 within 1%, int4 within 5%, on Shakespeare); for int8
 prompt matmuls (SmoothQuant), the bfloat16 ones.
 """
 from __future__ import annotations
@@ -262,7 +262,7 @@ def test_sharp_inputs_take_the_largest_activation_group_that_divides_them(featur
 def test_int8_prompt_matmul_perplexity_within_each_formats_budget(formats, bf16_prompts):
     """The prompt path (every chunk on the weights prompt chunks take) against the bf16
     model: int4 weights (int8 activations on all four projections) within 5%, int8 weights
-    (the down projection on bfloat16) within 1%, the issue's budgets; and the down
+    (the down projection on bfloat16) within 1%, the formats' budgets; and the down
     projection's int8 costs something (the two int4 paths differ)."""
     if formats["int4"].engine.prefill_matmul != "int8":
         pytest.skip("int8 prompt matmuls need the compiled kernels with AVX-512 BF16")

@@ -1,7 +1,7 @@
 """Every error is OpenAI's envelope with the right status, and the server stays healthy.
 
 Reference: OpenAI's error shape {"error": {message, type, param, code}}; the statuses the
-server issue lists.
+README's error list promises.
 """
 from __future__ import annotations
 

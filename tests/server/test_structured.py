@@ -12,7 +12,6 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from ember.constraint import Constraint

@@ -61,7 +61,8 @@ def test_a_compile_past_the_time_limit_is_refused_then_finishes_and_is_kept():
             c.compile(7, "JSON schema")
         with pytest.raises(InvalidRequest, match="JSON schema took longer"):
             asyncio.run(c.compile_async(7, "JSON schema"))
-        assert fn.started.wait(30) and fn.calls == [7]  # the second caller joined the compile already running
+        # the second caller joined the compile already running
+        assert fn.started.wait(30) and fn.calls == [7]
     finally:
         gate.set()
     c.timeout_s = 30
@@ -78,7 +79,8 @@ def test_runaway_compiles_hold_only_the_compile_threads_and_queue_is_capped():
                 c.compile(key)
         with pytest.raises(Overloaded, match="2 grammars are compiling"):
             c.compile(3)
-        assert fn.started.wait(30) and fn.calls == [1]  # one worker: key 2 is still queued behind the runaway key 1
+        # one worker: key 2 is still queued behind the runaway key 1
+        assert fn.started.wait(30) and fn.calls == [1]
     finally:
         gate.set()
     c.timeout_s = 30
