@@ -456,7 +456,7 @@ class RequestStream:
         if self._deadline is None or not queue.empty():
             return await queue.get()
         # a timeout scope, not wait_for, which wraps each get (one per token streamed) in a
-        # task of its own: 15 -> 10 us of the event loop's CPU per item (docs/benchmarks.md)
+        # task of its own: 15 -> 10 us of the event loop's CPU per item
         deadline = asyncio.get_running_loop().time() + self._deadline - time.monotonic()
         try:
             async with asyncio.timeout_at(deadline):

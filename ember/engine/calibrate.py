@@ -61,7 +61,7 @@ def int8_prefill_targets(model: torch.nn.Module) -> dict[PackedLinear, int]:
     (inputs per scale, 0: a whole row). Linears with sharp input outliers (the down
     projection) take int8 activations only over int4 weights, one scale per group of up to
     512 inputs: on the default model that costs +1.4% prompt perplexity where one scale per
-    row cost +2.7% (docs/benchmarks.md); int4's budget is 5% of bfloat16's perplexity,
+    row cost +2.7%; int4's budget is 5% of bfloat16's perplexity,
     int8 weights' only 1%, so over int8 weights they keep bfloat16."""
     targets: dict[PackedLinear, int] = {}
     for module, sharp in model.int8_prefill_linears():

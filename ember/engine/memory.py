@@ -4,7 +4,7 @@ glibc keeps freed blocks in its heaps for reuse, and a big free one in the middl
 stays resident for the process's life. Two moments free a lot: the end of loading (float32
 dequantized copies, the GGUF's metadata) and the end of a burst of requests (activations of
 large batches, finished requests). An idle `ember serve` measured 2.40 GB resident without
-the first, 1.94 GB with it (docs/benchmarks.md). While loading, every large block gets a
+the first, 1.94 GB with it. While loading, every large block gets a
 mapping of its own, so that weights and the temporaries freed between them never share a heap
 (an engine measured 1618-1620 MiB resident so, 1622-1641 MiB without). Elsewhere than glibc
 this does nothing.
@@ -96,7 +96,7 @@ def move_to_huge_pages(owners: list[tuple[torch.nn.Module, str]]) -> int:
     shared; owners whose buffer is None are skipped. Weights read every decode step come
     from DRAM each time; in 4 KiB pages their reads miss the TLB every page: the batch-1
     decode stack 0.92x the time with its int4 weights so, a whole step 0.97-0.98x with the
-    output projection's int8 ones too (docs/benchmarks.md). Returns the bytes moved."""
+    output projection's int8 ones too. Returns the bytes moved."""
     owners = [(m, name) for m, name in owners if getattr(m, name) is not None]
     if not owners or any(getattr(m, name).device.type != "cpu" for m, name in owners):
         return 0
@@ -136,7 +136,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> 
     """torch.zeros, its memory first advised to the kernel as huge-page material (Linux's
     transparent huge pages in their default "madvise" mode; elsewhere plain zeros). Decode
     attention over 16-token blocks scattered through the cache: 8.9 -> 7.7 ms for 21 requests
-    of 400 tokens over 30 layers (docs/benchmarks.md)."""
+    of 400 tokens over 30 layers."""
     out = torch.empty(shape, dtype=dtype, device=device)
     _advise_huge_pages(out)
     return out.zero_()

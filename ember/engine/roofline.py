@@ -12,7 +12,7 @@ Machine (measured here, with torch's threads):
               an empty parallel region (CpuKernels.thread_sync_ns). Not a limit, but a
               batch-1 decode step opens ~150 parallel regions, and on a VM both figures
               change when the vCPUs move (a 57-64 ns round trip in one stretch, 306-318 in
-              another, docs/benchmarks.md): the report says which machine it measured
+              another): the report says which machine it measured
 
 Model, per token (weights as a step reads them: the packed ones where the model is quantized
 and the batch is small, or at any batch where the decode stack runs, else the dense ones):
@@ -94,7 +94,7 @@ def bandwidth_probe(num_bytes: int, repeats: int = 5) -> Callable[[], float]:
     once per pass, best of `repeats`); the buffer is made once. Random values: pages of one
     repeated value may be merged by the host and read from cache. In huge pages where the OS
     gives them, as ember's weights are (move_to_huge_pages): in 4 KiB pages the same reads miss
-    the TLB and measured up to ~13% slower (docs/benchmarks.md), which flattered every
+    the TLB and measured up to ~13% slower, which flattered every
     percentage of the limit."""
     buf = huge_page_zeros((max(num_bytes // 4, 1024),), torch.float32, "cpu").uniform_()
     passes = max(1, (1 << 30) // num_bytes)

@@ -17,7 +17,7 @@ and stops at the first miss, so evicting a parent would strand all its descendan
 
 Placement: a request's blocks are kept adjacent where they can be, because decode attention
 reads a request's K/V block after block, and adjacent blocks stream where scattered ones
-each wait on memory (~1.7x faster on the CPU kernels, docs/benchmarks.md). A request that
+each wait on memory (~1.7x faster on the CPU kernels). A request that
 grows takes the block right after its last one when that block is empty or an idle cached
 leaf (evicting it ahead of the policy's own choice); the blocks of one allocation come in
 ascending order; and a new request's run is followed by `room` empty blocks that others are

@@ -321,7 +321,7 @@ def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup, scale:
 ONE_BLOCK = torch.zeros(1, dtype=torch.long)  # the block table of a chunk's own k and v
 
 # up to this many new tokens per member, plain matmuls beat the SDPA kernel, whose masked
-# bfloat16 path is 3-17x slower for decode-sized queries on CPU (docs/benchmarks.md)
+# bfloat16 path is 3-17x slower for decode-sized queries on CPU
 MATMUL_MAX_QUERIES = 16
 # and for a group of one (a prompt's suffix after a prefix-cache hit) up to this many
 MATMUL_MAX_QUERIES_ALONE = 128

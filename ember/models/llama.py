@@ -180,13 +180,13 @@ class LlamaForCausalLM(nn.Module):
         same int8 tiles as the layers, so the stack's output is theirs, bit for bit, either
         way. Without them the stack keeps the int4 weights above 8 rows too, where the layers
         would run the dense bfloat16 copies on oneDNN (which a decode step reads from DRAM at
-        3x the bytes: the stack was 1.18-1.65x faster there, 12-48 rows, docs/benchmarks.md).
+        3x the bytes: the stack was 1.18-1.65x faster there, 12-48 rows).
 
         A step with prompt chunks (PromptStep: its decodes on adjacent rows, each continued
         chunk attended alone) only with the int8 prompt matmuls: the stack then calls what
         the layers call, in the same order (each chunk on the prefill kernel, the decodes on
         the decode kernel), without the Python and torch work between the calls, ~12% of a
-        prompt step's time on the default model (docs/benchmarks.md)."""
+        prompt step's time on the default model."""
         if not self.stack_runs_decodes(kv_caches):
             return None
         if meta.decodes is not None:

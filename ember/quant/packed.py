@@ -13,7 +13,7 @@ rounding its scales to bfloat16 (the kernels' activation dtype).
 Why two weights per layer: at a few rows (decode) a matmul is memory-bound and the packed
 kernels read 2-4x fewer bytes than bfloat16; at many rows (prefill, large batches) it is
 compute-bound and oneDNN's bfloat16 matmul is 3x faster than the packed kernels on this kind
-of CPU (docs/benchmarks.md). So a PackedLinear keeps a dense weight too, and picks by
+of CPU. So a PackedLinear keeps a dense weight too, and picks by
 the number of rows; `keep_dense=False` drops it to save memory at the cost of prefill speed.
 The dense weight is either bfloat16, kept in oneDNN's own blocked layout where oneDNN runs the
 matmul (the same bytes; it saves the reorder oneDNN would do on every call), or, after
@@ -57,7 +57,7 @@ PACKED_MAX_ROWS = 8
 # the output projection on int8 activations (int4 formats), at every batch size (2x faster
 # than bfloat16 activations at 22-32 rows, where it is compute-bound; at one row, on the
 # kernel's one-stream path, a batch-1 step 0.94-0.97x the time with the vCPUs far apart and
-# the same close, where reading the weight bounds it; docs/benchmarks.md), with one scale per
+# the same close, where reading the weight bounds it), with one scale per
 # this many inputs. Each row is rounded on its own, so a request's logits do not depend on
 # its batch.
 HEAD_ACT_GROUP = 64
@@ -194,7 +194,7 @@ class PackedLinear(nn.Module):
         bytes; int8 weights already are that), and let the packed weight serve every batch
         size meanwhile. Made from this int8 copy, the smoothed int8 weight costs less than made
         from the packed int4 one: on the default model, prompt perplexity +0.47% vs +0.89%
-        (straight from bfloat16: +0.49%; docs/benchmarks.md)."""
+        (straight from bfloat16: +0.49%)."""
         if self.weight is None or self.method == "int8":
             self.weight, self.prepacked = None, False
             return
@@ -282,7 +282,7 @@ class KernelInt8Linear(nn.Module):
     weight formats use it (their budget allows the rounding; docs/benchmarks.md has the
     perplexity). The weight is then kept in quads only (`quads`; `packed`, the pairs, is
     None), 28 MB on the default model: making quads from the pairs on every call cost 15% of
-    the projection at 16-32 rows (docs/benchmarks.md). Without it, in pairs only."""
+    the projection at 16-32 rows. Without it, in pairs only."""
 
     def __init__(self, linear: nn.Linear, kernels: CpuKernels,
                  act_group: int | None = None) -> None:
@@ -344,7 +344,7 @@ def step_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
     packed int4/int8 weight and scales, and the int8 output projection's weight (pairs or
     quads: one is None) and scales (a tied Int8Embedding names the same tensors). Not the
     linears' int8 prompt weights (use_int8_dense): on huge pages too, a loaded server peaked
-    20-30 MB higher and no step measured faster (docs/benchmarks.md)."""
+    20-30 MB higher and no step measured faster."""
     kinds = ((PackedLinear, ("qweight", "scales")),
              (KernelInt8Linear, ("packed", "quads", "scales")),
              (Int8Embedding, ("packed", "scales")))

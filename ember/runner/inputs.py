@@ -63,7 +63,7 @@ def group_members(members: list[_Member]) -> list[list[_Member]]:
     """Sort by shape and cut into groups whose padded work stays within GROUP_WASTE times
     the members' own work (new tokens x context)."""
     # a member with many new tokens (a continued prompt) attends alone: one member's plain
-    # matmuls beat a padded multi-member kernel call at these sizes (docs/benchmarks.md)
+    # matmuls beat a padded multi-member kernel call at these sizes
     alone = [[m] for m in members if m.num_new > MATMUL_MAX_QUERIES]
     members = [m for m in members if m.num_new <= MATMUL_MAX_QUERIES]
     if members and _cheap_enough(members):

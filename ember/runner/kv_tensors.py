@@ -19,7 +19,7 @@ def resolve_kv_cache_dtype(name: str, quantization: str, dtype: torch.dtype, hea
     bfloat16's perplexity; the int8 cache moves it by under 0.3%) where the compiled attention
     kernels read an int8 cache in place (a bfloat16 model, head_dim 64 or 128, AVX-512 BF16
     and VNNI): half the bytes a token of bfloat16 and more output under load, as decode
-    attention reads half the bytes on int8 dot products (docs/benchmarks.md). Else 'model',
+    attention reads half the bytes on int8 dot products. Else 'model',
     the model's own dtype: int8 and dense weights are chosen for their quality (budget 1%).
     An explicit choice is kept (int8 without the kernels takes the torch path)."""
     if name != "auto":

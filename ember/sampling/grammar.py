@@ -1,6 +1,6 @@
 """Constrained decoding: a constraint -> a compiled grammar -> a per-step token bitmask.
 
-The grammar engine is xgrammar (docs/benchmarks.md compares it with llguidance on this CPU:
+The grammar engine is xgrammar (benchmarks/grammar_engines.py compares it with llguidance:
 both compile typical schemas in about a millisecond; xgrammar fills a 49k-token mask in ~3 µs
 a step against ~18 µs, and its structural tags express "free text until a tool call starts,
 then the call's JSON schema" directly). Compiled grammars are cached by their source (the
