@@ -104,6 +104,37 @@ KERNELS: dict[QType, Callable[[Tensor, Tensor | None], Tensor]] = {
 }
 
 
+# bits of each quant, scales aside: what `--quantization auto` matches (4 and below: int4)
+QUANT_BITS = {QType.Q2_K: 2, QType.Q3_K: 3, QType.Q4_0: 4, QType.Q4_1: 4, QType.Q4_K: 4,
+              QType.IQ4_NL: 4, QType.IQ4_XS: 4, QType.Q5_0: 5, QType.Q5_1: 5, QType.Q5_K: 5,
+              QType.Q6_K: 6, QType.Q8_0: 8, QType.Q8_1: 8, QType.Q8_K: 8}
+
+
+def quant_bits(qtype: QType) -> int | None:
+    """Bits per quantized weight of a ggml type, None for float types; types without an
+    entry in QUANT_BITS (IQ1-IQ3, TQ) count their bytes: an IQ2_XXS block of 256 in 66
+    bytes is 2."""
+    if qtype in QUANT_BITS:
+        return QUANT_BITS[qtype]
+    if qtype in PLAIN or qtype.name.startswith(("F", "I8", "I16", "I32", "I64")):
+        return None
+    values_per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+    return 8 * block_bytes // values_per_block
+
+
+def can_dequantize(qtype: QType) -> bool:
+    """Whether ember reads this ggml type: a float type, a torch kernel here, or the `gguf`
+    package's numpy code (tried on one block of zeros)."""
+    if qtype in PLAIN or qtype in KERNELS:
+        return True
+    _, block_bytes = GGML_QUANT_SIZES[qtype]
+    try:
+        gguf_quants.dequantize(np.zeros((1, block_bytes), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def as_tensor(data: np.ndarray) -> Tensor:
     """A torch view of a (possibly read-only, memory-mapped) numpy array; never written to."""
     with warnings.catch_warnings():
