@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import ReaderTensor
 
 from ember.config import ModelConfig, RopeScaling
 from ember.errors import ModelLoadError, UnsupportedModel
@@ -62,6 +63,11 @@ class GGUFFile:
         self.path = Path(path)
         self._reader = open_reader(self.path)
         self.metadata: dict[str, Any] = metadata_of(self._reader)
+
+    @property
+    def raw_tensors(self) -> list[ReaderTensor]:
+        """The file's tensors as gguf's reader lists them: name, ggml type, shape, bytes."""
+        return list(self._reader.tensors)
 
     @property
     def arch(self) -> str:
