@@ -1,11 +1,12 @@
 """How fast GGUF block formats dequantize: MB of GGUF bytes per second, per ggml type.
 
     PYTHONPATH=. .venv/bin/python benchmarks/dequant_speed.py [--mb 100] [--threads 2]
-        [--rounds 3] [--reference-mb 8] [--out results/dequant_speed.json]
+        [--rounds 5] [--reference-mb 8] [--out results/dequant_speed.json]
 
 Each type gets --mb of random blocks (random bytes with the f16 scale fields set to finite
 values, so no NaN, infinity or subnormal scale changes the float speed), dequantized with
-torch on --threads threads two ways, the median of --rounds each:
+torch on --threads threads two ways, the best of --rounds each (the median too, in the JSON;
+on a shared machine the best round is the one least slowed by other processes):
   load     ember.quant.formats.dequantize into a new float32 tensor, as loading a model does
            (the first touch of the new tensor's pages is part of the cost: 4-12 bytes of
            float32 per byte of GGUF);
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -45,20 +47,21 @@ def random_blocks(qtype: Q, num_bytes: int, rng: np.random.Generator) -> np.ndar
     return raw
 
 
-def seconds(fn, rounds: int) -> float:
+def seconds(fn, rounds: int) -> tuple[float, float]:
+    """(best, median) seconds of `rounds` calls."""
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times), statistics.median(times)
 
 
 def measure(qtype: Q, args: argparse.Namespace, rng: np.random.Generator) -> dict:
     values_per_block, _ = GGML_QUANT_SIZES[qtype]
     raw = random_blocks(qtype, args.mb * 10**6, rng)
     shape = (raw.shape[0] * values_per_block,)
-    t = seconds(lambda: dequantize(raw, qtype, shape), args.rounds)
+    t, t_median = seconds(lambda: dequantize(raw, qtype, shape), args.rounds)
     blocks, out = torch.from_numpy(raw), torch.zeros(raw.shape[0], values_per_block)
     step = max(1, CHUNK_VALUES // values_per_block)
 
@@ -67,13 +70,14 @@ def measure(qtype: Q, args: argparse.Namespace, rng: np.random.Generator) -> dic
             KERNELS[qtype](blocks[start:start + step], out[start:start + step])
 
     kernels_only()  # touches the buffer's pages once, outside the timing
-    k = seconds(kernels_only, args.rounds)
-    row = {"type": qtype.name, "mb": raw.nbytes / 1e6, "seconds": t,
-           "mb_per_s": raw.nbytes / 1e6 / t, "values_per_s": shape[0] / t,
-           "kernels_mb_per_s": raw.nbytes / 1e6 / k}
+    k, k_median = seconds(kernels_only, args.rounds)
+    mb = raw.nbytes / 1e6
+    row = {"type": qtype.name, "mb": mb, "seconds": t, "mb_per_s": mb / t,
+           "median_mb_per_s": mb / t_median, "values_per_s": shape[0] / t,
+           "kernels_mb_per_s": mb / k, "kernels_median_mb_per_s": mb / k_median}
     if args.reference_mb:
         small = random_blocks(qtype, args.reference_mb * 10**6, rng)
-        ref = seconds(lambda: quants.dequantize(small, qtype), 1)
+        ref, _ = seconds(lambda: quants.dequantize(small, qtype), 1)
         row["gguf_numpy_mb_per_s"] = small.nbytes / 1e6 / ref
     return row
 
@@ -82,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reference-mb", type=int, default=8)
     parser.add_argument("--types", default=",".join(t.name for t in KERNELS))
     parser.add_argument("--out", default=None)
@@ -100,7 +104,9 @@ def main() -> None:
               f"{row['kernels_mb_per_s']:7.1f} MB/s{ref}", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=2))
+        Path(args.out).write_text(json.dumps({"threads": args.threads, "rounds": args.rounds,
+                                              "load_average": os.getloadavg(), "rows": rows},
+                                             indent=2))
 
 
 if __name__ == "__main__":
