@@ -242,6 +242,24 @@ def cmd_roofline(args: argparse.Namespace) -> None:
         print(f"wrote {args.out}")
 
 
+def cmd_models_inspect(args: argparse.Namespace) -> None:
+    from dataclasses import asdict
+
+    from ember.weights.inspect import format_report, inspect_gguf
+    report = inspect_gguf(Path(args.file).expanduser())
+    print(json.dumps(asdict(report), indent=2) if args.json else format_report(report))
+
+
+def _models_parser(sub: argparse._SubParsersAction) -> None:
+    models = sub.add_parser("models", help="look into model files")
+    what = models.add_subparsers(dest="models_command", required=True)
+    inspect = what.add_parser("inspect", help="a GGUF file's architecture, size, tensor types "
+                              "and whether ember can run it (reads the header only)")
+    inspect.add_argument("file", help="a .gguf file")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.set_defaults(func=cmd_models_inspect)
+
+
 def _write_json(out: str | None, result: dict) -> bool:
     """--out: the result as JSON there (its folder made); False when no --out was given."""
     if not out:
@@ -291,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(chat)
     _sampling_args(chat, max_tokens=1024)
     chat.set_defaults(func=cmd_chat)
+    _models_parser(sub)
     return parser
 
 

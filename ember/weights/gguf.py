@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import ReaderTensor
 
 from ember.config import ModelConfig, RopeScaling
 from ember.errors import ModelLoadError, UnsupportedModel
-from ember.quant.formats import dequantize
+from ember.quant.formats import dequantize, quant_bits
 from ember.weights.gguf_metadata import metadata_of, open_reader
 
 # GGUF architecture -> (HF architecture, q/k rows permuted by the converter)
@@ -62,6 +63,11 @@ class GGUFFile:
         self.path = Path(path)
         self._reader = open_reader(self.path)
         self.metadata: dict[str, Any] = metadata_of(self._reader)
+
+    @property
+    def raw_tensors(self) -> list[ReaderTensor]:
+        """The file's tensors as gguf's reader lists them: name, ggml type, shape, bytes."""
+        return list(self._reader.tensors)
 
     @property
     def arch(self) -> str:
@@ -111,12 +117,11 @@ class GGUFFile:
                                f"{self.arch}.rope.scaling.original_context_length", 0) or 0))
 
     def linear_bits(self) -> int | None:
-        """Bits per weight of the decoder's linear layers as stored (4, 8), None if unquantized
-        (the largest over them: a Q4/Q8 mix counts as 8)."""
-        bits = {t.tensor_type.name[1] for t in self._reader.tensors
-                if t.name.startswith("blk.") and t.name.endswith(".weight")
-                and t.tensor_type.name[:2] in ("Q4", "Q5", "Q6", "Q8")}
-        return max((int(b) for b in bits), default=None)
+        """Bits per weight of the decoder's linear layers as stored (2-8, QUANT_BITS), None if
+        unquantized: the largest over them, so a Q4_K_M file (Q4_K with some Q6_K) counts 6."""
+        bits = [quant_bits(t.tensor_type) for t in self._reader.tensors
+                if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2]
+        return max((b for b in bits if b is not None), default=None)
 
     def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) pairs, dequantized; rope_freqs keeps its GGUF name."""
