@@ -15,7 +15,8 @@ schema says little about what a body may hold; the hostile cases here (raw NaN, 
 surrogates, out-of-vocabulary ids) are the ones that matter, and a schema-driven generator would
 mostly produce bodies the schema already rejects. A strategy per field says what is being tried.
 
-The default run is small and derandomized (the same examples every time, so CI is stable);
+Each number-taking field is also tried alone at every extreme, as explicit examples run every
+time. The default run is otherwise small and derandomized (the same examples every time, so CI is stable);
 `pytest -m fuzz tests/server/test_fuzz.py` runs 2000 examples from a fresh seed.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import math
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.server.conftest import LiveServer
@@ -33,18 +34,18 @@ from tests.server.conftest import LiveServer
 VOCAB_SIZE = 49152  # the tiny model's (tests/conftest.py TINY)
 MAX_MODEL_LEN = 128
 
-HOSTILE_INTS = st.sampled_from([-1, 0, 1, VOCAB_SIZE - 1, VOCAB_SIZE, 2**31 - 1, 2**31,
-                                2**53 + 1, 2**63 - 1, 2**63, 2**64, -2**63, -2**63 - 1, 10**30])
-HOSTILE_FLOATS = st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -1e308, -0.0, 5e-324,
-                                  1e-40]) | st.floats(allow_nan=True, allow_infinity=True)
+# The values that break parsers and tensors most often, each drawn as often as any other kind.
+HOSTILE_INTS = st.sampled_from([-1, VOCAB_SIZE, 2**31, 2**63, 2**64, -2**63 - 1, 10**30])
+HOSTILE_FLOATS = st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -1e308, 5e-324])
 # Every code point, lone surrogates included (json.dumps writes them as \ud800 escapes).
 ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=40)
-SCALARS = st.none() | st.booleans() | st.integers() | HOSTILE_INTS | HOSTILE_FLOATS | ANY_TEXT
+SCALARS = (st.none() | st.booleans() | st.integers() | st.floats() | HOSTILE_INTS
+           | HOSTILE_FLOATS | ANY_TEXT)
 JUNK = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
                     | st.dictionaries(ANY_TEXT, inner, max_size=4), max_leaves=12)
 
 
-HOSTILE = HOSTILE_INTS | HOSTILE_FLOATS | JUNK
+HOSTILE = st.one_of(HOSTILE_INTS, HOSTILE_INTS, HOSTILE_FLOATS, HOSTILE_FLOATS, JUNK)
 
 TOKEN_IDS = st.lists(st.integers(0, 3000), max_size=12)
 BAD_TOKEN_IDS = st.lists(st.integers(0, 3000) | HOSTILE_INTS, min_size=1, max_size=12)
@@ -148,6 +149,23 @@ ENDPOINTS = {
     "/tokenize": body(TOKENIZE_PROMPT, ("prompt",)) | body(TOKENIZE_CHAT, ("messages",)),
     "/detokenize": body(DETOKENIZE, ("tokens",)),
 }
+# Every number-taking field of a valid body, alone, at each extreme: always run (Hypothesis
+# would draw one field at one extreme rarely), as explicit examples before the generated ones.
+EXTREMES = [-1, 2**64, -2**63 - 1, 10**30, math.nan, math.inf, -math.inf]
+NUMBER_FIELDS = ["n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                 "priority", "logprobs"]
+EXPLICIT = {
+    "/v1/completions": [{"prompt": "Hi", "max_tokens": 2, field: value}
+                        for field in NUMBER_FIELDS + ["best_of"] for value in EXTREMES],
+    "/v1/chat/completions": [{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                              field: value}
+                             for field in NUMBER_FIELDS + ["top_logprobs",
+                                                           "max_completion_tokens"]
+                             if field != "logprobs" for value in EXTREMES],
+    "/tokenize": [{"prompt": "Hi", "add_special_tokens": value} for value in EXTREMES],
+    "/detokenize": [{"tokens": [value]} for value in EXTREMES],
+}
 DEFAULT_EXAMPLES = 25   # per endpoint: 100 in all
 FUZZ_EXAMPLES = 500     # per endpoint under -m fuzz: 2000 in all
 
@@ -162,7 +180,7 @@ def fuzz_server(tiny_llama_dir):
 
 def post(server: LiveServer, path: str, payload: object) -> httpx.Response:
     """The body as raw JSON text: Python's json writes NaN and Infinity, which is the point."""
-    return httpx.post(server.url + path, content=json.dumps(payload).encode(), timeout=120,
+    return httpx.post(server.url + path, content=json.dumps(payload).encode(), timeout=30,
                       headers={"Content-Type": "application/json"})
 
 
@@ -185,6 +203,8 @@ def run_property(server: LiveServer, path: str, max_examples: int, derandomize: 
     @given(payload=ENDPOINTS[path])
     def property_holds(payload: object) -> None:
         check_response(server, path, payload)
+    for payload in EXPLICIT[path]:
+        property_holds = example(payload=payload)(property_holds)
     property_holds()
 
 
