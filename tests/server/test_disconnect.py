@@ -1,7 +1,10 @@
-"""A client that goes away is aborted at once in every phase, and its KV blocks are freed.
+"""A client that goes away is aborted in every phase, before that phase ends, and its KV
+blocks are freed.
 
 Each step is slowed to 20 ms so that every phase lasts long enough to be caught: queued (one
-seat, taken), prefill (a long prompt in 8-token chunks), decode (streaming has begun).
+seat, taken), prefill (a long prompt in 8-token chunks), decode (streaming has begun). Promptness
+is judged by order, not by a clock: the request leaves the engine with its phase unfinished (the
+prompt part computed, fewer tokens than asked for, the blocker still running).
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import time
 
 import pytest
 
-from ember.request import RequestStatus
+from ember.request import FinishReason, RequestStatus
 from tests.server.conftest import LiveServer
 
 LONG_PROMPT = list(range(1000, 1400))  # 400 tokens = 50 chunks of 8
@@ -41,7 +44,8 @@ def find_request(server: LiveServer, prompt_len: int):
     return None
 
 
-def wait_for(condition, what: str, timeout_s: float = 10.0):
+def wait_for(condition, what: str, timeout_s: float = 60.0):
+    """Poll until `condition` holds; the timeout only stops a hung test, it measures nothing."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = condition()
@@ -51,10 +55,11 @@ def wait_for(condition, what: str, timeout_s: float = 10.0):
         time.sleep(0.005)
 
 
-def assert_aborted_fast(server: LiveServer, prompt_len: int, aborts_before: float) -> None:
-    start = time.monotonic()
-    wait_for(lambda: find_request(server, prompt_len) is None, "the abort")
-    assert time.monotonic() - start < 1.0, "the abort must be prompt"
+def assert_aborted(server: LiveServer, request, aborts_before: float) -> None:
+    """The request left the engine as an abort (not by finishing its work) and was counted."""
+    wait_for(lambda: find_request(server, request.num_prompt_tokens) is None, "the abort")
+    assert request.finish_reason is FinishReason.ABORT
+    assert len(request.output_token_ids) < request.max_tokens
     wait_for(lambda: server.metric('ember_request_aborts_total{reason="client_disconnect"}')
              == aborts_before + 1, "the abort metric")
 
@@ -66,16 +71,18 @@ def aborts(server: LiveServer) -> float:
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
 def test_disconnect_while_queued(slow_server, stream):
     before = aborts(slow_server)
-    blocker = send_request(slow_server, {"prompt": [1, 2, 3], "max_tokens": 300,
-                                         "ignore_eos": True})
-    wait_for(lambda: find_request(slow_server, 3), "the blocker to run")
+    blocker_sock = send_request(slow_server, {"prompt": [1, 2, 3], "max_tokens": 300,
+                                              "ignore_eos": True})
+    blocker = wait_for(lambda: find_request(slow_server, 3), "the blocker to run")
     queued = send_request(slow_server, {"prompt": [7] * 5, "max_tokens": 5, "stream": stream})
     request = wait_for(lambda: find_request(slow_server, 5), "the request to queue")
     assert request.status is RequestStatus.WAITING
     queued.close()
-    assert_aborted_fast(slow_server, 5, before)
+    assert_aborted(slow_server, request, before)
+    assert request.num_computed_tokens == 0 and not request.output_token_ids
+    assert not blocker.is_finished, "the queued request must not wait for its seat to leave"
     assert slow_server.scheduler.num_waiting == 0
-    blocker.close()
+    blocker_sock.close()
     slow_server.wait_idle()
 
 
@@ -87,7 +94,8 @@ def test_disconnect_during_prefill(slow_server, stream):
     wait_for(lambda: 0 < request.num_computed_tokens, "the prefill to start")
     assert request.num_computed_tokens < len(LONG_PROMPT) and not request.output_token_ids
     sock.close()
-    assert_aborted_fast(slow_server, len(LONG_PROMPT), before)
+    assert_aborted(slow_server, request, before)
+    assert request.num_computed_tokens < len(LONG_PROMPT) and not request.output_token_ids
     slow_server.wait_idle()
 
 
@@ -101,7 +109,7 @@ def test_disconnect_during_streamed_decode(slow_server):
     request = find_request(slow_server, 4)
     assert request is not None and len(request.output_token_ids) >= 3
     sock.close()
-    assert_aborted_fast(slow_server, 4, before)
+    assert_aborted(slow_server, request, before)
     slow_server.wait_idle()
 
 
@@ -112,7 +120,7 @@ def test_disconnect_during_non_streamed_decode(slow_server):
     request = wait_for(lambda: find_request(slow_server, 4), "the request")
     wait_for(lambda: len(request.output_token_ids) >= 3, "decoding")
     sock.close()
-    assert_aborted_fast(slow_server, 4, before)
+    assert_aborted(slow_server, request, before)
     slow_server.wait_idle()
 
 
