@@ -16,8 +16,8 @@ surrogates, out-of-vocabulary ids) are the ones that matter, and a schema-driven
 mostly produce bodies the schema already rejects. A strategy per field says what is being tried.
 
 Each number-taking field is also tried alone at every extreme, as explicit examples run every
-time. The default run is otherwise small and derandomized (the same examples every time, so CI is stable);
-`pytest -m fuzz tests/server/test_fuzz.py` runs 2000 examples from a fresh seed.
+time. The default run is otherwise small and derandomized (the same examples every time, so
+CI is stable); `pytest -m fuzz tests/server/test_fuzz.py` runs 2000 examples from a fresh seed.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Pressure: a bounded queue that refuses without queueing, 64 concurrent streams, and the SIGTERM drain.
+"""Pressure: a bounded queue that refuses without queueing, 64 concurrent streams, and the
+SIGTERM drain.
 
 Loops are bounded in count and time, and talk only to 127.0.0.1.
 """

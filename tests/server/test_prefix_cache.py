@@ -11,7 +11,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from ember.kv.prefix_cache import extend_keys
 from tests.server.conftest import LiveServer
