@@ -634,6 +634,8 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales) {
 }
 
 #ifdef EMBER_INT8_DOT
+namespace {
+
 // x [m, k] bfloat16 rounded to int8 (times smooth, nullptr: 1), one scale per `group` inputs,
 // in buffers of its own (three fewer tensor allocations a call): an op's int8a8 operand
 struct Quantized {
@@ -649,6 +651,8 @@ struct Quantized {
                             smooth, group, q.data(), scale.data(), sum.data());
   }
 };
+
+}  // namespace
 #endif
 
 // int8_linear_a8(x [m, k] bfloat16 (rows may be strided), packed, scales, group) -> [m, n]
