@@ -55,43 +55,43 @@ inline double g_phase_ns[16];
 # has them 2 columns to the left, and the line moves with them). TICK(i) ends op i.
 START = "auto last_ = std::chrono::steady_clock::now();"
 TICKS = [
-    ("                  layers_[0].in_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);\n"
-     "@@\n    for (size_t l = 0; l < layers_.size(); ++l) {\n", "    " + START),
-    ("      if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<at::BFloat16>(), hp, t, "
-     "hidden_, eps_);\n@@\n", "      TICK(0);"),
+    (("                  layers_[0].in_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);\n"
+     "@@\n    for (size_t l = 0; l < layers_.size(); ++l) {\n"), "    " + START),
+    (("      if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<at::BFloat16>(), hp, t, "
+     "hidden_, eps_);\n@@\n"), "      TICK(0);"),
     ("        linear(layer.qkv, h, qkv, &layer.o);\n      }\n@@\n", "      TICK(1);"),
     ("                        kv_heads_, d_, blocks * block_size);\n      }\n@@\n",
      "      TICK(2);"),
-    ("      attend(plan, q, qkv, k_out, own_kv, cache, kv_scale, att, a8 ? nullptr : "
-     "&fetch_o);\n@@\n", "      TICK(3);"),
+    (("      attend(plan, q, qkv, k_out, own_kv, cache, kv_scale, att, a8 ? nullptr : "
+     "&fetch_o);\n@@\n"), "      TICK(3);"),
     ("      linear(layer.o, att.view({t, heads_ * d_}), out, &layer.gate_up);\n@@\n",
      "      TICK(4);"),
-    ("      rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, "
-     "eps_);\n@@\n      linear(layer.gate_up, h, gate_up, &layer.down);\n", "      TICK(5);"),
+    (("      rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, "
+     "eps_);\n@@\n      linear(layer.gate_up, h, gate_up, &layer.down);\n"), "      TICK(5);"),
     ("      linear(layer.gate_up, h, gate_up, &layer.down);\n@@\n", "      TICK(6);"),
-    ("      silu_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), act.data_ptr<at::BFloat16>(), "
-     "t, inter);\n@@\n", "      TICK(7);"),
-    ("      linear(layer.down, act, out, l + 1 < layers_.size() ? &layers_[l + 1].qkv : "
-     "nullptr);\n@@\n", "      TICK(8);"),
+    (("      silu_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), act.data_ptr<at::BFloat16>(), "
+     "t, inter);\n@@\n"), "      TICK(7);"),
+    (("      linear(layer.down, act, out, l + 1 < layers_.size() ? &layers_[l + 1].qkv : "
+     "nullptr);\n@@\n"), "      TICK(8);"),
 ]
 # The same for run_decodes (a step of up to 8 decodes in one parallel region; sources from
 # session 22 on): thread 0 ticks, each op ending where the barrier after it lets thread 0 on.
 # There RoPE and the cache write run inside attention's tasks: "attention" holds them, and
 # "rope_write" stays 0.
 REGION_TICKS = [
-    ("                    hidden_, eps_);\n@@\n      for (size_t l = 0; l < layers_.size(); "
-     "++l) {\n", "      " + START),
+    (("                    hidden_, eps_);\n@@\n      for (size_t l = 0; l < layers_.size(); "
+     "++l) {\n"), "      " + START),
 ] + [(code + "@@\n", f"        if (tid == 0) TICK({i});") for code, i in [
-    ("        if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<BF>(), hp, t, hidden_, "
-     "eps_);\n", 0),
+    (("        if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<BF>(), hp, t, hidden_, "
+     "eps_);\n"), 0),
     ("        linear(layer.qkv, hp, hidden_, qkv.data_ptr<BF>(), &layer.o);\n", 1),
     ("                       scale_, &fetch_o, &rope_write);\n#pragma omp barrier\n", 3),
     ("        linear(layer.o, att.data_ptr<BF>(), row, op, &layer.gate_up);\n", 4),
     ("        rms_norm_rows(op, r, layer.post_norm.data_ptr<BF>(), hp, t, hidden_, eps_);\n", 5),
     ("        linear(layer.gate_up, hp, hidden_, gp, &layer.down);\n", 6),
     ("        silu_and_mul_impl(static_cast<const BF*>(gp), ap, t, inter);\n", 7),
-    ("        linear(layer.down, ap, inter, op, l + 1 < layers_.size() ? &layers_[l + 1].qkv : "
-     "nullptr);\n", 8),
+    (("        linear(layer.down, ap, inter, op, l + 1 < layers_.size() ? &layers_[l + 1].qkv : "
+     "nullptr);\n"), 8),
 ]]
 MODULE = "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n@@\n"
 EXPORT = ('  m.def("phases", [] { std::vector<double> v(g_phase_ns, g_phase_ns + 16); '

@@ -9,10 +9,9 @@ and on int8 activations), `decode_stack.cpp` (every decoder layer of a step in o
 inline helpers they share (`vec.h` SIMD, `kv_cache.h` the cache's rows, `common.h` what one
 file calls in another) and `bindings.cpp` (the Python bindings only). Most need a CPU with
 AVX-512 BF16 (and VNNI, for the int8 activations); the rest run anywhere. They are built as
-one extension with the machine's C++ compiler the first time an engine needs them (about 30 s;
-`-march=native`, so the build is keyed by the CPU's flags; ninja compiles the files in
-parallel and, through the compiler's dependency files, again after any of them or a header
-changes) and cached by torch.utils.cpp_extension under $TORCH_EXTENSIONS_DIR (default
+one extension with the machine's C++ compiler the first time an engine needs them (about a
+minute; `-march=native`, so the build is keyed by the CPU's flags; ninja compiles the files
+in parallel, and again those that include a file that changed, headers too) and cached by torch.utils.cpp_extension under $TORCH_EXTENSIONS_DIR (default
 ~/.cache/torch_extensions). The torch code in ember/models is the reference and the fallback:
 `--kernels torch` uses it alone, and `auto` falls back to it, with a warning, where the
 kernels cannot be built.
