@@ -1,7 +1,10 @@
 """The compiled CPU kernels (ember/kernels) beside the torch code they replace, per call.
 (For prompt matmuls, "torch" is oneDNN's bfloat16 matmul and "kernel" the int8 one.)
 
-    .venv/bin/python benchmarks/cpu_kernels.py [--out FILE]
+    .venv/bin/python benchmarks/cpu_kernels.py [--source SOURCE] [--out FILE]
+
+`--source`: the kernels' sources to build (a folder like ember/kernels/cpu, or one .cpp
+file, as benchmarks/kernel_ab.py takes them); the installed ones by default.
 
 bfloat16, torch's threads, SmolLM2-135M's shapes (hidden 576, 9 query / 3 KV heads of 64,
 intermediate 1536), 16-token blocks scattered over a 2000-block cache. Best of 3 timings of
@@ -20,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.bench.cli import results_dir
-from ember.kernels import CpuKernels, build_cpu_ops
+from ember.kernels import SOURCE, CpuKernels, build_cpu_ops
 from ember.models.attention import PagedKV, _matmul_attention
 from ember.quant.packed import KernelInt8Linear, PackedLinear
 
@@ -157,8 +160,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     out_dir = results_dir(os.environ, Path.home())  # never the tree
     parser.add_argument("--out", default=str(out_dir / "cpu_kernels.json"))
+    parser.add_argument("--source", type=Path, default=SOURCE)
     args = parser.parse_args()
-    kernels = CpuKernels(build_cpu_ops())
+    other = args.source.resolve() != SOURCE.resolve()   # built apart: the cached build stays
+    kernels = CpuKernels(build_cpu_ops(source=args.source,
+                                       name="ember_cpu_kernels_source" if other else None))
     results = norms(kernels)
     for members, context in ((1, 180), (1, 1000), (32, 300)):
         results[f"decode attention, {members} x {context} tokens"] = decode_attention(

@@ -1,12 +1,15 @@
-"""Two builds of ember/kernels/cpu_ops.cpp in one process, call against call.
+"""Two builds of the kernels' sources in one process, call against call.
 
-    .venv/bin/python benchmarks/kernel_ab.py --old-source OLD.cpp [--new-source NEW.cpp]
+    .venv/bin/python benchmarks/kernel_ab.py --old-source OLD [--new-source NEW]
         [--rows 32] [--prompt-tokens 250 350] [--steps 120] [--out FILE]
 
-This machine's speed drifts by 10-30% from hour to hour, so two processes run one after the
-other compare the hours as much as the code. Here both sources are built as extensions of
-their own (`git show HEAD~1:ember/kernels/cpu_ops.cpp > OLD.cpp` gives the previous commit's),
-one engine on the default model serves both, and each decode step alternates between the two
+A source is a folder of the kernels' files (ember/kernels/cpu: its .cpp files and headers)
+or one .cpp file (ember/kernels/cpu_ops.cpp, where a commit has the kernels in one file):
+`git archive HEAD~1 ember/kernels | tar -x -C OLD` gives the previous commit's under
+OLD/ember/kernels (its cpu/ folder, or its cpu_ops.cpp). This machine's speed drifts by
+10-30% from hour to hour, so two processes run one after the other compare the hours as much
+as the code. Here both sources are built as extensions of their own, one engine on the
+default model serves both, and each decode step alternates between the two
 builds' decode stacks (the order flips every step), `--rows` requests of U(LO, HI)-token
 prompts decoding. Reported per build: the decode stack's time per step and the output
 projection's (int8_linear_a8 on the model's head as the engine runs it, on the quads,
@@ -33,22 +36,38 @@ from ember.bench.workloads import default_corpus
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore
 from ember.engine.roofline import hand_off_probe
-from ember.kernels import SOURCE, CpuKernels, build_cpu_ops
+from ember.kernels import SOURCE, CpuKernels, build_cpu_ops, kernel_sources
 from ember.models.llama import _build_decode_stack
 from ember.request import RequestOptions, SamplingParams
 
 GLOBAL_CLASS = 'py::class_<DecodeStack>(m, "DecodeStack")'
 
 
+def read_source(source: Path) -> dict[str, str]:
+    """The files of `source` (a folder: its .cpp files and headers; or one .cpp file), name ->
+    text."""
+    paths = sorted(source.glob("*.h")) + kernel_sources(source) if source.is_dir() else [source]
+    return {path.name: path.read_text() for path in paths}
+
+
+def write_source(files: dict[str, str], dest: Path) -> Path:
+    """`files` (as read_source gives them) written into the new folder `dest`; -> what to build:
+    the folder, or its one file."""
+    dest.mkdir(parents=True)
+    for name, text in files.items():
+        (dest / name).write_text(text)
+    return dest / next(iter(files)) if len(files) == 1 else dest
+
+
 def build(name: str, source: Path, folder: Path) -> ModuleType:
     """`source` built as extension `name`. Sources older than the change that made the
-    DecodeStack class module-local are copied with it made so: two builds registering the
-    class globally cannot share a process."""
-    text = source.read_text()
-    if GLOBAL_CLASS in text:
-        source = folder / f"{name}.cpp"
-        source.write_text(text.replace(GLOBAL_CLASS, GLOBAL_CLASS[:-1] +
-                                       ", py::module_local())"))
+    DecodeStack class module-local are copied into `folder` with it made so: two builds
+    registering the class globally cannot share a process."""
+    files = read_source(source)
+    if any(GLOBAL_CLASS in text for text in files.values()):
+        local = GLOBAL_CLASS[:-1] + ", py::module_local())"
+        source = write_source({file: text.replace(GLOBAL_CLASS, local)
+                               for file, text in files.items()}, folder / name)
     return build_cpu_ops(source=source, name=name)
 
 

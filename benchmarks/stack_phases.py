@@ -1,9 +1,10 @@
 """Where a decode stack step goes, op by op: timers built into a copy of the kernels' source.
 
-    .venv/bin/python benchmarks/stack_phases.py [--old-source OLD.cpp] [--new-source NEW.cpp]
+    .venv/bin/python benchmarks/stack_phases.py [--old-source OLD] [--new-source NEW]
         [--rows 1] [--prompt-tokens 300] [--steps 200] [--out FILE]
 
-The source (the installed one by default) is copied with a steady_clock tick after each op of
+The source (the installed one by default; a folder like ember/kernels/cpu or one .cpp file,
+as kernel_ab.py takes them) is copied with a steady_clock tick after each op of
 DecodeStack's layer loop (the input norm, the qkv matmul, RoPE and the cache write,
 attention, o, the post-attention norm, gate_up, SwiGLU's activation, down) and built as an
 extension of its own; the engine's decode stack is swapped for it. Where the source runs a
@@ -25,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
 
-from kernel_ab import build, decode_stack_of, report
+from kernel_ab import build, decode_stack_of, read_source, report, write_source
 
 from ember.bench.workloads import default_corpus
 from ember.config import EngineConfig
@@ -44,71 +46,97 @@ from ember.request import RequestOptions, SamplingParams
 OPS = ["norm", "qkv", "rope_write", "attention", "o", "post_norm", "gate_up", "silu",
        "down"]
 HEADER = """#include <chrono>
-double g_phase_ns[16];
+inline double g_phase_ns[16];
 #define TICK(i) { auto now_ = std::chrono::steady_clock::now(); \\
   g_phase_ns[i] += std::chrono::duration<double, std::nano>(now_ - last_).count(); last_ = now_; }
 """
-# (code in DecodeStack::run's layer loop, the same with ticks after it); TICK(i) ends op i
+# Code in DecodeStack::run's layer loop, "@@" where a line goes in, and that line (at the
+# indentation of the class-body layout; a source that defines the methods outside the class
+# has them 2 columns to the left, and the line moves with them). TICK(i) ends op i.
+START = "auto last_ = std::chrono::steady_clock::now();"
 TICKS = [
-    ("      if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<at::BFloat16>(), hp, t, "
-     "hidden_, eps_);\n", "TICK(0);"),
-    ("        linear(layer.qkv, h, qkv, &layer.o);\n      }\n", "TICK(1);"),
-    ("                        kv_heads_, d_, blocks * block_size);\n      }\n", "TICK(2);"),
-    ("      attend(plan, q, qkv, k_out, own_kv, cache, kv_scale, att, a8 ? nullptr : "
-     "&fetch_o);\n", "TICK(3);"),
-    ("      linear(layer.o, att.view({t, heads_ * d_}), out, &layer.gate_up);\n", "TICK(4);"),
-    ("      linear(layer.gate_up, h, gate_up, &layer.down);\n", "TICK(6);"),
-    ("      silu_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), act.data_ptr<at::BFloat16>(), "
-     "t, inter);\n", "TICK(7);"),
-    ("      linear(layer.down, act, out, l + 1 < layers_.size() ? &layers_[l + 1].qkv : "
-     "nullptr);\n", "TICK(8);"),
+    (("                  layers_[0].in_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);\n"
+     "@@\n    for (size_t l = 0; l < layers_.size(); ++l) {\n"), "    " + START),
+    (("      if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<at::BFloat16>(), hp, t, "
+     "hidden_, eps_);\n@@\n"), "      TICK(0);"),
+    ("        linear(layer.qkv, h, qkv, &layer.o);\n      }\n@@\n", "      TICK(1);"),
+    ("                        kv_heads_, d_, blocks * block_size);\n      }\n@@\n",
+     "      TICK(2);"),
+    (("      attend(plan, q, qkv, k_out, own_kv, cache, kv_scale, att, a8 ? nullptr : "
+     "&fetch_o);\n@@\n"), "      TICK(3);"),
+    ("      linear(layer.o, att.view({t, heads_ * d_}), out, &layer.gate_up);\n@@\n",
+     "      TICK(4);"),
+    (("      rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, "
+     "eps_);\n@@\n      linear(layer.gate_up, h, gate_up, &layer.down);\n"), "      TICK(5);"),
+    ("      linear(layer.gate_up, h, gate_up, &layer.down);\n@@\n", "      TICK(6);"),
+    (("      silu_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), act.data_ptr<at::BFloat16>(), "
+     "t, inter);\n@@\n"), "      TICK(7);"),
+    (("      linear(layer.down, act, out, l + 1 < layers_.size() ? &layers_[l + 1].qkv : "
+     "nullptr);\n@@\n"), "      TICK(8);"),
 ]
-POST_NORM = ("      linear(layer.o, att.view({t, heads_ * d_}), out, &layer.gate_up);\n"
-             "      TICK(4);\n"
-             "      rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, "
-             "eps_);\n")
-LOOP = ("    for (size_t l = 0; l < layers_.size(); ++l) {\n"
-        "      const Layer& layer = layers_[l];\n")
 # The same for run_decodes (a step of up to 8 decodes in one parallel region, in sources
 # that have it): thread 0 ticks, each op ending where the barrier after it lets thread 0 on.
 # There RoPE and the cache write run inside attention's tasks: "attention" holds them, and
 # "rope_write" stays 0.
-REGION_LOOP = ("      for (size_t l = 0; l < layers_.size(); ++l) {\n"
-               "        const Layer& layer = layers_[l];\n")
 REGION_TICKS = [
-    ("        if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<BF>(), hp, t, hidden_, "
-     "eps_);\n", 0),
+    (("                    hidden_, eps_);\n@@\n      for (size_t l = 0; l < layers_.size(); "
+     "++l) {\n"), "      " + START),
+] + [(code + "@@\n", f"        if (tid == 0) TICK({i});") for code, i in [
+    (("        if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<BF>(), hp, t, hidden_, "
+     "eps_);\n"), 0),
     ("        linear(layer.qkv, hp, hidden_, qkv.data_ptr<BF>(), &layer.o);\n", 1),
     ("                       scale_, &fetch_o, &rope_write);\n#pragma omp barrier\n", 3),
     ("        linear(layer.o, att.data_ptr<BF>(), row, op, &layer.gate_up);\n", 4),
     ("        rms_norm_rows(op, r, layer.post_norm.data_ptr<BF>(), hp, t, hidden_, eps_);\n", 5),
     ("        linear(layer.gate_up, hp, hidden_, gp, &layer.down);\n", 6),
     ("        silu_and_mul_impl(static_cast<const BF*>(gp), ap, t, inter);\n", 7),
-    ("        linear(layer.down, ap, inter, op, l + 1 < layers_.size() ? &layers_[l + 1].qkv : "
-     "nullptr);\n", 8),
-]
-MODULE = "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
+    (("        linear(layer.down, ap, inter, op, l + 1 < layers_.size() ? &layers_[l + 1].qkv : "
+     "nullptr);\n"), 8),
+]]
+MODULE = "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n@@\n"
 EXPORT = ('  m.def("phases", [] { std::vector<double> v(g_phase_ns, g_phase_ns + 16); '
-          "std::fill(g_phase_ns, g_phase_ns + 16, 0.0); return v; });\n")
+          "std::fill(g_phase_ns, g_phase_ns + 16, 0.0); return v; });")
 
 
-def with_ticks(text: str) -> str:
-    """`text` (cpu_ops.cpp) with the timers; SystemExit naming the code it no longer finds."""
-    def once(text: str, old: str, new: str) -> str:
-        if text.count(old) != 1:
-            raise SystemExit(f"stack_phases.py: this code is not in the source once: {old!r}")
-        return text.replace(old, new)
-    text = once(text, "namespace {\n", HEADER + "namespace {\n")
-    text = once(text, LOOP, "    auto last_ = std::chrono::steady_clock::now();\n" + LOOP)
-    for code, tick in TICKS:
-        text = once(text, code, code + f"      {tick}\n")
-    text = once(text, POST_NORM, POST_NORM + "      TICK(5);\n")
-    if "run_decodes(" in text:
-        text = once(text, REGION_LOOP,
-                    "      auto last_ = std::chrono::steady_clock::now();\n" + REGION_LOOP)
-        for code, i in REGION_TICKS:
-            text = once(text, code, code + f"        if (tid == 0) TICK({i});\n")
-    return once(text, MODULE, MODULE + EXPORT)
+def code_pattern(code: str) -> re.Pattern:
+    """`code` ("@@" marking a point) as a pattern that lets each line's indentation differ;
+    group 1 is the first line's indentation, group "at" the point."""
+    lines = []
+    for i, line in enumerate(code.splitlines()):
+        if line == "@@":
+            lines.append("(?P<at>)")
+            continue
+        space = "([ \\t]*)" if i == 0 else "[ \\t]*"
+        lines.append("^" + space + re.escape(line.lstrip(" ")) + "\\n")
+    return re.compile("".join(lines), re.MULTILINE)
+
+
+def with_ticks(files: dict[str, str]) -> dict[str, str]:
+    """The kernels' files (name -> text, as kernel_ab.read_source gives them) with the
+    timers; SystemExit naming the code it no longer finds."""
+    files = dict(files)
+    ticked = set()
+
+    def once(code: str, line: str) -> None:
+        hits = [(name, hit) for name, text in files.items()
+                for hit in code_pattern(code).finditer(text)]
+        if len(hits) != 1:
+            raise SystemExit(f"stack_phases.py: this code is not in the source once: {code!r}")
+        name, hit = hits[0]
+        shift = len(hit.group(1)) - (len(code) - len(code.lstrip(" ")))
+        indent = len(line) - len(line.lstrip(" ")) + shift
+        text = files[name]
+        files[name] = (text[:hit.start("at")] + " " * indent + line.lstrip(" ") + "\n" +
+                       text[hit.start("at"):])
+        ticked.add(name)
+
+    for code, line in TICKS:
+        once(code, line)
+    if any("run_decodes(" in text for text in files.values()):
+        for code, line in REGION_TICKS:
+            once(code, line)
+    once(MODULE, EXPORT)
+    return {name: HEADER + text if name in ticked else text for name, text in files.items()}
 
 
 def cache_fed_stack(model, ops: ModuleType):
@@ -138,8 +166,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         builds = {}
         for name, source in sources.items():
-            timed = Path(folder) / f"{name}.cpp"
-            timed.write_text(with_ticks(source.read_text()))
+            timed = write_source(with_ticks(read_source(source)), Path(folder) / name)
             builds[name] = build(f"ember_phases_{name}", timed, Path(folder))
     core = EngineCore(EngineConfig.from_options())
     model = core.runner.model

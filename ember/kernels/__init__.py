@@ -1,15 +1,21 @@
 """Compiled CPU kernels for the small ops that dominate a decode step in eager PyTorch.
 
-`cpu_ops.cpp` holds RMSNorm with the residual add fused in, RoPE fused with the KV-cache write,
-SwiGLU's activation, attention of one new token per request read in place from the paged
-KV cache (no gathered copy), and, on CPUs with AVX-512 BF16, flash attention of a prompt chunk
-over its paged context and int8 and int4 linears on bfloat16 dot products, and with VNNI
-too, linears on int8 activations (int8 dot products). They are
-built with the machine's C++ compiler the first time an engine needs them (about 20 s;
-`-march=native`, so the build is keyed by the CPU's flags) and cached by
-torch.utils.cpp_extension under $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions).
-The torch code in ember/models is the reference and the fallback: `--kernels torch` uses it
-alone, and `auto` falls back to it, with a warning, where the kernels cannot be built.
+The sources are the folder `cpu/`, one file per family: `norm_rope.cpp` (RMSNorm with the
+residual add fused in, RoPE fused with the KV-cache write, SwiGLU's activation, a vector
+argmax), `decode_attention.cpp` (one new token per request, read in place from the paged KV
+cache, no gathered copy), `prefill_attention.cpp` (flash attention of a prompt chunk over its
+paged context), `int4_matmul.cpp` and `int8_matmul.cpp` (linears on int4 and int8 weights,
+and on int8 activations), `decode_stack.cpp` (every decoder layer of a step in one call), the
+inline helpers they share (`vec.h` SIMD, `kv_cache.h` the cache's rows, `common.h` what one
+file calls in another) and `bindings.cpp` (the Python bindings only). Most need a CPU with
+AVX-512 BF16 (and VNNI, for the int8 activations); the rest run anywhere. They are built as
+one extension with the machine's C++ compiler the first time an engine needs them (about a
+minute; `-march=native`, so the build is keyed by the CPU's flags; ninja compiles the files
+in parallel, and again those that include a file that changed, headers too) and cached by
+torch.utils.cpp_extension under $TORCH_EXTENSIONS_DIR (default
+~/.cache/torch_extensions). The torch code in ember/models is the reference and the fallback:
+`--kernels torch` uses it alone, and `auto` falls back to it, with a warning, where the
+kernels cannot be built.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCE = Path(__file__).with_name("cpu")   # the kernels' sources: a folder (or one .cpp)
 
 
 @dataclass(frozen=True)
@@ -206,13 +212,26 @@ def _cpu_key() -> str:
     return hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:10]
 
 
+def kernel_sources(source: Path) -> list[Path]:
+    """The files compiled for `source`: a folder's .cpp files (its headers are included by
+    them), or `source` itself, one .cpp file (as an older checkout has it)."""
+    if source.is_dir():
+        files = sorted(source.glob("*.cpp"))
+        if not files:
+            raise FileNotFoundError(f"no .cpp files in {source}")
+        return files
+    return [source]
+
+
 def build_cpu_ops(verbose: bool = False, source: Path = SOURCE, name: str | None = None
                   ) -> ModuleType:
-    """Compile (or load the cached build of) cpu_ops.cpp, or another `source` of it as
-    extension `name` (benchmarks/kernel_ab.py builds two). Raises on a failed build."""
+    """Compile (or load the cached build of) the kernels, or another `source` of them (a
+    folder like cpu/, or one .cpp file) as extension `name` (benchmarks/kernel_ab.py builds
+    two). Raises on a failed build."""
     from torch.utils.cpp_extension import load
     _put_ninja_on_path()
-    return load(name=name or f"ember_cpu_ops_{_cpu_key()}", sources=[str(source)],
+    return load(name=name or f"ember_cpu_ops_{_cpu_key()}",
+                sources=[str(path) for path in kernel_sources(source)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=verbose)
 

@@ -1,0 +1,61 @@
+// The Python bindings of the kernels (one extension, torch.utils.cpp_extension.load over every
+// .cpp of this folder: ember/kernels/__init__.py build_cpu_ops). Nothing but bindings: each op
+// is defined, with its layout and reference, in the file of its family (common.h lists them).
+// pybind11 with torch's tensor casters: what the bindings use of torch/extension.h, which
+// adds the C++ frontend (a third of a clean build's time here, compiling its headers)
+#include <torch/csrc/utils/pybind.h>
+
+#include "common.h"
+#include "decode_stack.h"
+
+using namespace ember;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the GIL is released while a kernel runs, as torch's own ops do, so that the server's
+  // event loop can serve HTTP meanwhile (the engine steps in a thread of its own)
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("rope_write", &rope_write, "RoPE on q and k, k and v written into the paged cache",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("kv"), py::arg("slots"),
+        py::arg("heads"), py::arg("kv_heads"), py::arg("kv_scale") = py::none(),
+        py::arg("k_out") = py::none(), no_gil);
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU's activation: silu(gate) * up", no_gil);
+  m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value", no_gil);
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after a fused residual add", no_gil);
+  m.def("decode_attention", &decode_attention, "one query per request over the paged cache",
+        py::arg("q"), py::arg("kv"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("kv_scale") = py::none(), no_gil);
+  m.def("has_bf16_dot", &has_bf16_dot,
+        "whether the AVX-512 BF16 kernels (prefill attention, int8 and int4 linear) are built");
+  m.def("prefill_attention", &prefill_attention, "a prompt chunk over its paged context",
+        py::arg("q"), py::arg("kv"), py::arg("block_table"), py::arg("seq_len"),
+        py::arg("scale"), py::arg("kv_scale") = py::none(), no_gil);
+  m.def("int8_linear", &int8_linear, "x w^T with w int8 in 16-row VNNI panels", no_gil);
+  m.def("int8_linear_a8", &int8_linear_a8, "int8_linear with x rounded to int8 per group",
+        no_gil);
+  m.def("has_int8_dot", &has_int8_dot, "whether this build has AVX-512 VNNI int8 kernels");
+  m.def("thread_sync_ns", &thread_sync_ns,
+        "ns per round trip of a cache line between two threads, and per empty parallel region",
+        no_gil);
+  m.def("w8a8_linear", &w8a8_linear, "x w^T on int8 dot products, x quantized per row (or group)",
+        no_gil);
+  m.def("int8_rows", &int8_rows, "rows of an int8 weight in 16-row VNNI panels", no_gil);
+  m.def("int4_linear", &int4_linear, "x w^T with w int4 (groups of 32) in 16-row panels",
+        no_gil);
+#ifdef EMBER_BF16_DOT
+  // module_local: two builds may share a process (an A/B of two sources loads both)
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
+      .def(py::init<std::vector<at::Tensor>, at::Tensor, int64_t, int64_t, int64_t, double,
+                    double>())
+      .def("forward", &DecodeStack::forward, "a decode step through every layer",
+           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv"), py::arg("kv_scales"),
+           py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
+           py::arg("positions") = py::none(), no_gil)
+      .def("forward_mixed", &DecodeStack::forward_mixed,
+           "a step with prompt chunks through every layer", py::arg("x"), py::arg("cos"),
+           py::arg("sin"), py::arg("kv"), py::arg("kv_scales"), py::arg("slots"),
+           py::arg("decode_first"), py::arg("block_tables"), py::arg("seq_lens"),
+           py::arg("chunk_info"), py::arg("chunk_tables"), py::arg("positions") = py::none(),
+           no_gil)
+      .def("use_int8", &DecodeStack::use_int8, "steps above max_packed_rows on int8 quads");
+#endif
+}

@@ -1,0 +1,168 @@
+// The decode stack's interface: every decoder layer of a step in one call (decode_stack.cpp),
+// bound by bindings.cpp as DecodeStack.
+// Layout and reference: as decode_stack.cpp states.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+#include <functional>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+
+namespace ember {
+
+#ifdef EMBER_BF16_DOT
+// A decode step through every decoder layer in one call (the model's weights all int4, its
+// activations and KV cache bfloat16, one new token per request, any number of requests):
+// the same kernels, in the same order, as the layer-by-layer path in ember/models takes up
+// to 8 rows, with no Python and no allocation between them. Per layer:
+//   h = rms_norm(residual += x)      (the first layer: residual = x, h = rms_norm(x))
+//   q = rope_write(h Wqkv)           k, v into the cache
+//   x = attention(q) Wo;  h = rms_norm(residual += x)
+//   x = silu_and_mul(h Wgate_up) Wdown
+// and at the end rms_norm(residual += x) with the final norm: the hidden states the output
+// projection reads. forward_mixed runs a step with prompt chunks the same way (the attention
+// of each chunk on the prefill kernel, of the decodes on the decode kernel, as the layers
+// call them), so that a prompt step pays no Python or torch glue between kernels either.
+class DecodeStack {
+ public:
+  // weights: per layer, in order, input norm, qkv (q, scale_min), o (q, scale_min),
+  // post-attention norm, gate_up (q, scale_min), down (q, scale_min): 10 tensors each.
+  DecodeStack(std::vector<at::Tensor> weights, at::Tensor final_norm, int64_t heads,
+              int64_t kv_heads, int64_t head_dim, double eps, double scale);
+
+  // From now on, steps of more than `max_packed_rows` rows run every projection on int8 dot
+  // products (w8a8_linear's arithmetic: x rounded to int8 per row or group, times smooth):
+  // per layer, for qkv, o, gate_up and down in turn, the weight in quads (pack_int8_quads),
+  // its scales [n] and smooth [k] float32 (12 tensors), and `groups` their activation groups
+  // (4 per layer; 0: a whole row). Only with AVX-512 VNNI.
+  void use_int8(std::vector<at::Tensor> tensors, std::vector<int64_t> groups,
+                int64_t max_packed_rows);
+
+  // x [T, hidden] (the embeddings), cos, sin [T, 1, d], kv: each layer's cache [2, kv_heads,
+  // blocks, block_size, d], slots [T], block_tables [T, max_blocks], seq_lens [T] (int64; the
+  // new token included) -> the final norm's output [T, hidden]. All bfloat16.
+  // With kv_scales (one per layer, [2, kv_heads, blocks, block_size] float16), the caches are
+  // int8 (ember/models/attention.py PagedKV); empty: bfloat16.
+  // With positions [T] (int64), cos and sin are tables [P, 1, d] (every position below P) and
+  // row t takes row positions[t] of each, instead of two torch index ops before the call (in a
+  // batch-1 decode step, where the caches are cold: model.forward's glue 69-104 -> 44-67 us).
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                     const std::vector<at::Tensor>& kv,
+                     const std::vector<at::Tensor>& kv_scales, at::Tensor slots,
+                     at::Tensor block_tables, at::Tensor seq_lens,
+                     c10::optional<at::Tensor> positions) const;
+
+  // A step with prompt chunks: the same arguments as forward, but the decodes are rows
+  // decode_first .. decode_first + D - 1 (block_tables [D, max_blocks], seq_lens [D]; D may be
+  // 0), and chunk_info [C, 4] int64 gives each prompt chunk's first row, new tokens, seq_len
+  // (its context after this step, the new tokens included) and whether it is fresh (the
+  // prompt's first chunk: with an int8 cache it attends over its own k and v as computed,
+  // not as rounded into the cache, as the layers do), chunk_tables[c] its block table [>=
+  // ceil(seq_len / block_size)]. Every row is a decode or in one chunk. positions: as forward.
+  at::Tensor forward_mixed(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                           const std::vector<at::Tensor>& kv,
+                           const std::vector<at::Tensor>& kv_scales, at::Tensor slots,
+                           int64_t decode_first, at::Tensor block_tables,
+                           at::Tensor seq_lens, at::Tensor chunk_info,
+                           const std::vector<at::Tensor>& chunk_tables,
+                           c10::optional<at::Tensor> positions) const;
+
+ private:
+  // A prompt chunk: rows first .. first + n - 1 of the step
+  struct Chunk {
+    int64_t first, n, seq_len;
+    bool fresh;
+    const int64_t* table;
+  };
+  // The step's attention: decodes at rows decode_first .. + decodes - 1, and the chunks
+  struct Plan {
+    int64_t decode_first, decodes;
+    const int64_t* tables;
+    int64_t max_blocks;
+    const int64_t* seq_lens;
+    std::vector<Chunk> chunks;
+  };
+
+  at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                 const std::vector<at::Tensor>& kv,
+                 const std::vector<at::Tensor>& kv_scales, const at::Tensor& slots,
+                 const Plan& plan) const;
+
+  void rope_write_head(const at::BFloat16* qkv, const at::BFloat16* cos, const at::BFloat16* sin,
+                       const at::Tensor& cache, at::Half* kv_scale, const int64_t* slots,
+                       at::BFloat16* q, int64_t row, int64_t kvh) const;
+
+  // Steps of up to this many decodes (on the int4 weights) run in one parallel region
+  static constexpr int64_t kOneRegionRows = 8;
+
+  at::Tensor run_decodes(const at::Tensor& x, const at::Tensor& cos,
+                         const at::Tensor& sin, const std::vector<at::Tensor>& kv,
+                         const std::vector<at::Tensor>& kv_scales,
+                         const at::Tensor& slots, const Plan& plan) const;
+
+  struct Int4 {
+    at::Tensor q, scale_min;
+    int64_t n, k;
+  };
+  struct Int8 {
+    at::Tensor quads, scale, smooth;
+    int64_t n = 0, k = 0, group = 0;
+  };
+  struct Layer {
+    at::Tensor in_norm, post_norm;
+    Int4 qkv, o, gate_up, down;
+    Int8 qkv8, o8, gate_up8, down8;   // set by use_int8
+  };
+  // Scratch for x rounded to int8 (int8a8's operand), sized for a step's widest input
+  struct Int8Rows {
+    std::vector<int8_t> q;
+    std::vector<float> scale;
+    std::vector<int32_t> sum;
+  };
+
+  void attend(const Plan& plan, const at::Tensor& q, const at::Tensor& qkv,
+              const at::Tensor& k_out, std::vector<uint16_t>& own_kv,
+              const at::Tensor& cache, const at::Half* kv_scale, at::Tensor& att,
+              const std::function<void()>* after = nullptr) const;
+
+  static void linear8(const Int8& w, const at::Tensor& x, at::Tensor& out,
+                      Int8Rows& scratch, bool swiglu = false);
+
+  static Int4 int4(at::Tensor q, at::Tensor scale_min);
+
+  static const uint16_t* bits(const at::Tensor& t);
+  static uint16_t* bits(at::Tensor& t);
+
+  static int4w::Next next_of(const Int4& w);
+
+  static void linear(const Int4& w, const at::Tensor& x, at::Tensor& out,
+                     const Int4* next);
+
+  std::pair<at::Tensor, at::Tensor> rope_rows(
+      const at::Tensor& cos, const at::Tensor& sin,
+      const c10::optional<at::Tensor>& positions, int64_t t) const;
+
+  void check_inputs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                    const std::vector<at::Tensor>& kv,
+                    const std::vector<at::Tensor>& kv_scales,
+                    const at::Tensor& slots) const;
+
+  static void check_decodes(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            int64_t count, int64_t block_size);
+
+  std::vector<Layer> layers_;
+  bool int8_ = false;           // use_int8 was called
+  int64_t max_packed_rows_ = 0;
+  at::Tensor final_norm_;
+  int64_t heads_, kv_heads_, d_, hidden_;
+  float eps_, scale_;
+};
+#endif  // EMBER_BF16_DOT
+
+}  // namespace ember
