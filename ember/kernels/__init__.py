@@ -25,6 +25,7 @@ import logging
 import os
 import platform
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -230,10 +231,32 @@ def build_cpu_ops(verbose: bool = False, source: Path = SOURCE, name: str | None
     two). Raises on a failed build."""
     from torch.utils.cpp_extension import load
     _put_ninja_on_path()
-    return load(name=name or f"ember_cpu_ops_{_cpu_key()}",
+    name = name or f"ember_cpu_ops_{_cpu_key()}"
+    clear_stale_build_lock(name)
+    return load(name=name,
                 sources=[str(path) for path in kernel_sources(source)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=verbose)
+
+
+STALE_LOCK_S = 900.0  # a build takes a minute or two; a lock this old outlived its builder
+
+
+def clear_stale_build_lock(name: str, now: float | None = None) -> bool:
+    """torch's build waits, silently and forever, while the build folder holds a `lock` file;
+    a build that was killed leaves one behind, and every later start would hang on it. A lock
+    older than STALE_LOCK_S is removed, with a warning. Returns whether one was removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _put_ninja_on_path() -> None:
