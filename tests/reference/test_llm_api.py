@@ -113,8 +113,10 @@ def test_text_prompts_are_tokenized_and_kept(llm):
 
 
 def test_bad_requests_raise_and_leave_the_engine_healthy(llm):
-    with pytest.raises(ContextTooLong, match="250 tokens and max_tokens=10.*holds 256"):
-        llm.generate([[5] * 250], greedy(max_tokens=10))
+    with pytest.raises(ContextTooLong, match="256 tokens and max_tokens=10.*holds 256"):
+        llm.generate([[5] * 256], greedy(max_tokens=10))  # the prompt alone fills the context
+    cut = llm.generate([[5] * 250], greedy(max_tokens=10))[0].outputs[0]
+    assert len(cut.token_ids) == 6  # max_tokens cut to the room the prompt leaves
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
         llm.generate([[10 ** 6]], greedy())
     with pytest.raises(InvalidRequest, match="empty"):
