@@ -1,6 +1,9 @@
 """A real ember server on 127.0.0.1 (uvicorn in a thread), over the tiny random model."""
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -100,3 +103,30 @@ def server(tiny_llama_dir):
 def client(server):
     import openai
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(folder, port: int, *extra: str, script: str | None = None) -> subprocess.Popen:
+    """`ember serve` as a process on 127.0.0.1 (or `script` run with serve's arguments)."""
+    head = [sys.executable, "-c", script] if script else [sys.executable, "-m", "ember.cli"]
+    return subprocess.Popen([*head, "serve", "--model", str(folder), "--port", str(port), "-q",
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 120) -> None:
+    """Until /health/ready answers 200; fails if the process exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health/ready").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server never became ready"
+        time.sleep(0.2)

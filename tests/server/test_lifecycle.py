@@ -6,14 +6,11 @@ Each test runs a real server process on 127.0.0.1 over the tiny model. Waits are
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import threading
-import time
 
 import httpx
 
-from tests.server.test_load import free_port
+from tests.server.conftest import free_port, start_server, wait_ready
 
 BREAK_THE_ENGINE = """
 import sys
@@ -26,25 +23,6 @@ AsyncEngine._step = broken
 from ember.cli import main
 sys.exit(main(sys.argv[1:]))
 """
-
-
-def start_server(folder, port: int, *extra: str, script: str | None = None) -> subprocess.Popen:
-    head = [sys.executable, "-c", script] if script else [sys.executable, "-m", "ember.cli"]
-    return subprocess.Popen([*head, "serve", "--model", str(folder), "--port", str(port), "-q",
-                             *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(url + "/health/ready").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server never became ready"
-        time.sleep(0.2)
 
 
 def test_a_dead_engine_makes_the_process_exit_non_zero(tiny_llama_dir):

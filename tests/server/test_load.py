@@ -8,16 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import pytest
 
-from tests.server.conftest import LiveServer
+from tests.server.conftest import LiveServer, free_port, start_server, wait_ready
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict,
@@ -96,37 +92,22 @@ def test_64_concurrent_streams_complete_with_correct_usage(server):
     server.wait_idle()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir):
     folder, _ = tiny_llama_dir
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "ember.cli", "serve", "--model", str(folder),
-                             "--port", str(port), "--drain-timeout", "20", "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # a drain long enough for the 400 tokens on a slow, shared machine: what is checked is
+    # that they all arrive before the exit, not how fast
+    proc = start_server(folder, port, "--drain-timeout", "300")
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server never became ready"
-            time.sleep(0.2)
+        wait_ready(proc, url)
         result: dict = {}
         started = threading.Event()
 
         def long_stream() -> None:
             body = {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
                 lines = []
                 for line in r.iter_lines():
                     lines.append(line)
@@ -137,8 +118,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir):
         thread.start()
         assert started.wait(30)
         proc.send_signal(signal.SIGTERM)
-        thread.join(30)
-        assert proc.wait(30) == 0
+        thread.join(300)
+        assert proc.wait(300) == 0
         lines = [l for l in result["lines"] if l.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 400
