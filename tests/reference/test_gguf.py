@@ -89,10 +89,9 @@ def test_unpermute_inverts_llama_cpp_permutation():
     assert torch.equal(back, torch.from_numpy(w))
 
 
-def write_tiny_gguf(path: Path, hf_model, qtype: Q, source: dict) -> dict[str, np.ndarray]:
-    """Write a transformers Llama as a llama.cpp-style GGUF, with the tokenizer metadata of
-    `source`; returns what each weight decodes to."""
-    cfg = hf_model.config
+def llama_gguf_writer(path: Path, cfg, source: dict) -> GGUFWriter:
+    """A GGUFWriter holding a llama model's hyperparameters from the transformers config
+    `cfg` and the tokenizer metadata of `source`; the caller adds the tensors."""
     writer = GGUFWriter(path, "llama")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -109,6 +108,14 @@ def write_tiny_gguf(path: Path, hf_model, qtype: Q, source: dict) -> dict[str, n
     writer.add_token_merges(source["tokenizer.ggml.merges"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    return writer
+
+
+def write_tiny_gguf(path: Path, hf_model, qtype: Q, source: dict) -> dict[str, np.ndarray]:
+    """Write a transformers Llama as a llama.cpp-style GGUF, with the tokenizer metadata of
+    `source`; returns what each weight decodes to."""
+    cfg = hf_model.config
+    writer = llama_gguf_writer(path, cfg, source)
     decoded = {}
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
              "output_norm.weight", "lm_head.weight": "output.weight"}

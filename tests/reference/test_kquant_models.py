@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGUFReader, quants
 from gguf import GGMLQuantizationType as Q
 
 from ember import LLM, SamplingParams
 from ember.weights.gguf import GGUFFile, hf_name
 from tests.conftest import assert_greedy_close, tiny_hf_model
-from tests.reference.test_gguf import llama_cpp_permute
+from tests.reference.test_gguf import llama_cpp_permute, llama_gguf_writer
 from tests.reference.test_kquants import F16_FIELDS
 from tests.reference.test_llama_vs_hf import PROMPTS, hf_logits
 
@@ -58,22 +58,7 @@ def write_mixed_gguf(path: Path, hf_model, mix: dict[str, Q], source: dict) -> N
     """A llama GGUF with the hyperparameters and tensor names of `hf_model` (its values
     unused: the 2-D weights are random blocks of the mix's types) and `source`'s tokenizer."""
     cfg = hf_model.config
-    writer = GGUFWriter(path, "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(source["tokenizer.ggml.tokens"])
-    writer.add_token_types(source["tokenizer.ggml.token_type"])
-    writer.add_token_merges(source["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer = llama_gguf_writer(path, cfg, source)
     rng = np.random.default_rng(0)
     for name, shape in gguf_shapes(cfg).items():
         if len(shape) == 1:
