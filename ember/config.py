@@ -19,6 +19,7 @@ KV_CACHE_DTYPES = ("auto", "model", "int8")  # auto: int8 with int4 weights on t
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats (ember/quant/packed.py)
 PREFILL_MATMULS = ("auto", "bfloat16", "int8")  # dense matmuls over 8 rows (ember/quant/packed.py)
 KERNELS = ("auto", "torch")  # compiled CPU kernels where they build, or the torch path alone
+SPECULATIVE = ("ngram",)  # proposers of speculative decoding (ember/spec/)
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -143,6 +144,41 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: a proposer guesses the next tokens, one target forward checks
+    them all. Off (None) by default."""
+
+    speculative: str | None = None
+    num_speculative_tokens: int = 4     # drafted tokens per request and step, at most
+    ngram_max: int = 4                  # n-gram proposer: longest suffix matched
+    ngram_min: int = 2                  # shortest suffix matched
+    # a step verifies drafts only while it has at most this many rows (decodes plus drafts):
+    # past it a CPU step stops being bound by reading the weights, and drafts cost time
+    max_spec_rows: int = 8
+    # a request whose recent drafts were accepted less often than this pauses drafting
+    min_acceptance: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None:
+            check_choice("speculative", self.speculative, SPECULATIVE)
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"num_speculative_tokens={self.num_speculative_tokens} must be "
+                              "in [1, 16]; try 4")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            raise ConfigError(f"ngram_min={self.ngram_min} and ngram_max={self.ngram_max} "
+                              "must satisfy 1 <= ngram_min <= ngram_max <= 16; try 2 and 4")
+        if self.max_spec_rows < 2:
+            raise ConfigError(f"max_spec_rows={self.max_spec_rows} must be at least 2; try 8")
+        if not 0.0 <= self.min_acceptance < 1.0:
+            raise ConfigError(f"min_acceptance={self.min_acceptance} must be in [0, 1); "
+                              "try 0.3")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative is not None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the user chooses about one engine. `model=None` means the default model."""
 
@@ -158,6 +194,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
@@ -175,9 +212,10 @@ class EngineConfig:
         Each option goes to the sub-config that owns it; an unknown one is an error that names
         the close matches.
         """
-        groups: dict[type, dict[str, object]] = {cls: {}, CacheConfig: {}, SchedulerConfig: {}}
+        groups: dict[type, dict[str, object]] = {cls: {}, CacheConfig: {}, SchedulerConfig: {},
+                                                 SpecConfig: {}}
         owners = {f.name: owner for owner in groups for f in fields(owner)
-                  if f.name not in ("cache", "scheduler")}
+                  if f.name not in ("cache", "scheduler", "spec")}
         for name, value in options.items():
             if name not in owners:
                 close = difflib.get_close_matches(name, owners, n=3)
@@ -186,7 +224,8 @@ class EngineConfig:
                 raise ConfigError(f"unknown engine option {name!r}{hint}")
             groups[owners[name]][name] = value
         return cls(**groups[cls], cache=CacheConfig(**groups[CacheConfig]),
-                   scheduler=SchedulerConfig(**groups[SchedulerConfig]))
+                   scheduler=SchedulerConfig(**groups[SchedulerConfig]),
+                   spec=SpecConfig(**groups[SpecConfig]))
 
 
 TENANT_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")

@@ -182,6 +182,12 @@ class Request:
     prefix_cache: bool = True         # False: neither reuse nor store cached KV
     num_cached_tokens: int = 0        # prompt tokens served from the prefix cache
     grammar: object | None = None     # the compiled constraint (opaque to the bookkeeping)
+    # speculative decoding: tokens proposed for the next step (not part of the sequence until
+    # a target forward accepts them), the recent share of drafts accepted, and the steps left
+    # before a request whose drafts kept failing drafts again
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec_acceptance: float = 1.0
+    spec_pause: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

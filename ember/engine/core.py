@@ -129,9 +129,9 @@ class EngineCore:
                                        config.device, kv_dtype, zeros=huge_page_zeros)
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                             config.cache.eviction_policy)
-        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, config.spec)
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
-                                  kernels)
+                                  kernels, config.spec)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         if self.prefill_matmul == "int8":  # SmoothQuant int8 from a calibration prompt
             use_int8_prefill(self, kernels)

@@ -187,6 +187,18 @@ class KVCacheManager:
                                                             (i + 1) * self.block_size])
         self._num_cached[rid] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past its first `num_tokens` tokens: the slots that
+        held rejected speculative tokens. Those blocks were never cached (only blocks whose
+        tokens are all computed and accepted are), so they go back empty, with no hash."""
+        table = self._tables.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not table or len(table) <= keep:
+            return
+        extra = table[keep:]
+        del table[keep:]
+        self.pool.free(extra[::-1])
+
     def free(self, request: Request) -> None:
         """Return all of a request's blocks (finished or preempted). Its last, partly filled
         block stays cached as a partial block when the blocks before it are cached, so the

@@ -43,7 +43,10 @@ class ModelInputs:
     attn: AttentionMetadata
     logits_indices: Tensor | None  # [S] long: rows whose next-token distribution is
     #                                sampled; None: every row, in order (a step of decodes)
-    sampling_requests: list[Request]  # [S], in the order of logits_indices
+    sampling_requests: list[Request]  # in the order of logits_indices
+    # rows of logits per sampling request, where any has speculative drafts (1 + its drafts:
+    # the distributions after its newest token and after each draft); None: one each
+    rows_per_request: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -190,36 +193,69 @@ def _queue_prompt_step(fresh: list[tuple[int, int, int]], members: list[_Member]
             columns.add(info, (len(info) // 4, 4)), chunk_tables)
 
 
+def _decode_rows(scheduled: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int]]:
+    """A step of decodes as rows: (item, position). A request with drafts verifies them on
+    rows of their own, one per position, each attending over the context up to it:
+
+        request with newest token x at position p and drafts d0 d1:
+        row:       x     d0     d1
+        position:  p     p+1    p+2
+        seq_len:   p+1   p+2    p+3     (each row reads the k and v the rows before it wrote)
+    """
+    return [(item, item.start + j) for item in scheduled for j in range(item.num_new_tokens)]
+
+
 def _decode_inputs(plan: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
     """A step of decodes laid out for the decode stack alone: ids, positions, slots and the
     DecodeBatch, no attention groups (the stack attends the whole batch in one call). Five
     columns where the general layout builds nine, and none of its grouping: a batch-1 step's
     inputs took ~130 us on cold caches before this layout, about half that with it."""
     scheduled = plan.scheduled
+    rows = _decode_rows(scheduled)
     columns = _LongColumns()
-    positions = [item.start for item in scheduled]
-    members = [_Member(row, 1, item.end, item.block_ids) for row, item in enumerate(scheduled)]
-    flat = [columns.add([item.request.all_token_ids[item.start] for item in scheduled]),
-            columns.add(positions),
-            columns.add([slot for item in scheduled for slot in _slots(item, block_size)]),
+    members = [_Member(row, 1, pos + 1, item.block_ids) for row, (item, pos) in enumerate(rows)]
+    flat = [columns.add([_token_at(item, pos) for item, pos in rows]),
+            columns.add([pos for _, pos in rows]),
+            columns.add([item.block_ids[pos // block_size] * block_size + pos % block_size
+                         for item, pos in rows]),
             _block_tables(members, block_size, columns),
-            columns.add([item.end for item in scheduled])]
-    logits_rows = [row for row, item in enumerate(scheduled) if item.samples]
-    logits = None if len(logits_rows) == len(scheduled) else columns.add(logits_rows)
+            columns.add([pos + 1 for _, pos in rows])]
+    logits_rows = [row for row, (item, pos) in enumerate(rows)
+                   if item.samples and pos >= item.end - 1 - len(item.draft_token_ids)]
+    logits = None if len(logits_rows) == len(rows) else columns.add(logits_rows)
     built = columns.build(device)
     attn = AttentionMetadata(slot_mapping=built[flat[2]],
                              decodes=DecodeBatch(built[flat[3]], built[flat[4]]))
     return ModelInputs(built[flat[0]], built[flat[1]], attn,
                        None if logits is None else built[logits],
-                       [item.request for item in scheduled if item.samples])
+                       [item.request for item in scheduled if item.samples],
+                       _rows_per_request(scheduled))
+
+
+def _token_at(item: ScheduledRequest, pos: int) -> int:
+    """The input token at `pos` of a scheduled request: its own, or one of its drafts."""
+    num_own = item.num_new_tokens - len(item.draft_token_ids)
+    if pos < item.start + num_own:
+        return item.request.all_token_ids[pos]
+    return item.draft_token_ids[pos - item.start - num_own]
+
+
+def _rows_per_request(scheduled: list[ScheduledRequest]) -> list[int] | None:
+    if not any(item.draft_token_ids for item in scheduled):
+        return None
+    return [1 + len(item.draft_token_ids) for item in scheduled if item.samples]
+
+
+def _is_decode(item: ScheduledRequest) -> bool:
+    """One new token of its own (plus any drafts): its rows attend as decodes."""
+    return item.num_new_tokens - len(item.draft_token_ids) == 1
 
 
 def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
                    decode_stack: bool = False) -> ModelInputs:
     """The step's flat inputs. With `decode_stack` (the model runs every step of decodes in
     its decode stack), such a step gets only what the stack reads (no attention groups)."""
-    if decode_stack and plan.scheduled and all(
-            item.num_new_tokens == 1 for item in plan.scheduled):
+    if decode_stack and plan.scheduled and all(_is_decode(item) for item in plan.scheduled):
         return _decode_inputs(plan, block_size, device)
     token_ids: list[int] = []
     positions: list[int] = []
@@ -231,16 +267,21 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
     columns = _LongColumns()
     for item in plan.scheduled:
         row = len(token_ids)
-        token_ids.extend(item.request.all_token_ids[item.start:item.end])
+        token_ids.extend(_token_ids(item))
         positions.extend(range(item.start, item.end))
         slots.extend(_slots(item, block_size))
         if item.start == 0 and item.num_new_tokens > 1:
             table = columns.add(item.block_ids[:cdiv(item.end, block_size)])
             fresh.append((row, item.num_new_tokens, table))
+        elif item.draft_token_ids:   # verified as decodes, one row per position
+            members += [_Member(row + j, 1, item.start + j + 1, item.block_ids)
+                        for j in range(item.num_new_tokens)]
         else:
             members.append(_Member(row, item.num_new_tokens, item.end, item.block_ids))
         if item.samples:
-            logits_rows.append(row + item.num_new_tokens - 1)
+            num_rows = 1 + len(item.draft_token_ids)
+            logits_rows.extend(range(row + item.num_new_tokens - num_rows,
+                                     row + item.num_new_tokens))
             sampling.append(item.request)
     queued = [queue_group(g, block_size, len(token_ids), columns)
               for g in group_members(members)]
@@ -270,4 +311,13 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
         groups=[g.group(built, block_size) for g in queued], decodes=decodes,
         prompt_step=prompt_step)
     return ModelInputs(built[flat[0]], built[flat[1]], attn,
-                       None if logits is None else built[logits], sampling)
+                       None if logits is None else built[logits], sampling,
+                       _rows_per_request(plan.scheduled))
+
+
+def _token_ids(item: ScheduledRequest) -> list[int]:
+    """The step's input tokens of one request: its own, then its drafts (if any)."""
+    if not item.draft_token_ids:
+        return item.request.all_token_ids[item.start:item.end]
+    end = item.end - len(item.draft_token_ids)
+    return item.request.all_token_ids[item.start:end] + list(item.draft_token_ids)

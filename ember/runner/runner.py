@@ -4,19 +4,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ember.config import SpecConfig
 from ember.kernels import CpuKernels
 from ember.models.attention import PagedKV
 from ember.models.llama import LlamaForCausalLM
 from ember.request import Request
 from ember.runner.inputs import ModelInputs, prepare_inputs
 from ember.sampling.sampler import Sampler
-from ember.scheduler.output import RunnerOutput, SchedulerOutput
+from ember.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from ember.spec.ngram import propose_ngram
+from ember.spec.verify import verify
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKV], block_size: int,
-                 device: str, seed: int, kernels: CpuKernels | None = None) -> None:
+                 device: str, seed: int, kernels: CpuKernels | None = None,
+                 spec: SpecConfig = SpecConfig()) -> None:
         self.model = model
+        self.spec = spec
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
@@ -28,15 +33,22 @@ class ModelRunner:
 
         Returns the requests that sample this step and their logits [S, vocab] float32.
         """
+        inputs, logits = self._forward(plan)
+        return inputs.sampling_requests, logits
+
+    def _forward(self, plan: SchedulerOutput) -> tuple[ModelInputs, Tensor]:
+        """The step's inputs and the logits of its sampled rows [R, vocab] float32 (a row per
+        sampling request, or 1 + its drafts where inputs.rows_per_request says so)."""
         self._copy_blocks(plan)
         inputs = prepare_inputs(plan, self.block_size, self.device,
                                 self.model.stack_runs_decodes(self.kv_caches))
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         if not inputs.sampling_requests:
-            return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+            return inputs, hidden.new_empty((0, self.model.config.vocab_size),
+                                            dtype=torch.float32)
         if inputs.logits_indices is not None:
             hidden = hidden[inputs.logits_indices]
-        return inputs.sampling_requests, self.model.compute_logits(hidden)
+        return inputs, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def forward_all(self, plan: SchedulerOutput) -> tuple[ModelInputs, Tensor]:
@@ -58,13 +70,62 @@ class ModelRunner:
         self.sampler.forget(plan.finished_request_ids)
         if not plan.scheduled:
             return RunnerOutput()
-        requests, logits = self.forward(plan)
+        inputs, logits = self._forward(plan)
+        requests = inputs.sampling_requests
         if not requests:
             return RunnerOutput()
-        token_ids, logprobs = self.sampler.sample(logits, requests)
+        if inputs.rows_per_request is None:
+            token_ids, logprobs = self.sampler.sample(logits, requests)
+            tokens = [[t] for t in token_ids]
+            logprob_lists = [None if lp is None else [lp] for lp in logprobs]
+        else:
+            tokens, logprob_lists = self._verify(plan, inputs, logits)
         output = RunnerOutput()
-        for request, token_id, logprob in zip(requests, token_ids, logprobs):
-            output.sampled_token_ids[request.request_id] = [token_id]
+        for request, emitted, logprob in zip(requests, tokens, logprob_lists):
+            output.sampled_token_ids[request.request_id] = emitted
             if logprob is not None:
-                output.logprobs[request.request_id] = [logprob]
+                output.logprobs[request.request_id] = logprob
+        if self.spec.enabled and len(plan.scheduled) < self.spec.max_spec_rows:
+            self._propose(requests, tokens, output)
         return output
+
+    def _verify(self, plan: SchedulerOutput, inputs: ModelInputs, logits: Tensor
+                ) -> tuple[list[list[int]], list[list | None]]:
+        """A step with drafts: requests without any sample as usual (grammars advance there),
+        those with drafts are verified."""
+        drafts = _drafts_by_request(plan.scheduled)
+        requests, counts = inputs.sampling_requests, inputs.rows_per_request
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        plain = [i for i, n in enumerate(counts) if n == 1]
+        spec = [i for i, n in enumerate(counts) if n > 1]
+        tokens: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list | None] = [None] * len(requests)
+        if plain:
+            ids, lps = self.sampler.sample(logits[[starts[i] for i in plain]],
+                                           [requests[i] for i in plain])
+            for i, t, lp in zip(plain, ids, lps):
+                tokens[i], logprobs[i] = [t], None if lp is None else [lp]
+        rows = [r for i in spec for r in range(starts[i], starts[i] + counts[i])]
+        spec_tokens, spec_logprobs = verify(
+            self.sampler, logits[rows], [requests[i] for i in spec],
+            [drafts[requests[i].request_id] for i in spec])
+        for i, t, lp in zip(spec, spec_tokens, spec_logprobs):
+            tokens[i], logprobs[i] = t, lp
+        return tokens, logprobs
+
+    def _propose(self, requests: list[Request], tokens: list[list[int]],
+                 output: RunnerOutput) -> None:
+        """Drafts for the next step, from each request's sequence with this step's tokens
+        (constrained requests draft nothing: their grammar advances token by token)."""
+        spec = self.spec
+        for request, emitted in zip(requests, tokens):
+            if request.grammar is not None or request.spec_pause > 0:
+                continue
+            drafts = propose_ngram(request.all_token_ids + emitted,
+                                   spec.num_speculative_tokens, spec.ngram_max, spec.ngram_min)
+            if drafts:
+                output.draft_token_ids[request.request_id] = drafts
+
+
+def _drafts_by_request(scheduled: list[ScheduledRequest]) -> dict[str, tuple[int, ...]]:
+    return {s.request.request_id: s.draft_token_ids for s in scheduled}

@@ -17,6 +17,9 @@ class ScheduledRequest:
     block_ids: list[int]     # the request's block table (covers start + num_new_tokens)
     samples: bool            # reaches the newest token, so a new one is sampled (False for
                              # the leading chunks of a chunked prefill)
+    # speculative decoding: guesses of the tokens after the newest one, computed after it in
+    # this step (they are the last len(draft_token_ids) of the num_new_tokens)
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -41,7 +44,10 @@ class SchedulerOutput:
 
 @dataclass
 class RunnerOutput:
-    """Tokens sampled this step, per request (a list: speculative decoding may add several)."""
+    """Tokens sampled this step, per request (a list: speculative decoding may add several:
+    the accepted drafts, then the target model's own token), and the drafts proposed for
+    the next step."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[SampledLogprob]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

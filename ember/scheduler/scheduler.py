@@ -18,11 +18,29 @@ from __future__ import annotations
 import bisect
 import time
 
-from ember.config import SchedulerConfig
+from ember.config import SchedulerConfig, SpecConfig
 from ember.errors import ContextTooLong, InvalidRequest
 from ember.kv.kv_manager import KVCacheManager, PrefixHit, cdiv
 from ember.request import FinishReason, Request, RequestStatus
 from ember.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+SPEC_PAUSE_STEPS = 16  # steps without drafts for a request whose drafts keep failing
+
+
+class SpecStats:
+    """Speculative decoding counters (for the metrics): verifications, drafted tokens, and
+    drafted tokens the target accepted."""
+
+    def __init__(self) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def add(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
 
 
 def rank(request: Request) -> tuple[int, float, str]:
@@ -31,8 +49,11 @@ def rank(request: Request) -> tuple[int, float, str]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 spec: SpecConfig = SpecConfig()) -> None:
         self.config = config
+        self.spec = spec
+        self.spec_stats = SpecStats()
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []
@@ -92,6 +113,8 @@ class Scheduler:
         self._short_of_memory = False
         budget = self._budget()
         scheduled: list[ScheduledRequest] = []
+        # rows the step may spend on drafts: a step of many rows gains nothing from them
+        spec_room = self.spec.max_spec_rows - len(self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -99,10 +122,13 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._drafts(request, num_new, budget, spec_room)
+            num_new += len(drafts)
             if not self._allocate_or_preempt(request, num_new):
                 break
-            scheduled.append(self._plan(request, num_new))
+            scheduled.append(self._plan(request, num_new, drafts))
             budget -= num_new
+            spec_room -= len(drafts)
             i += 1
         # Admit waiting requests only if no running request lost its blocks this step: that
         # means memory is short, and admitting more would only preempt again.
@@ -194,16 +220,32 @@ class Scheduler:
         wait again with the same priority and arrival, so it resumes first among its peers."""
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(request)
 
-    def _plan(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _drafts(self, request: Request, num_new: int, budget: int,
+                spec_room: int) -> tuple[int, ...]:
+        """The request's drafted tokens this step may verify: none unless it decodes, and no
+        more than the budget, the room for drafts, max_tokens or the context leave (the step
+        adds the accepted drafts and one token of its own)."""
+        if not request.draft_token_ids or num_new != 1 or \
+                request.num_tokens - request.num_computed_tokens != 1:
+            return ()
+        room = min(budget - 1, spec_room,
+                   request.max_tokens - len(request.output_token_ids) - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        return tuple(request.draft_token_ids[:max(0, room)])
+
+    def _plan(self, request: Request, num_new: int,
+              drafts: tuple[int, ...] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(request, start, num_new,
                                 list(self.kv.block_table(request.request_id)),
-                                samples=start + num_new == request.num_tokens)
+                                samples=start + num_new - len(drafts) == request.num_tokens,
+                                draft_token_ids=drafts)
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Apply a step's results. Returns the requests that got new tokens (finished or not)."""
@@ -212,21 +254,54 @@ class Scheduler:
             request = item.request
             if request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens = item.end
-            self.kv.cache_full_blocks(request)
             new_token_ids = result.sampled_token_ids.get(request.request_id, [])
-            new_logprobs = result.logprobs.get(request.request_id, [])
-            for k, token_id in enumerate(new_token_ids):
-                request.append_output(token_id)
-                if new_logprobs:
-                    request.output_logprobs.append(new_logprobs[k])
-                reason = self._stop_reason(request)
-                if reason is not None:
-                    self.finish(request.request_id, reason)
-                    break
+            reason = self._append(request, new_token_ids,
+                                  result.logprobs.get(request.request_id, []))
+            num_drafts = len(item.draft_token_ids)
+            # the KV of the accepted drafts is computed; that of the rejected ones is not
+            num_accepted = max(0, len(new_token_ids) - 1) if num_drafts else 0
+            request.num_computed_tokens = min(item.end - num_drafts + num_accepted,
+                                              request.num_tokens)
+            self.kv.cache_full_blocks(request)
+            if num_drafts:
+                self._count_drafts(request, num_drafts, num_accepted)
+                self.kv.trim(request, request.num_tokens)   # rejected drafts' blocks
+            if reason is not None:
+                self.finish(request.request_id, reason)
+            else:
+                self._take_drafts(request, result.draft_token_ids.get(request.request_id))
             if new_token_ids:
                 advanced.append(request)
         return advanced
+
+    def _append(self, request: Request, token_ids: list[int],
+                logprobs: list) -> FinishReason | None:
+        """Append the step's tokens up to the first that ends the request; its reason."""
+        for k, token_id in enumerate(token_ids):
+            request.append_output(token_id)
+            if logprobs:
+                request.output_logprobs.append(logprobs[k])
+            reason = self._stop_reason(request)
+            if reason is not None:
+                return reason
+        return None
+
+    def _count_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Metrics, and the request's recent acceptance: one whose drafts keep failing stops
+        drafting for a while (each verified draft costs a row of the step)."""
+        self.spec_stats.add(num_drafts, num_accepted)
+        rate = request.spec_acceptance = \
+            0.7 * request.spec_acceptance + 0.3 * num_accepted / num_drafts
+        if rate < self.spec.min_acceptance:
+            request.spec_pause = SPEC_PAUSE_STEPS
+            request.spec_acceptance = (1.0 + self.spec.min_acceptance) / 2
+
+    @staticmethod
+    def _take_drafts(request: Request, drafts: list[int] | None) -> None:
+        if request.spec_pause > 0:
+            request.spec_pause -= 1
+            drafts = None
+        request.draft_token_ids = drafts or []
 
     def _stop_reason(self, request: Request) -> FinishReason | None:
         params = request.params

@@ -100,9 +100,29 @@ at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
   std::tie(cos, sin) = rope_rows(cos, sin, positions, x.size(0));
   check_inputs(x, cos, sin, kv, kv_scales, slots);
   check_decodes(block_tables, seq_lens, x.size(0), kv[0].size(3));
-  return run(x, cos, sin, kv, kv_scales, slots,
-             Plan{0, x.size(0), block_tables.data_ptr<int64_t>(), block_tables.size(1),
-                  seq_lens.data_ptr<int64_t>(), {}});
+  Plan plan{0, x.size(0), block_tables.data_ptr<int64_t>(), block_tables.size(1),
+            seq_lens.data_ptr<int64_t>(), {}};
+  plan.rows_read_each_other = rows_read_each_other(plan, slots, kv[0].size(3));
+  return run(x, cos, sin, kv, kv_scales, slots, plan);
+}
+
+// Whether a row's slot lies in another row's context. A row writes the newest position of its
+// sequence, in that sequence's last block, which no other sequence holds (a cache hit shares
+// only blocks no one writes), so only the last two context blocks of each row are compared:
+// rows of one request verifying drafts are a position apart.
+bool DecodeStack::rows_read_each_other(const Plan& plan, const at::Tensor& slots,
+                                       int64_t block_size) {
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < plan.decodes; ++i) {
+    const int64_t block = slot[plan.decode_first + i] / block_size;
+    for (int64_t j = 0; j < plan.decodes; ++j) {
+      if (j == i) continue;
+      const int64_t* table = plan.tables + j * plan.max_blocks;
+      const int64_t last = (plan.seq_lens[j] - 1) / block_size;
+      if (table[last] == block || (last > 0 && table[last - 1] == block)) return true;
+    }
+  }
+  return false;
 }
 
 at::Tensor DecodeStack::forward_mixed(at::Tensor x, at::Tensor cos, at::Tensor sin,
@@ -157,7 +177,8 @@ at::Tensor DecodeStack::run(const at::Tensor& x, const at::Tensor& cos, const at
                             const Plan& plan) const {
   const bool int8 = !kv_scales.empty();
   const int64_t t = x.size(0), qkv_n = layers_[0].qkv.n, inter = layers_[0].down.k;
-  if (plan.chunks.empty() && t <= kOneRegionRows && !(int8_ && t > max_packed_rows_)) {
+  if (plan.chunks.empty() && t <= kOneRegionRows && !(int8_ && t > max_packed_rows_) &&
+      !plan.rows_read_each_other) {
     return run_decodes(x, cos, sin, kv, kv_scales, slots, plan);
   }
   const auto opts = x.options();

@@ -87,8 +87,14 @@ class DecodeStack {
     int64_t max_blocks;
     const int64_t* seq_lens;
     std::vector<Chunk> chunks;
+    // some decode row reads a slot another row of the step writes (a request verifying
+    // drafts, one row per position): the step must write every row's key and value before
+    // any row attends, so it cannot run in run_decodes' one region
+    bool rows_read_each_other = false;
   };
 
+  static bool rows_read_each_other(const Plan& plan, const at::Tensor& slots,
+                                   int64_t block_size);
   at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                  const std::vector<at::Tensor>& kv,
                  const std::vector<at::Tensor>& kv_scales, const at::Tensor& slots,
