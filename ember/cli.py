@@ -16,8 +16,8 @@ from pathlib import Path
 
 from ember.bench.cli import add_bench_parser, results_dir
 from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, PREFILL_MATMULS,
-                          QUANTIZATIONS, ApiKey, CacheConfig, EngineConfig, SchedulerConfig,
-                          ServerConfig, parse_api_keys)
+                          QUANTIZATIONS, SPECULATIVE, ApiKey, CacheConfig, EngineConfig,
+                          SchedulerConfig, ServerConfig, SpecConfig, parse_api_keys)
 from ember.engine.llm import LLM
 from ember.errors import ConfigError, EmberError, InvalidRequest
 from ember.request import SamplingParams
@@ -68,6 +68,13 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    help="auto: int8 with int4 weights where the compiled attention kernels "
                         "read it in place (~2x the tokens of bfloat16, faster under load), "
                         "else the model's dtype; model: the model's dtype")
+    g.add_argument("--speculative", default=None, choices=list(SPECULATIVE),
+                   help="speculative decoding (off by default): ngram proposes the tokens that "
+                        "followed the latest repeat of the sequence's last tokens (prompt "
+                        "lookup); one step verifies them, the output is unchanged")
+    g.add_argument("--num-speculative-tokens", type=int,
+                   default=SpecConfig.num_speculative_tokens,
+                   help="tokens drafted per request and step, at most")
     g.add_argument("--fair-share", action="store_true",
                    help="admit waiting requests round-robin by their `user`")
     g.add_argument("-q", "--quiet", action="store_true",
@@ -99,7 +106,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
-                                  fair_share=args.fair_share))
+                                  fair_share=args.fair_share),
+        spec=SpecConfig(speculative=args.speculative,
+                        num_speculative_tokens=args.num_speculative_tokens))
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 
 from ember.bench.client import LoadConfig, Runner, print_progress
-from ember.bench.metrics import metric_deltas, parse_prometheus, parse_slo, summarize
+from ember.bench.metrics import (metric_deltas, parse_prometheus, parse_slo,
+                                spec_decode_summary, summarize)
 from ember.bench.workloads import (BenchRequest, LengthDist, PromptMaker, chat_sessions,
                                    default_corpus, from_jsonl, local_tokenizer, server_tokenizer,
                                    shared_prefix, synthetic)
@@ -95,6 +96,9 @@ def run_once(args: argparse.Namespace, base_url: str, requests: list[BenchReques
     after = scrape(base_url, cfg.headers)
     if before is not None and after is not None:
         summary["server_metrics_delta"] = metric_deltas(before, after)
+        spec = spec_decode_summary(summary["server_metrics_delta"])
+        if spec is not None:
+            summary["spec_decode"] = spec
     summary["label"] = label or args.label or f"{model or 'server'}"
     summary["config"] = {"base_url": base_url, "model": model, "endpoint": cfg.endpoint,
                          "workload": args.workload, "concurrency": cfg.concurrency,

@@ -140,7 +140,7 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([^\s]+)")
 INTERESTING = re.compile(r"preempt|prefix_cache|cache_hit|cache_quer|prompt_tokens_total|"
-                         r"generation_tokens_total|request_success|aborts")
+                         r"generation_tokens_total|request_success|aborts|spec_decode_num")
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -154,6 +154,21 @@ def parse_prometheus(text: str) -> dict[str, float]:
             except ValueError:
                 continue
     return samples
+
+
+def spec_decode_summary(deltas: dict[str, float]) -> dict[str, float] | None:
+    """Speculative decoding over the run, from the server's vllm:spec_decode_* counters:
+    drafted and accepted tokens, acceptance rate, mean accepted length (per verification,
+    the accepted drafts plus the target's own token); None if nothing was drafted."""
+    def total(name: str) -> float:
+        return sum(v for k, v in deltas.items() if k.split("{")[0] == name)
+    drafts = total("vllm:spec_decode_num_drafts_total")
+    drafted = total("vllm:spec_decode_num_draft_tokens_total")
+    accepted = total("vllm:spec_decode_num_accepted_tokens_total")
+    if not drafts or not drafted:
+        return None
+    return {"num_drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted, "mean_accepted_length": 1 + accepted / drafts}
 
 
 def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

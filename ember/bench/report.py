@@ -38,6 +38,11 @@ def table(summary: dict[str, Any], title: str = "") -> str:
         slo = ", ".join(f"{k}<={v * 1000:g}ms" for k, v in g["slo_s"].items())
         lines.append(f"goodput    {g['requests_per_s']:.2f} req/s meet {slo} "
                      f"({g['fraction'] * 100:.1f}% of requests)")
+    if "spec_decode" in summary:
+        sd = summary["spec_decode"]
+        lines.append(f"spec       {sd['draft_tokens']:g} drafted, {sd['accepted_tokens']:g} "
+                     f"accepted ({sd['acceptance_rate'] * 100:.1f}%), mean accepted length "
+                     f"{sd['mean_accepted_length']:.2f}")
     lines.append(f"{'ms':12}{'mean':>9}{'std':>9}{'p50':>9}{'p90':>9}{'p95':>9}{'p99':>9}")
     for key, name in LATENCIES:
         s = summary.get(key)

@@ -64,6 +64,9 @@ class EngineStats:
     prefix_cache_hits: int = 0      # of those, found cached
     prefix_cache_evictions: int = 0
     num_cached_blocks: int = 0
+    spec_num_drafts: int = 0            # verifications of a request's drafts
+    spec_num_draft_tokens: int = 0      # drafted tokens verified
+    spec_num_accepted_tokens: int = 0   # of those, accepted
 
 
 @dataclass(frozen=True)
@@ -404,7 +407,10 @@ class AsyncEngine:
                                  prefix_cache_queries=kv.num_queried_tokens,
                                  prefix_cache_hits=kv.num_hit_tokens,
                                  prefix_cache_evictions=kv.pool.num_evictions,
-                                 num_cached_blocks=kv.pool.num_cached_blocks)
+                                 num_cached_blocks=kv.pool.num_cached_blocks,
+                                 spec_num_drafts=scheduler.spec_stats.num_drafts,
+                                 spec_num_draft_tokens=scheduler.spec_stats.num_draft_tokens,
+                                 spec_num_accepted_tokens=scheduler.spec_stats.num_accepted_tokens)
 
     def kv_events_after(self, seq: int) -> tuple[list, bool]:
         """The prefix cache's stored/removed events after `seq` (any thread may ask)."""

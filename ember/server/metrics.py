@@ -55,12 +55,30 @@ class EngineCollector(Collector):
                             "room", stats.prefix_cache_evictions)
         yield self._gauge("ember_prefix_cache_blocks", "Blocks holding a cached prefix",
                           stats.num_cached_blocks)
+        yield from self._spec_metrics(stats)
         if core is not None:
             info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration",
                                      labels=["block_size", "num_gpu_blocks", "model_name"])
             info.add_metric([str(core.cache_info.block_size), str(core.cache_info.num_blocks),
                              self.model_name], 1.0)
             yield info
+
+    def _spec_metrics(self, stats) -> Iterator[Metric]:
+        """Speculative decoding: vLLM's counters, and the acceptance rate and mean accepted
+        length (accepted drafts + the target's own token, per verification) they give."""
+        yield self._counter("vllm:spec_decode_num_drafts", "Verifications of a request's "
+                            "drafted tokens", stats.spec_num_drafts)
+        yield self._counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens verified",
+                            stats.spec_num_draft_tokens)
+        yield self._counter("vllm:spec_decode_num_accepted_tokens", "Drafted tokens the "
+                            "target model accepted", stats.spec_num_accepted_tokens)
+        drafted, drafts = stats.spec_num_draft_tokens, stats.spec_num_drafts
+        yield self._gauge("ember_spec_decode_acceptance_rate", "Accepted / drafted tokens "
+                          "since start (0 before any draft)",
+                          stats.spec_num_accepted_tokens / drafted if drafted else 0.0)
+        yield self._gauge("ember_spec_decode_mean_accepted_length", "Tokens a verification "
+                          "emits on average: accepted drafts + 1 (0 before any draft)",
+                          1 + stats.spec_num_accepted_tokens / drafts if drafts else 0.0)
 
     def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
         counter = CounterMetricFamily(name, doc, labels=["model_name"])
