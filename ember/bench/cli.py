@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ember.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
-WORKLOADS = ("random", "shared-prefix", "chat-sessions", "jsonl")
+WORKLOADS = ("random", "shared-prefix", "grounded", "chat-sessions", "jsonl")
 
 
 def results_dir(environ: Mapping[str, str], home: Path) -> Path:

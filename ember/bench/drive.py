@@ -18,7 +18,7 @@ import httpx
 from ember.bench.client import LoadConfig, Runner, print_progress
 from ember.bench.metrics import (metric_deltas, parse_prometheus, parse_slo,
                                 spec_decode_summary, summarize)
-from ember.bench.workloads import (BenchRequest, LengthDist, PromptMaker, chat_sessions,
+from ember.bench.workloads import (BenchRequest, LengthDist, PromptMaker, chat_sessions, grounded,
                                    default_corpus, from_jsonl, local_tokenizer, server_tokenizer,
                                    shared_prefix, synthetic)
 
@@ -63,6 +63,9 @@ def build_requests(args: argparse.Namespace, base_url: str, model: str | None
     if args.workload == "shared-prefix":
         return shared_prefix(maker, args.groups, args.per_group, args.prefix_len,
                              args.suffix_len, output_len, rng, chat)
+    if args.workload == "grounded":
+        return grounded(maker, args.num_requests, LengthDist.parse(args.input_len), output_len,
+                        rng, chat)
     if args.workload == "chat-sessions":
         return chat_sessions(maker, args.sessions, args.turns, LengthDist.parse(args.input_len),
                              output_len, rng)

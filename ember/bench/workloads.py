@@ -125,6 +125,21 @@ def shared_prefix(maker: PromptMaker, groups: int, per_group: int, prefix_len: i
             for i, t in enumerate(texts)]
 
 
+GROUNDED = "Repeat the following text exactly, word for word.\n\n{text}\n\nThe text again:\n\n"
+
+
+def grounded(maker: PromptMaker, num: int, input_len: LengthDist, output_len: LengthDist,
+             rng: random.Random, chat: bool) -> list[BenchRequest]:
+    """An input-grounded task: repeat a passage of `input_len` tokens. The answer is mostly
+    the prompt's own text, as in editing, quoting or extracting: what prompt-lookup
+    speculative decoding guesses well."""
+    requests = []
+    for i in range(num):
+        n_in, n_out = input_len.sample(rng), output_len.sample(rng)
+        requests.append(_request(i, GROUNDED.format(text=maker.make(n_in)), n_out, None, chat))
+    return requests
+
+
 def chat_sessions(maker: PromptMaker, sessions: int, turns: int, user_len: LengthDist,
                   output_len: LengthDist, rng: random.Random) -> list[BenchRequest]:
     """S conversations of T turns; each turn's history holds the server's real replies."""
