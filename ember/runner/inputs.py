@@ -229,7 +229,7 @@ def _decode_inputs(plan: SchedulerOutput, block_size: int, device: torch.device)
     return ModelInputs(built[flat[0]], built[flat[1]], attn,
                        None if logits is None else built[logits],
                        [item.request for item in scheduled if item.samples],
-                       _rows_per_request(scheduled))
+                       rows_per_request(scheduled))
 
 
 def _token_at(item: ScheduledRequest, pos: int) -> int:
@@ -240,7 +240,9 @@ def _token_at(item: ScheduledRequest, pos: int) -> int:
     return item.draft_token_ids[pos - item.start - num_own]
 
 
-def _rows_per_request(scheduled: list[ScheduledRequest]) -> list[int] | None:
+def rows_per_request(scheduled: list[ScheduledRequest]) -> list[int] | None:
+    """Logits rows of each sampling request, in order, where any verifies drafts (1 + its
+    drafts); None where every one has a single row."""
     if not any(item.draft_token_ids for item in scheduled):
         return None
     return [1 + len(item.draft_token_ids) for item in scheduled if item.samples]
@@ -312,7 +314,7 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
         prompt_step=prompt_step)
     return ModelInputs(built[flat[0]], built[flat[1]], attn,
                        None if logits is None else built[logits], sampling,
-                       _rows_per_request(plan.scheduled))
+                       rows_per_request(plan.scheduled))
 
 
 def _token_ids(item: ScheduledRequest) -> list[int]:

@@ -9,7 +9,7 @@ from ember.kernels import CpuKernels
 from ember.models.attention import PagedKV
 from ember.models.llama import LlamaForCausalLM
 from ember.request import Request
-from ember.runner.inputs import ModelInputs, prepare_inputs
+from ember.runner.inputs import ModelInputs, prepare_inputs, rows_per_request
 from ember.sampling.sampler import Sampler
 from ember.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from ember.spec.ngram import propose_ngram
@@ -31,24 +31,19 @@ class ModelRunner:
     def forward(self, plan: SchedulerOutput) -> tuple[list[Request], Tensor]:
         """Run the model over the plan's tokens, writing their K/V into the cache.
 
-        Returns the requests that sample this step and their logits [S, vocab] float32.
+        Returns the requests that sample this step and the logits of their rows [R, vocab]
+        float32: a row each, or 1 + its drafts for a request verifying drafts
+        (rows_per_request).
         """
-        inputs, logits = self._forward(plan)
-        return inputs.sampling_requests, logits
-
-    def _forward(self, plan: SchedulerOutput) -> tuple[ModelInputs, Tensor]:
-        """The step's inputs and the logits of its sampled rows [R, vocab] float32 (a row per
-        sampling request, or 1 + its drafts where inputs.rows_per_request says so)."""
         self._copy_blocks(plan)
         inputs = prepare_inputs(plan, self.block_size, self.device,
                                 self.model.stack_runs_decodes(self.kv_caches))
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         if not inputs.sampling_requests:
-            return inputs, hidden.new_empty((0, self.model.config.vocab_size),
-                                            dtype=torch.float32)
+            return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         if inputs.logits_indices is not None:
             hidden = hidden[inputs.logits_indices]
-        return inputs, self.model.compute_logits(hidden)
+        return inputs.sampling_requests, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def forward_all(self, plan: SchedulerOutput) -> tuple[ModelInputs, Tensor]:
@@ -70,16 +65,16 @@ class ModelRunner:
         self.sampler.forget(plan.finished_request_ids)
         if not plan.scheduled:
             return RunnerOutput()
-        inputs, logits = self._forward(plan)
-        requests = inputs.sampling_requests
+        requests, logits = self.forward(plan)
         if not requests:
             return RunnerOutput()
-        if inputs.rows_per_request is None:
+        counts = rows_per_request(plan.scheduled)
+        if counts is None:
             token_ids, logprobs = self.sampler.sample(logits, requests)
             tokens = [[t] for t in token_ids]
             logprob_lists = [None if lp is None else [lp] for lp in logprobs]
         else:
-            tokens, logprob_lists = self._verify(plan, inputs, logits)
+            tokens, logprob_lists = self._verify(plan, requests, counts, logits)
         output = RunnerOutput()
         for request, emitted, logprob in zip(requests, tokens, logprob_lists):
             output.sampled_token_ids[request.request_id] = emitted
@@ -89,12 +84,11 @@ class ModelRunner:
             self._propose(requests, tokens, output)
         return output
 
-    def _verify(self, plan: SchedulerOutput, inputs: ModelInputs, logits: Tensor
-                ) -> tuple[list[list[int]], list[list | None]]:
+    def _verify(self, plan: SchedulerOutput, requests: list[Request], counts: list[int],
+                logits: Tensor) -> tuple[list[list[int]], list[list | None]]:
         """A step with drafts: requests without any sample as usual (grammars advance there),
-        those with drafts are verified."""
+        those with drafts are verified. counts: logits rows per request."""
         drafts = _drafts_by_request(plan.scheduled)
-        requests, counts = inputs.sampling_requests, inputs.rows_per_request
         starts = [sum(counts[:i]) for i in range(len(counts))]
         plain = [i for i, n in enumerate(counts) if n == 1]
         spec = [i for i, n in enumerate(counts) if n > 1]
