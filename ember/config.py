@@ -158,12 +158,19 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    loras: tuple[tuple[str, str], ...] = ()   # (name, path) of LoRA adapters loaded at start
+    max_loras: int = 8             # adapters resident in memory at once (least recently used out)
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("kernels", self.kernels, KERNELS)
         check_choice("prefill_matmul", self.prefill_matmul, PREFILL_MATMULS)
+        if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 256:
+            raise ConfigError(f"max_loras={self.max_loras} must be >= 1 and max_lora_rank="
+                              f"{self.max_lora_rank} in [1, 256]")
+        object.__setattr__(self, "loras", tuple((str(n), str(p)) for n, p in self.loras))
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len={self.max_model_len} must be positive, or None "
                               "for the model's own context length")

@@ -129,6 +129,7 @@ class RequestOptions:
     user: str | None = None           # for fair share between users
     cache_salt: str | None = None     # requests share cached KV only with the same salt
     prefix_cache: bool = True         # False: neither reuse nor store cached KV
+    lora: str | None = None           # the LoRA adapter to run with (None: the base model)
 
     def __post_init__(self) -> None:
         if not _is_int(self.priority) or not -MAX_INT32 - 1 <= self.priority <= MAX_INT32:
@@ -182,6 +183,7 @@ class Request:
     prefix_cache: bool = True         # False: neither reuse nor store cached KV
     num_cached_tokens: int = 0        # prompt tokens served from the prefix cache
     grammar: object | None = None     # the compiled constraint (opaque to the bookkeeping)
+    lora: str | None = None           # the LoRA adapter's name (None: the base model)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -15,6 +15,7 @@ from ember.engine.memory import (huge_page_zeros, large_blocks_mapped_alone, mov
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kernels import load_kernels
 from ember.kv.kv_manager import KVCacheManager
+from ember.lora.registry import LoraRegistry
 from ember.quant.packed import step_weights
 from ember.request import FinishReason, Request, RequestOptions, SamplingParams
 from ember.runner.kv_tensors import (GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks,
@@ -130,8 +131,11 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                             config.cache.eviction_policy)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
+        self.loras = LoraRegistry(self.model_config, config.max_loras, config.max_lora_rank)
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
-                                  kernels)
+                                  kernels, self.loras)
+        for name, path in config.loras:
+            self.loras.add(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         if self.prefill_matmul == "int8":  # SmoothQuant int8 from a calibration prompt
             use_int8_prefill(self, kernels)
@@ -149,13 +153,21 @@ class EngineCore:
         max_tokens = self.check_request(prompt_token_ids, params)
         if params.constraint is not None and grammar is None:
             grammar = self.grammars.compile(params.constraint)
+        salt = options.cache_salt
+        if options.lora is not None:  # an adapter's KV is its own: never shared with another
+            adapter = self.loras.acquire(options.lora, self.loras_in_use())
+            salt = f"lora:{adapter.uid}" + ("" if salt is None else f"\n{salt}")
         request = Request(request_id, list(prompt_token_ids), params,
                           eos_token_ids=self.tokenizer.eos_token_ids, max_tokens=max_tokens,
                           priority=options.priority, user=options.user,
-                          cache_salt=options.cache_salt, prefix_cache=options.prefix_cache,
-                          grammar=grammar)
+                          cache_salt=salt, prefix_cache=options.prefix_cache,
+                          grammar=grammar, lora=options.lora)
         self.scheduler.add(request)
         return request
+
+    def loras_in_use(self) -> set[str]:
+        """The adapters of queued and running requests (never evicted)."""
+        return {r.lora for r in self.scheduler.requests.values() if r.lora is not None}
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise if the request can never run; else return its resolved max_tokens: what it

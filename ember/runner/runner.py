@@ -5,6 +5,8 @@ import torch
 from torch import Tensor
 
 from ember.kernels import CpuKernels
+from ember.lora.batch import LoraStep, LoraStepBuilder
+from ember.lora.registry import LoraRegistry
 from ember.models.attention import PagedKV
 from ember.models.llama import LlamaForCausalLM
 from ember.request import Request
@@ -15,12 +17,18 @@ from ember.scheduler.output import RunnerOutput, SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKV], block_size: int,
-                 device: str, seed: int, kernels: CpuKernels | None = None) -> None:
+                 device: str, seed: int, kernels: CpuKernels | None = None,
+                 loras: LoraRegistry | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(seed, self.device, kernels)
+        self.loras = loras
+        # the activations' dtype: the norms are never quantized
+        self.lora_steps = LoraStepBuilder(model.model.norm.weight.dtype, self.device)
+        if loras is not None:
+            loras.on_evict = self.lora_steps.forget
 
     @torch.inference_mode()
     def forward(self, plan: SchedulerOutput) -> tuple[list[Request], Tensor]:
@@ -31,7 +39,8 @@ class ModelRunner:
         self._copy_blocks(plan)
         inputs = prepare_inputs(plan, self.block_size, self.device,
                                 self.model.stack_runs_decodes(self.kv_caches))
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
+                            self._lora_step(plan))
         if not inputs.sampling_requests:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         if inputs.logits_indices is not None:
@@ -44,8 +53,17 @@ class ModelRunner:
         scoring text); rows follow the flat batch of `prepare_inputs`."""
         self._copy_blocks(plan)
         inputs = prepare_inputs(plan, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
+                            self._lora_step(plan))
         return inputs, self.model.compute_logits(hidden)
+
+    def _lora_step(self, plan: SchedulerOutput) -> LoraStep | None:
+        """The step's adapters, row by row (rows follow plan.scheduled), or None."""
+        if self.loras is None or all(s.request.lora is None for s in plan.scheduled):
+            return None
+        return self.lora_steps.build([
+            (None if s.request.lora is None else self.loras.resident(s.request.lora),
+             s.num_new_tokens) for s in plan.scheduled])
 
     def _copy_blocks(self, plan: SchedulerOutput) -> None:
         """Partial prefix-cache hits: copy cached slots into the requests' own blocks."""

@@ -1,0 +1,190 @@
+"""Multi-LoRA against transformers + peft, on a tiny random Llama and random adapters made here.
+
+Reference: peft's LoraModel on transformers' Llama with the same weights, float32 on CPU.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember import SamplingParams
+from ember.config import EngineConfig
+from ember.engine.core import EngineCore
+from ember.errors import ConfigError, Overloaded
+from ember.request import RequestOptions
+from ember.scheduler.output import RunnerOutput
+from tests.conftest import hf_greedy, save_tiny_model, tiny_hf_model
+
+peft = pytest.importorskip("peft")
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (rank, alpha, rsLoRA, targets): each adapter exercises a different scaling and module set
+ADAPTERS = {
+    "all-r8": (8, 16, False, ALL_TARGETS),
+    "attn-r4-rslora": (4, 8, True, ["q_proj", "v_proj", "o_proj"]),
+    "mlp-r16": (16, 4, False, ["gate_proj", "down_proj"]),
+    "kv-r64": (64, 32, False, ["k_proj", "v_proj", "up_proj"]),
+}
+PROMPTS = [[1, 500, 77, 9000, 31, 2024, 17], list(range(1000, 1037)), [300, 301]]
+
+
+def make_adapter(base, folder: Path, rank: int, alpha: int, rslora: bool,
+                 targets: list[str], seed: int):
+    """A peft LoRA on a copy of `base` with random A and B (peft's default B is zero)."""
+    import copy
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora,
+                             target_modules=targets, init_lora_weights=False)
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():  # large enough to change the greedy tokens of a random model
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Path):
+    base = tiny_hf_model("llama", tie_word_embeddings=False)
+    folder = save_tiny_model(tmp_path_factory.mktemp("lora_base"), base, tokenizer_files)
+    refs, paths = {}, {}
+    for seed, (name, (rank, alpha, rslora, targets)) in enumerate(ADAPTERS.items()):
+        paths[name] = tmp_path_factory.mktemp(f"lora_{name}")
+        refs[name] = make_adapter(base, paths[name], rank, alpha, rslora, targets, seed)
+    return folder, base, refs, paths
+
+
+@pytest.fixture(scope="module")
+def engine(lora_setup) -> EngineCore:
+    folder, _, _, paths = lora_setup
+    return EngineCore(EngineConfig(model=str(folder), dtype="float32",
+                                   loras=tuple(paths.items())))
+
+
+def run_greedy(engine: EngineCore, jobs: list[tuple[str | None, list[int]]], steps: int
+               ) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """Greedy-decode every (adapter, prompt) job in one batch, keeping each step's logits."""
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    for i, (lora, prompt) in enumerate(jobs):
+        engine.add_request(str(i), prompt, params, RequestOptions(lora=lora))
+    out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in jobs]
+    while engine.has_unfinished():
+        plan = engine.scheduler.schedule()
+        requests, logits = engine.runner.forward(plan)
+        result = RunnerOutput()
+        for request, row in zip(requests, logits):
+            token = int(row.argmax())
+            result.sampled_token_ids[request.request_id] = [token]
+            out[int(request.request_id)][0].append(token)
+            out[int(request.request_id)][1].append(row)
+        engine.scheduler.update(plan, result)
+    return out
+
+
+def test_each_adapter_matches_peft(lora_setup, engine: EngineCore) -> None:
+    _, _, refs, _ = lora_setup
+    for name, ref in refs.items():
+        for prompt in PROMPTS:
+            [(tokens, logits)] = run_greedy(engine, [(name, prompt)], 6)
+            assert tokens == hf_greedy(ref, prompt, 6), name
+            with torch.no_grad():
+                want = ref(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+            torch.testing.assert_close(torch.stack(logits), want.float(), atol=2e-4, rtol=1e-4)
+
+
+def test_adapters_change_the_output(lora_setup, engine: EngineCore) -> None:
+    """The fixture's adapters are not no-ops: each one's greedy tokens differ from the base."""
+    _, base, _, _ = lora_setup
+    base_tokens = hf_greedy(base, PROMPTS[1], 6)
+    for name in ADAPTERS:
+        [(tokens, _)] = run_greedy(engine, [(name, PROMPTS[1])], 6)
+        assert tokens != base_tokens, name
+
+
+def test_mixed_batch_equals_each_alone(engine: EngineCore) -> None:
+    """Base and adapters interleaved in one batch (prefills and decodes in the same steps)
+    give what each gives alone."""
+    jobs = [(None, PROMPTS[0]), ("all-r8", PROMPTS[1]), ("attn-r4-rslora", PROMPTS[0]),
+            (None, PROMPTS[2]), ("mlp-r16", PROMPTS[2]), ("all-r8", PROMPTS[0])]
+    together = run_greedy(engine, jobs, 8)
+    for job, (tokens, logits) in zip(jobs, together):
+        [(alone_tokens, alone_logits)] = run_greedy(engine, [job], 8)
+        assert tokens == alone_tokens, job
+        torch.testing.assert_close(torch.stack(logits), torch.stack(alone_logits),
+                                   atol=2e-4, rtol=1e-4)
+
+
+def test_adapter_kv_is_never_shared(engine: EngineCore) -> None:
+    """The prefix cache is salted per adapter: the same prompt under another adapter (or the
+    base) reuses nothing, under the same adapter it does."""
+    prompt = list(range(2000, 2040))
+    params = SamplingParams(temperature=0, max_tokens=1)
+    cached = {}
+    for i, lora in enumerate(["all-r8", "mlp-r16", None, "all-r8"]):
+        request = engine.add_request(f"salt{i}", prompt, params, RequestOptions(lora=lora))
+        while engine.has_unfinished():
+            engine.step()
+        cached[i] = request.num_cached_tokens
+    assert cached[0] == cached[1] == 0 and cached[2] == 0
+    assert cached[3] > 0
+
+
+def test_resident_adapters_are_bounded(lora_setup) -> None:
+    folder, _, refs, paths = lora_setup
+    engine = EngineCore(EngineConfig(model=str(folder), dtype="float32", max_loras=2,
+                                     loras=tuple(paths.items())))
+    assert engine.loras.names() == list(ADAPTERS)
+    assert len(engine.loras.resident_names()) == 2
+    # an evicted adapter is read again when named, and still computes the same thing
+    name = next(n for n in ADAPTERS if n not in engine.loras.resident_names())
+    [(tokens, _)] = run_greedy(engine, [(name, PROMPTS[0])], 5)
+    assert tokens == hf_greedy(refs[name], PROMPTS[0], 5)
+    assert name in engine.loras.resident_names() and len(engine.loras.resident_names()) == 2
+    # with both slots held by queued requests, a third adapter is refused, not evicted under them
+    held = [n for n in ADAPTERS if n != name][:2]
+    for i, n in enumerate(held):
+        engine.add_request(f"hold{i}", PROMPTS[0], SamplingParams(max_tokens=2),
+                           RequestOptions(lora=n))
+    third = next(n for n in ADAPTERS if n not in held)
+    with pytest.raises(Overloaded, match="max-loras"):
+        engine.add_request("third", PROMPTS[0], SamplingParams(), RequestOptions(lora=third))
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("third", PROMPTS[0], SamplingParams(max_tokens=1),
+                       RequestOptions(lora=third))  # room again once they finished
+
+
+def test_bad_adapters_are_refused(lora_setup, tmp_path: Path) -> None:
+    folder, base, _, _ = lora_setup
+    with pytest.raises(ConfigError, match="does not exist"):
+        EngineCore(EngineConfig(model=str(folder), dtype="float32",
+                                loras=(("x", str(tmp_path / "missing")),)))
+    big = tmp_path / "big"
+    make_adapter(base, big, 8, 8, False, ["q_proj"], 0)
+    with pytest.raises(ConfigError, match="rank 8"):
+        EngineCore(EngineConfig(model=str(folder), dtype="float32", max_lora_rank=4,
+                                loras=(("big", str(big)),)))
+
+
+def test_default_model_adapter_matches_peft(smollm_llm, hf_smollm, tmp_path: Path) -> None:
+    """A rank-8 adapter on every projection of SmolLM2, beside the base in one batch."""
+    from tests.reference.test_smollm_gguf import assert_greedy_match
+    import copy
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=ALL_TARGETS,
+                             init_lora_weights=False)
+    ref = peft.get_peft_model(copy.deepcopy(hf_smollm), config).eval()
+    ref.save_pretrained(tmp_path)
+    smollm_llm.engine.loras.add("smol-lora", tmp_path)
+    prompts = [smollm_llm.chat_prompt([{"role": "user", "content": p}])
+               for p in ("What is the capital of France?", "Write a haiku about the sea.")]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with_adapter = smollm_llm.generate(prompts, params, RequestOptions(lora="smol-lora"))
+    base = smollm_llm.generate(prompts, params)
+    for prompt, out, plain in zip(prompts, with_adapter, base):
+        got = out.outputs[0].token_ids
+        assert_greedy_match(ref, prompt, hf_greedy(ref, prompt, 16), got)
+        assert got != plain.outputs[0].token_ids  # the adapter is not a no-op
