@@ -70,6 +70,12 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "else the model's dtype; model: the model's dtype")
     g.add_argument("--fair-share", action="store_true",
                    help="admit waiting requests round-robin by their `user`")
+    g.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="a LoRA adapter (PEFT folder or LoRA .gguf) served as model NAME "
+                        "(repeatable)")
+    g.add_argument("--max-loras", type=int, default=8,
+                   help="LoRA adapters held in memory at once (least recently used out)")
+    g.add_argument("--max-lora-rank", type=int, default=64)
     g.add_argument("-q", "--quiet", action="store_true",
                    help="do not report the model and KV cache on stderr at start")
 
@@ -92,6 +98,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prefill_matmul=args.prefill_matmul, kernels=args.kernels, device=args.device,
         max_model_len=args.max_model_len,
         seed=args.engine_seed,
+        loras=tuple(parse_lora(spec) for spec in args.lora), max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
         cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                           enable_prefix_caching=not args.no_prefix_caching,
                           eviction_policy=args.eviction_policy,
@@ -100,6 +108,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
                                   fair_share=args.fair_share))
+
+
+def parse_lora(spec: str) -> tuple[str, str]:
+    """'NAME=PATH' -> (name, path)."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name.strip() or not path:
+        raise ConfigError(f"--lora {spec!r}: write NAME=PATH (a PEFT adapter folder or a LoRA "
+                          ".gguf file)")
+    return name.strip(), path
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -189,6 +189,25 @@ class AsyncEngine:
             time.monotonic() + self.request_timeout_s
         return RequestStream(self, request_id, stream, deadline)
 
+    # -- LoRA adapters -----------------------------------------------------------------------
+
+    def lora_names(self) -> list[str]:
+        """The loaded adapters' names (requests name one as their model)."""
+        return [] if self.core is None else self.core.loras.names()
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Read and register an adapter in a worker thread; the engine keeps stepping."""
+        await asyncio.to_thread(self._core().loras.add, name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter; requests already running with it finish with it."""
+        self._core().loras.remove(name)
+
+    async def prepare_lora(self, name: str) -> None:
+        """Make an adapter resident before its request is queued: an evicted one is read from
+        its file again here, in a worker thread, not on the engine thread."""
+        await asyncio.to_thread(self._core().loras.acquire, name)
+
     def check_room(self, num_sequences: int) -> None:
         """Raise Overloaded unless `num_sequences` more can wait (each of a request's n
         completions of each prompt is one sequence) without passing max_waiting."""

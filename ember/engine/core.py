@@ -155,7 +155,7 @@ class EngineCore:
             grammar = self.grammars.compile(params.constraint)
         salt = options.cache_salt
         if options.lora is not None:  # an adapter's KV is its own: never shared with another
-            adapter = self.loras.acquire(options.lora, self.loras_in_use())
+            adapter = self.loras.acquire(options.lora)
             salt = f"lora:{adapter.uid}" + ("" if salt is None else f"\n{salt}")
         request = Request(request_id, list(prompt_token_ids), params,
                           eos_token_ids=self.tokenizer.eos_token_ids, max_tokens=max_tokens,
@@ -163,11 +163,10 @@ class EngineCore:
                           cache_salt=salt, prefix_cache=options.prefix_cache,
                           grammar=grammar, lora=options.lora)
         self.scheduler.add(request)
+        if request.lora is not None:
+            self.loras.busy = self.loras.busy | {request.lora}
         return request
 
-    def loras_in_use(self) -> set[str]:
-        """The adapters of queued and running requests (never evicted)."""
-        return {r.lora for r in self.scheduler.requests.values() if r.lora is not None}
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise if the request can never run; else return its resolved max_tokens: what it
@@ -206,6 +205,7 @@ class EngineCore:
     def finish(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         """End a request now (abort, stop string) and free its KV blocks."""
         self.scheduler.finish(request_id, reason)
+        self._update_busy_loras()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -220,7 +220,15 @@ class EngineCore:
             raise StepFailed(list(self.scheduler.requests), e) from e
         try:
             result = self.runner.execute(plan)           # forward + sample on the device
-            return self.scheduler.update(plan, result)   # append tokens, finish, free
+            advanced = self.scheduler.update(plan, result)   # append tokens, finish, free
         except Exception as e:
             self.scheduler.unschedule(plan)
             raise StepFailed([s.request.request_id for s in plan.scheduled], e) from e
+        self._update_busy_loras()
+        return advanced
+
+    def _update_busy_loras(self) -> None:
+        """Adapters that no request holds any more may leave memory."""
+        if self.loras.busy:
+            self.loras.busy = frozenset(r.lora for r in self.scheduler.requests.values()
+                                        if r.lora is not None)

@@ -3,8 +3,9 @@
 Registered adapters (at start, or loaded at run time) are known by name; at most `max_loras`
 of them are resident (their factors in CPU memory), least recently used out first. An evicted
 adapter is read from its file again when a request names it. An adapter that a queued or
-running request uses is never evicted: when every resident one is in use, a request for
-another is refused with Overloaded (retry once some finish). Any thread may call these.
+running request uses (`busy`, which the engine thread keeps current) is never evicted: when
+every resident one is busy, a request for another is refused with Overloaded (retry once some
+finish). Any thread may call these.
 """
 from __future__ import annotations
 
@@ -12,22 +13,15 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ember.config import ModelConfig
-from ember.errors import ConfigError, EmberError, Overloaded
+from ember.errors import AdapterNotFound, ConfigError, Overloaded
 from ember.lora.adapter import MAX_LORA_RANK, LoraAdapter, load_adapter
 
 log = logging.getLogger(__name__)
-
-
-class UnknownAdapter(EmberError):
-    """A request names an adapter (as its model) that is not loaded."""
-
-    http_status = 404
-    error_type = "not_found_error"
 
 
 @dataclass(frozen=True)
@@ -51,6 +45,7 @@ class LoraRegistry:
         self._resident: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._uids = itertools.count(1)
         self._lock = threading.RLock()
+        self.busy: frozenset[str] = frozenset()  # adapters of queued and running requests
 
     def names(self) -> list[str]:
         with self._lock:
@@ -64,7 +59,7 @@ class LoraRegistry:
         with self._lock:
             return name in self._known
 
-    def add(self, name: str, path: str | Path, in_use: Collection[str] = ()) -> AdapterInfo:
+    def add(self, name: str, path: str | Path) -> AdapterInfo:
         """Read and register an adapter (replacing one of the same name); it is resident
         afterwards. Raises ConfigError when the file is not a LoRA for this model."""
         if not name or name != name.strip():
@@ -77,46 +72,41 @@ class LoraRegistry:
             if old is not None and self.on_evict is not None:
                 self.on_evict(old.uid)
             self._known[name] = AdapterInfo(name, adapter.path, uid)
-            self._make_room(set(in_use) - {name})
+            self._make_room(self.busy - {name})
             self._resident[name] = adapter
         log.info("LoRA adapter %s loaded from %s (rank %d, %.1f MiB)", name, adapter.path,
                  adapter.rank, adapter.num_bytes / 2**20)
         return self._known[name]
 
-    def remove(self, name: str, in_use: Collection[str] = ()) -> None:
+    def remove(self, name: str) -> None:
         """Forget an adapter. Requests already using it finish with it; its memory goes when
         the last of them does (the next eviction sweep)."""
         with self._lock:
             if name not in self._known:
-                raise UnknownAdapter(f"no LoRA adapter named {name!r} is loaded; loaded: "
+                raise AdapterNotFound(f"no LoRA adapter named {name!r} is loaded; loaded: "
                                      f"{', '.join(self._known) or 'none'}", param="lora_name")
             del self._known[name]
-            if name not in in_use:
+            if name not in self.busy:
                 self._evict(name)
 
-    def acquire(self, name: str, in_use: Collection[str]) -> LoraAdapter:
+    def acquire(self, name: str) -> LoraAdapter:
         """The adapter, resident (read again from its file if it was evicted)."""
         with self._lock:
             info = self._known.get(name)
             if info is None:
-                raise UnknownAdapter(f"the model {name!r} is neither the served model nor a "
+                raise AdapterNotFound(f"the model {name!r} is neither the served model nor a "
                                      f"loaded LoRA adapter; adapters: "
                                      f"{', '.join(self._known) or 'none'}", param="model")
             adapter = self._resident.get(name)
             if adapter is not None:
                 self._resident.move_to_end(name)
                 return adapter
-            self._make_room(set(in_use))
+            self._make_room(self.busy)
             adapter = load_adapter(name, info.path, self.config, info.uid, self.max_rank)
             self._resident[name] = adapter
             return adapter
 
-    def resident(self, name: str) -> LoraAdapter:
-        """A resident adapter (one that a scheduled request holds)."""
-        with self._lock:
-            return self._resident[name]
-
-    def _make_room(self, in_use: set[str]) -> None:
+    def _make_room(self, in_use: frozenset[str]) -> None:
         """Evict until one more adapter fits, least recently used first, never one in use."""
         for name in [n for n in self._resident if n not in self._known and n not in in_use]:
             self._evict(name)

@@ -62,7 +62,7 @@ class ModelRunner:
         if self.loras is None or all(s.request.lora is None for s in plan.scheduled):
             return None
         return self.lora_steps.build([
-            (None if s.request.lora is None else self.loras.resident(s.request.lora),
+            (None if s.request.lora is None else self.loras.acquire(s.request.lora),
              s.num_new_tokens) for s in plan.scheduled])
 
     def _copy_blocks(self, plan: SchedulerOutput) -> None:

@@ -107,6 +107,12 @@ class ServerMetrics:
                                      registry=r)
         self.generation_tokens = Counter("ember_generation_tokens", "Tokens generated", t,
                                          registry=r)
+        self.lora_requests = Counter("ember_lora_requests", "Requests finished per LoRA "
+                                     "adapter", ("adapter",), registry=r)
+        self.lora_prompt_tokens = Counter("ember_lora_prompt_tokens", "Prompt tokens processed "
+                                          "per LoRA adapter", ("adapter",), registry=r)
+        self.lora_generation_tokens = Counter("ember_lora_generation_tokens", "Tokens generated "
+                                              "per LoRA adapter", ("adapter",), registry=r)
         self.tenants = frozenset(tenants)
         for tenant in tenants:  # every tenant's series exists from the start, at zero
             for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prompt_len,
@@ -143,6 +149,7 @@ class RequestTracker:
         self.first: float | None = None
         self.choices: dict[int, ChoiceTimes] = {}
         self.done = False
+        self.adapter: str | None = None   # the LoRA adapter the request runs with
 
     def _of(self, metric: MetricWrapperBase, **labels: str) -> MetricWrapperBase:
         labels |= self.labels
@@ -168,6 +175,8 @@ class RequestTracker:
             choice.last = now
             choice.num_tokens += num_tokens
         self._of(self.metrics.generation_tokens).inc(num_tokens)  # as it streams: rate() is live
+        if self.adapter is not None:
+            self.metrics.lora_generation_tokens.labels(self.adapter).inc(num_tokens)
 
     def on_finish(self, finish_reasons: list[str], num_prompt_tokens: int,
                   queue_times: list[float]) -> None:
@@ -183,6 +192,9 @@ class RequestTracker:
         self._of(m.prompt_len).observe(num_prompt_tokens)
         self._of(m.gen_len).observe(self.num_output_tokens)
         self._of(m.prompt_tokens).inc(num_prompt_tokens)
+        if self.adapter is not None:
+            m.lora_requests.labels(self.adapter).inc()
+            m.lora_prompt_tokens.labels(self.adapter).inc(num_prompt_tokens)
 
     def on_abort(self, reason: str) -> None:
         if not self.done:

@@ -40,11 +40,17 @@ class ServerState:
         self.keys = self.config.tenant_keys()
         self.tenant_salts = tenant_salts(self.keys)
 
-    def check_model(self, model: str | None) -> None:
-        """`model` is a served name, never a path; None means the one model served."""
-        if model is not None and model != self.model_name:
-            raise NotFound(f"model {model!r} does not exist; this server serves "
-                           f"{self.model_name!r} (see /v1/models)", param="model")
+    def check_model(self, model: str | None) -> str | None:
+        """`model` is a served name, never a path; None means the one model served. Returns
+        the LoRA adapter it names, or None for the base model."""
+        if model is None or model == self.model_name:
+            return None
+        adapters = self.engine.lora_names()
+        if model in adapters:
+            return model
+        served = ", ".join(repr(n) for n in [self.model_name, *adapters])
+        raise NotFound(f"model {model!r} does not exist; this server serves {served} (see "
+                       "/v1/models)", param="model")
 
     def chat_template(self) -> ChatTemplate:
         if self._chat_template is None:

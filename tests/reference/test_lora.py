@@ -188,3 +188,46 @@ def test_default_model_adapter_matches_peft(smollm_llm, hf_smollm, tmp_path: Pat
         got = out.outputs[0].token_ids
         assert_greedy_match(ref, prompt, hf_greedy(ref, prompt, 16), got)
         assert got != plain.outputs[0].token_ids  # the adapter is not a no-op
+
+
+def write_lora_gguf(path: Path, peft_folder: Path, alpha: float, cfg) -> None:
+    """A PEFT adapter as llama.cpp's LoRA converter lays it out: general.type 'adapter',
+    adapter.lora.alpha, tensors blk.N.<part>.weight.lora_a [r, in] / .lora_b [out, r], with
+    lora_b's q/k rows permuted like the base model's (written from its description)."""
+    import numpy as np
+    from gguf import GGUFWriter
+    from safetensors.torch import load_file
+
+    from tests.reference.test_gguf import llama_cpp_permute
+    parts = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    writer = GGUFWriter(path, "llama")
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", alpha)
+    for key, tensor in load_file(peft_folder / "adapter_model.safetensors").items():
+        layer = key.split("layers.")[1].split(".")[0]
+        module = key.split(".lora_")[0].rsplit(".", 1)[1]
+        side = "a" if ".lora_A." in key else "b"
+        w = tensor.float().numpy().astype(np.float32)
+        if side == "b" and module in ("q_proj", "k_proj"):
+            w = llama_cpp_permute(w, cfg.num_attention_heads if module == "q_proj"
+                                  else cfg.num_key_value_heads)
+        writer.add_tensor(f"blk.{layer}.{parts[module]}.weight.lora_{side}", w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_adapter_matches_peft(lora_setup, engine: EngineCore, tmp_path: Path) -> None:
+    _, base, refs, paths = lora_setup
+    rank, alpha, _, _ = ADAPTERS["all-r8"]
+    write_lora_gguf(tmp_path / "all-r8.gguf", paths["all-r8"], alpha, base.config)
+    engine.loras.add("all-r8-gguf", tmp_path / "all-r8.gguf")
+    for prompt in PROMPTS[:2]:
+        [(tokens, logits)] = run_greedy(engine, [("all-r8-gguf", prompt)], 6)
+        assert tokens == hf_greedy(refs["all-r8"], prompt, 6)
+        [(_, peft_logits)] = run_greedy(engine, [("all-r8", prompt)], 6)
+        torch.testing.assert_close(torch.stack(logits), torch.stack(peft_logits),
+                                   atol=1e-4, rtol=1e-4)

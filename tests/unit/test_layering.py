@@ -26,6 +26,7 @@ FORBIDDEN = {
     "ember.weights": {"ember.runner", "ember.engine", "ember.scheduler", "ember.tokenizer"},
     "ember.sampling": {"ember.runner", "ember.engine", "ember.models", "ember.scheduler"},
     "ember.runner": {"ember.engine"},
+    "ember.lora": {"ember.runner", "ember.engine", "ember.scheduler", "ember.server"},
     "ember.engine": {"ember.server", "ember.cli"},
     # the server speaks HTTP and the AsyncEngine API; it never touches tensors
     "ember.server": {"torch", "ember.runner", "ember.models", "ember.sampling", "ember.kv",
