@@ -48,7 +48,8 @@ def add_load_args(p: argparse.ArgumentParser, base_url: bool = True) -> None:
     g = p.add_argument_group("target and load")
     if base_url:
         g.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    g.add_argument("--model", default=None, help="model name (default: the server's first)")
+    g.add_argument("--model", default=None, help="model name (default: the server's first); "
+                   "A,B,C: requests take them in turn (e.g. LoRA adapters mixed)")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     g.add_argument("--api-key", default=None)
     g.add_argument("--concurrency", type=int, default=None, help="fixed concurrency (default 1 "

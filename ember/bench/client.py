@@ -75,8 +75,9 @@ def payload(req: BenchRequest, messages: list[dict[str, Any]] | None, cfg: LoadC
             ) -> dict[str, Any]:
     body: dict[str, Any] = {"max_tokens": req.max_tokens, "temperature": cfg.temperature,
                             "stream": True, "stream_options": {"include_usage": True}}
-    if cfg.model:
-        body["model"] = cfg.model
+    if cfg.model:  # several, comma-separated (LoRA adapters): request i takes the i-th
+        models = cfg.model.split(",")
+        body["model"] = models[req.index % len(models)]
     if messages is not None:
         body["messages"] = messages
     else:

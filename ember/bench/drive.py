@@ -56,7 +56,7 @@ def build_requests(args: argparse.Namespace, base_url: str, model: str | None
         return from_jsonl(Path(args.dataset), output_len, rng, chat)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     encode, decode = local_tokenizer(args.tokenizer) if args.tokenizer else \
-        server_tokenizer(base_url, model, headers)
+        server_tokenizer(base_url, model.split(",")[0] if model else None, headers)
     corpus = Path(args.corpus).read_text() if args.corpus else default_corpus()
     maker = PromptMaker(corpus, encode, decode, rng)
     if args.workload == "shared-prefix":

@@ -31,6 +31,7 @@ class _Stacks:
 
     layers: list[dict[str, tuple[Tensor, Tensor]]]
     owners: dict[str, Tensor]     # projection -> [R] long
+    flat: list[Tensor]            # per layer, (A, B) per projection; empty where none
 
 
 class LoraLayer:
@@ -63,6 +64,12 @@ class LoraStep:
 
     def layer(self, index: int) -> LoraLayer:
         return LoraLayer(self._stacks.layers[index], self._masks)
+
+    def stack_tensors(self) -> list[Tensor]:
+        """What the compiled decode stack takes: the 4 projections' masks, then each layer's
+        (A, B) per projection, an empty tensor where there is none."""
+        empty = self._stacks.flat[0].new_empty(0) if self._stacks.flat else torch.empty(0)
+        return [self._masks.get(p, empty) for p in PROJECTIONS] + self._stacks.flat
 
 
 class LoraStepBuilder:
@@ -115,7 +122,8 @@ def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device
         if sum(widths):
             owners[p] = torch.repeat_interleave(torch.arange(len(adapters)),
                                                 torch.tensor(widths)).to(device)
-    layers = []
+    layers, flat = [], []
+    empty = torch.empty(0, dtype=dtype, device=device)
     for i in range(len(adapters[0].factors)):
         layer = {}
         for p in owners:
@@ -123,4 +131,5 @@ def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device
             layer[p] = (torch.cat([a for a, _ in pairs], dim=1).to(device, dtype).contiguous(),
                         torch.cat([b for _, b in pairs], dim=0).to(device, dtype).contiguous())
         layers.append(layer)
-    return _Stacks(layers, owners)
+        flat += [t for p in PROJECTIONS for t in layer.get(p, (empty, empty))]
+    return _Stacks(layers, owners, flat)

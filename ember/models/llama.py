@@ -138,10 +138,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[PagedKV],
                 meta: AttentionMetadata, lora: LoraStep | None = None) -> Tensor:
         """input_ids, positions [T] long -> final hidden states [T, hidden]. `lora`: the
-        step's adapters, where a row has one (such a step runs layer by layer)."""
+        step's adapters, where a row has one (the decode stack adds them as the layers do)."""
         x = self.model.embed_tokens(input_ids)
-        step = self._stack_step(kv_caches, meta) if lora is None else None
-        if step is not None:  # every layer in one compiled call
+        step = self._stack_step(kv_caches, meta)
+        if step is not None:  # every layer in one compiled call (with the rows' adapters)
+            adapters = [] if lora is None else lora.stack_tensors()
             caches = [c.data for c in kv_caches]
             scales = [c.scale for c in kv_caches] if kv_caches[0].scale is not None else []
             if self.rope_cache is not None:   # the stack looks each row up in the tables
@@ -150,11 +151,13 @@ class LlamaForCausalLM(nn.Module):
                 (cos, sin), rows = self._rope_rows(positions, x.dtype), None
             if isinstance(step, DecodeBatch):
                 return self.decode_stack.forward(x, cos, sin, caches, scales, meta.slot_mapping,
-                                                 step.block_tables, step.seq_lens, rows)
+                                                 step.block_tables, step.seq_lens, rows,
+                                                 adapters)
             return self.decode_stack.forward_mixed(x, cos, sin, caches, scales,
                                                    meta.slot_mapping, step.decode_first,
                                                    step.block_tables, step.seq_lens,
-                                                   step.chunk_info, step.chunk_tables, rows)
+                                                   step.chunk_info, step.chunk_tables, rows,
+                                                   adapters)
         cos, sin = self._rope_rows(positions, x.dtype)
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):

@@ -64,12 +64,13 @@ def engine(lora_setup) -> EngineCore:
                                    loras=tuple(paths.items())))
 
 
-def run_greedy(engine: EngineCore, jobs: list[tuple[str | None, list[int]]], steps: int
-               ) -> list[tuple[list[int], list[torch.Tensor]]]:
+def run_greedy(engine: EngineCore, jobs: list[tuple[str | None, list[int]]], steps: int,
+               prefix_cache: bool = True) -> list[tuple[list[int], list[torch.Tensor]]]:
     """Greedy-decode every (adapter, prompt) job in one batch, keeping each step's logits."""
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     for i, (lora, prompt) in enumerate(jobs):
-        engine.add_request(str(i), prompt, params, RequestOptions(lora=lora))
+        engine.add_request(str(i), prompt, params,
+                           RequestOptions(lora=lora, prefix_cache=prefix_cache))
     out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in jobs]
     while engine.has_unfinished():
         plan = engine.scheduler.schedule()
@@ -231,3 +232,57 @@ def test_gguf_adapter_matches_peft(lora_setup, engine: EngineCore, tmp_path: Pat
         [(_, peft_logits)] = run_greedy(engine, [("all-r8", prompt)], 6)
         torch.testing.assert_close(torch.stack(logits), torch.stack(peft_logits),
                                    atol=1e-4, rtol=1e-4)
+
+
+def write_random_adapter(folder: Path, config, rank: int, seed: int) -> None:
+    """A PEFT-format adapter on every projection, written directly (no model needed)."""
+    import json
+
+    from safetensors.torch import save_file
+    sizes = {"q_proj": (config.hidden_size, config.q_size),
+             "k_proj": (config.hidden_size, config.kv_size),
+             "v_proj": (config.hidden_size, config.kv_size),
+             "o_proj": (config.q_size, config.hidden_size),
+             "gate_proj": (config.hidden_size, config.intermediate_size),
+             "up_proj": (config.hidden_size, config.intermediate_size),
+             "down_proj": (config.intermediate_size, config.hidden_size)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for module, (n_in, n_out) in sizes.items():
+            part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) * 0.05
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.05
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ALL_TARGETS}))
+
+
+def test_decode_stack_adds_adapters_as_the_layers_do(smollm_path: Path, tmp_path: Path) -> None:
+    """The production path (int4 weights, bfloat16, compiled kernels): steps with adapter rows
+    through the whole-model decode stack equal the same steps layer by layer, at batch sizes
+    on both of its paths (int4 up to 8 rows, int8 above)."""
+    from ember.weights.loader import open_model_files
+    config = open_model_files(str(smollm_path)).model_config()
+    for i in range(2):
+        write_random_adapter(tmp_path / f"a{i}", config, 8, i)
+    engine = EngineCore(EngineConfig(model=str(smollm_path), loras=(
+        ("a0", str(tmp_path / "a0")), ("a1", str(tmp_path / "a1")))))
+    model = engine.runner.model
+    if model.decode_stack is None:
+        pytest.skip("this CPU has no compiled decode stack (AVX-512 BF16)")
+    prompts = [list(range(100 + 9 * i, 140 + 9 * i)) for i in range(12)]
+    for jobs in ([("a1", prompts[0])],
+                 [(["a0", None, "a1"][i % 3], p) for i, p in enumerate(prompts)]):
+        stacked = run_greedy(engine, jobs, 6, prefix_cache=False)
+        stack, model.decode_stack = model.decode_stack, None
+        try:
+            layered = run_greedy(engine, jobs, 6, prefix_cache=False)
+        finally:
+            model.decode_stack = stack
+        for (tokens, logits), (want_tokens, want_logits) in zip(stacked, layered):
+            assert tokens == want_tokens
+            torch.testing.assert_close(torch.stack(logits), torch.stack(want_logits),
+                                       atol=0, rtol=0)

@@ -49,13 +49,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecodeStack::forward, "a decode step through every layer",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv"), py::arg("kv_scales"),
            py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
-           py::arg("positions") = py::none(), no_gil)
+           py::arg("positions") = py::none(), py::arg("lora") = std::vector<at::Tensor>(),
+           no_gil)
       .def("forward_mixed", &DecodeStack::forward_mixed,
            "a step with prompt chunks through every layer", py::arg("x"), py::arg("cos"),
            py::arg("sin"), py::arg("kv"), py::arg("kv_scales"), py::arg("slots"),
            py::arg("decode_first"), py::arg("block_tables"), py::arg("seq_lens"),
            py::arg("chunk_info"), py::arg("chunk_tables"), py::arg("positions") = py::none(),
-           no_gil)
+           py::arg("lora") = std::vector<at::Tensor>(), no_gil)
       .def("use_int8", &DecodeStack::use_int8, "steps above max_packed_rows on int8 quads");
 #endif
 }

@@ -52,11 +52,16 @@ class DecodeStack {
   // With positions [T] (int64), cos and sin are tables [P, 1, d] (every position below P) and
   // row t takes row positions[t] of each, instead of two torch index ops before the call (in a
   // batch-1 decode step, where the caches are cold: model.forward's glue 69-104 -> 44-67 us).
+  // With lora (ember/lora/batch.py LoraStep.stack_tensors: 4 row masks [T, R_p], for qkv,
+  // o, gate_up and down, then per layer (A [in, R_p], B [R_p, out]) for each; an empty
+  // tensor where there is none), each projection's output gets += ((in @ A) * mask) @ B, as
+  // the layers add it, and the step runs in run() (not run_decodes).
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                      const std::vector<at::Tensor>& kv,
                      const std::vector<at::Tensor>& kv_scales, at::Tensor slots,
                      at::Tensor block_tables, at::Tensor seq_lens,
-                     c10::optional<at::Tensor> positions) const;
+                     c10::optional<at::Tensor> positions,
+                     const std::vector<at::Tensor>& lora) const;
 
   // A step with prompt chunks: the same arguments as forward, but the decodes are rows
   // decode_first .. decode_first + D - 1 (block_tables [D, max_blocks], seq_lens [D]; D may be
@@ -71,7 +76,8 @@ class DecodeStack {
                            int64_t decode_first, at::Tensor block_tables,
                            at::Tensor seq_lens, at::Tensor chunk_info,
                            const std::vector<at::Tensor>& chunk_tables,
-                           c10::optional<at::Tensor> positions) const;
+                           c10::optional<at::Tensor> positions,
+                           const std::vector<at::Tensor>& lora) const;
 
  private:
   // A prompt chunk: rows first .. first + n - 1 of the step
@@ -87,7 +93,13 @@ class DecodeStack {
     int64_t max_blocks;
     const int64_t* seq_lens;
     std::vector<Chunk> chunks;
+    const std::vector<at::Tensor>* lora = nullptr;   // empty: no adapters this step
   };
+
+  // y += ((in @ A) * mask) @ B for projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l
+  static void add_lora(const Plan& plan, size_t l, int p, const at::Tensor& in, at::Tensor& y);
+  static bool has_lora(const Plan& plan, size_t l, int p);
+  static void check_lora(const std::vector<at::Tensor>& lora, size_t layers);
 
   at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                  const std::vector<at::Tensor>& kv,
