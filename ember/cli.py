@@ -1,4 +1,4 @@
-"""`ember serve | generate | chat`: argv and environment -> configs -> the engine.
+"""`ember serve | route | generate | chat`: argv and environment -> configs -> the engine.
 
 The only module that reads environment variables: EMBER_MODEL (the default for --model) and
 EMBER_API_KEY (the default for --api-key), and XDG_CACHE_HOME (where `ember bench` writes
@@ -21,6 +21,7 @@ from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, P
 from ember.engine.llm import LLM
 from ember.errors import ConfigError, EmberError, InvalidRequest
 from ember.request import SamplingParams
+from ember.router.cli import add_route_args
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -221,6 +222,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(engine_config(args), config)
 
 
+def cmd_route(args: argparse.Namespace) -> None:
+    from ember.router.main import cmd_route as route  # the gateway loads only when routing
+    route(args.route_parser, args, server_config(args))
+
+
 def cmd_perplexity(args: argparse.Namespace) -> None:
     from ember.bench.workloads import default_corpus
     from ember.engine.perplexity import perplexity
@@ -276,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(serve)
     _server_args(serve)
     serve.set_defaults(func=cmd_serve)
+    route = sub.add_parser("route", help="a gateway over many `ember serve` replicas: "
+                           "cache-aware routing, failover, autoscaling, rollouts")
+    _engine_args(route)
+    _server_args(route)
+    add_route_args(route)
+    route.set_defaults(func=cmd_route, route_parser=route)
     add_bench_parser(sub, results_dir(os.environ, Path.home()))
     ppl = sub.add_parser("perplexity", help="perplexity of a text: the quality check for "
                          "weight and KV formats")
