@@ -50,18 +50,22 @@ def decide(samples: list[Sample], cfg: AutoscaleConfig, now: float,
 
 
 class Autoscaler:
-    def __init__(self, fleet: Fleet, cfg: AutoscaleConfig, held: Callable[[], int]) -> None:
+    def __init__(self, fleet: Fleet, cfg: AutoscaleConfig, held: Callable[[], int],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.fleet = fleet
+        self.clock = clock
         self.cfg = cfg
         self.held = held                       # requests held by the proxy, now
         self.samples: deque[Sample] = deque()
-        self.last_request_at = time.monotonic()
-        self.wanted_since: tuple[int, float] | None = None
+        # a fleet that starts at zero stays there until its first request
+        idle = (cfg.scale_to_zero_after_s or 0.0) if not self.live() else 0.0
+        self.last_request_at = clock() - idle
+        self.wanted_since: tuple[str, float] | None = None
         self.ttfts: deque[float] = deque(maxlen=256)
         self._task: asyncio.Task | None = None
 
     def note_request(self, ttft_s: float | None = None) -> None:
-        self.last_request_at = time.monotonic()
+        self.last_request_at = self.clock()
         if ttft_s is not None:
             self.ttfts.append(ttft_s)
 
@@ -70,7 +74,7 @@ class Autoscaler:
 
     def on_demand(self, group: str) -> None:
         """A request is waiting and the group has no live replica: start one now."""
-        self.last_request_at = time.monotonic()
+        self.last_request_at = self.clock()
         if group == "primary" and not self.live():
             self.scale("up", "demand")
         elif group != "primary" and not self.fleet.group(group, LIVE):
@@ -104,7 +108,7 @@ class Autoscaler:
     async def _loop(self) -> None:
         while True:
             try:
-                self.step(time.monotonic())
+                self.step(self.clock())
             except Exception:
                 log.exception("autoscaler step failed")
             await asyncio.sleep(self.cfg.interval_s)
@@ -122,15 +126,13 @@ class Autoscaler:
         if desired == current:
             self.wanted_since = None
             return
-        if self.wanted_since is None or self.wanted_since[0] != desired:
-            self.wanted_since = (desired, now)
-        delay = self.cfg.scale_up_delay_s if desired > current else self.cfg.scale_down_delay_s
-        if current == 0 and desired > 0:
-            delay = 0.0   # a cold fleet with work waiting starts at once
-        if desired == 0:
-            delay = 0.0   # idle past scale_to_zero_after_s already: stop them all now
+        direction = "up" if desired > current else "down"
+        if self.wanted_since is None or self.wanted_since[0] != direction:
+            self.wanted_since = (direction, now)   # the delay runs while the direction holds
+        delay = self.cfg.scale_up_delay_s if direction == "up" else self.cfg.scale_down_delay_s
+        if current == 0 or desired == 0:
+            delay = 0.0   # work waits on a cold fleet, or the idle time has already passed
         if now - self.wanted_since[1] >= delay:
             for _ in range(current if desired == 0 else 1):
-                self.scale("up" if desired > current else "down",
-                           "idle" if desired == 0 else "load")
+                self.scale(direction, "idle" if desired == 0 else "load")
             self.wanted_since = None

@@ -79,6 +79,7 @@ def assemble(fleet: Fleet, rollout: Rollout, config: RouterConfig,
     if config.autoscale.enabled and "primary" in fleet.launchers:
         autoscaler = Autoscaler(fleet, config.autoscale, lambda: proxy.held)
         proxy.on_demand = autoscaler.on_demand
+        proxy.on_first_byte = autoscaler.note_request
     else:
         proxy.on_demand = lambda group: _start_missing(fleet, group)
     keys = config.server.tenant_keys() or (

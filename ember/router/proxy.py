@@ -60,16 +60,19 @@ class Proxy:
         self.fleet = fleet
         self.config = fleet.config
         self.on_demand = on_demand     # asks the autoscaler for a replica of a group now
+        self.on_first_byte: Callable[[float], None] | None = None  # gets each TTFT (s)
         self.held = 0
 
     async def acquire(self, group: str, keys: RouteKeys, exclude: set[str], deadline: float
-                      ) -> tuple[Replica, Decision]:
-        """A replica for this try, waiting (bounded) while none is ready."""
+                      ) -> tuple[Replica, Decision, bool]:
+        """A replica for this try, waiting (bounded) while none is ready; and whether it
+        waited."""
+        waited = False
         while True:
             picked = self.fleet.choose(group, keys, exclude) or \
                 self.fleet.choose(group, keys, set())
             if picked is not None:
-                return picked
+                return picked[0], picked[1], waited
             if not self.fleet.can_serve_soon(group):
                 raise Unavailable("no replica can serve this request now; retry later")
             if self.held >= self.config.max_queue:
@@ -82,6 +85,7 @@ class Proxy:
                 self.fleet.metrics.rejected.labels("hold_timeout").inc()
                 raise Unavailable("no replica became ready in time; retry later")
             await self._hold(remaining)
+            waited = True
 
     async def _hold(self, remaining: float) -> None:
         self.held += 1
@@ -133,12 +137,15 @@ class Proxy:
             if attempt:
                 self.fleet.metrics.retries.labels(last.reason).inc()
                 await asyncio.sleep(random.uniform(0, self.config.backoff_s * 2 ** attempt))
-            replica, _ = await self.acquire(group, keys, tried, deadline)
-            if attempt == 0:
+            replica, _, waited = await self.acquire(group, keys, tried, deadline)
+            if attempt == 0 and not waited:  # the gateway's own time, not a cold start's
                 self.fleet.metrics.overhead.observe(time.monotonic() - arrival)
             tried.add(replica.id)
             try:
-                return await self._try(replica, method, path, raw, headers)
+                upstream = await self._try(replica, method, path, raw, headers)
+                if self.on_first_byte is not None:
+                    self.on_first_byte(time.monotonic() - arrival)
+                return upstream
             except Attempt as failed:
                 last = failed
                 self.fleet.release(replica)
