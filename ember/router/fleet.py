@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 MAX_RESTART_BACKOFF_S = 30.0
 PROBE_TIMEOUT_S = 2.0
+STARTING_PROBE_S = 0.1
 REPLICA_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
                   "vllm:kv_cache_usage_perc": "kv_usage"}
 
@@ -170,10 +171,15 @@ class Fleet:
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
             connector=aiohttp.TCPConnector(limit=0))
-        self._tasks = [asyncio.create_task(self._every(self.config.probe_interval_s,
-                                                       self.probe_all)),
-                       asyncio.create_task(self._every(self.config.events_interval_s,
+        self._tasks = [asyncio.create_task(self._every(self.probe_interval, self.probe_all)),
+                       asyncio.create_task(self._every(lambda: self.config.events_interval_s,
                                                        self.poll_events))]
+
+    def probe_interval(self) -> float:
+        """Faster while a replica starts: held requests wait on its first ready probe."""
+        starting = any(r.state is ReplicaState.STARTING for r in self.replicas.values())
+        return min(STARTING_PROBE_S, self.config.probe_interval_s) if starting \
+            else self.config.probe_interval_s
 
     async def close(self, stop_replicas: bool = True) -> None:
         for task in self._tasks:
@@ -186,13 +192,13 @@ class Fleet:
         if self.session is not None:
             await self.session.close()
 
-    async def _every(self, seconds: float, work: Callable) -> None:
+    async def _every(self, seconds: Callable[[], float], work: Callable) -> None:
         while True:
             try:
                 await work()
             except Exception:  # a loop must outlive one bad round
                 log.exception("fleet loop failed")
-            await asyncio.sleep(seconds)
+            await asyncio.sleep(seconds())
 
     async def probe_all(self) -> None:
         self.supervise()
@@ -244,6 +250,8 @@ class Fleet:
             return
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
+                if sample.name == "ember_load_phase_seconds":
+                    r.load_phases[sample.labels["phase"]] = sample.value
                 attr = REPLICA_GAUGES.get(sample.name)
                 if attr is not None:
                     setattr(r, attr, int(sample.value) if attr != "kv_usage" else sample.value)
@@ -293,11 +301,15 @@ class Fleet:
 
     def _restart(self, r: Replica) -> None:
         launcher = self.launchers.get(r.group)
-        handle = launcher.start(r.id) if launcher is not None else None
+        if launcher is None:
+            return
+        r.handle.kill()   # whatever is left of it (a Ray actor outlives its server)
+        handle = launcher.start(r.id)
         if handle is None:
             return
         r.handle, r.state, r.restarts = handle, ReplicaState.STARTING, r.restarts + 1
         r.started_at, r.in_flight, r.ejected_until = time.monotonic(), 0, 0.0
+        r.ready_at, r.first_byte_at, r.load_phases = None, None, {}
         self.blocks[r.id] = BlockIndex()
         self.texts[r.id] = TextIndex(self.config.prefix.max_text_chunks)
         self.metrics.restarts.inc()

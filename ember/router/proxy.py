@@ -143,6 +143,8 @@ class Proxy:
             tried.add(replica.id)
             try:
                 upstream = await self._try(replica, method, path, raw, headers)
+                if replica.first_byte_at is None:
+                    replica.first_byte_at = time.monotonic()
                 if self.on_first_byte is not None:
                     self.on_first_byte(time.monotonic() - arrival)
                 return upstream

@@ -11,6 +11,7 @@ Import this module only when --ray is given: `import ray` is slow and ray is opt
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 import ray
 
 ACTOR_RESTARTS = 3
+# what a replica needs from the gateway's environment to run the same ember the same way
+FORWARDED_ENV = ("PYTHONPATH", "TORCH_EXTENSIONS_DIR", "EMBER_MODEL", "EMBER_API_KEY")
 CALL_TIMEOUT_S = 10.0
 
 
@@ -86,6 +89,7 @@ class RayLauncher:
             ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
 
     def start(self, replica_id: str) -> RayHandle:
-        actor = ReplicaActor.remote(self.serve_args)
+        env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+        actor = ReplicaActor.options(runtime_env={"env_vars": env}).remote(self.serve_args)
         url, pid, _ = ray.get(actor.info.remote(), timeout=120)
         return RayHandle(actor, url, pid)

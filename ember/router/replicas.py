@@ -65,6 +65,8 @@ class Replica:
     ejected_until: float = 0.0      # passive ejection: no new request before this
     restarts: int = 0
     supports_events: bool = True    # False once /kv/events answered 404: text tree instead
+    first_byte_at: float | None = None  # the first answer's first byte since (re)start
+    load_phases: dict[str, float] = field(default_factory=dict)  # its own start-up report
 
     @property
     def url(self) -> str:
@@ -78,7 +80,15 @@ class Replica:
         return {"id": self.id, "url": self.url, "pid": self.handle.pid, "group": self.group,
                 "state": self.state.value, "running": self.running, "waiting": self.waiting,
                 "kv_usage": self.kv_usage, "in_flight": self.in_flight,
-                "restarts": self.restarts}
+                "restarts": self.restarts, "cold_start": self.cold_start()}
+
+    def cold_start(self) -> dict:
+        """Seconds from the launch to ready and to the first byte, and the replica's own
+        phases (process, files, kernels, weights, kv_cache, warm_up)."""
+        def since(t: float | None) -> float | None:
+            return round(t - self.started_at, 3) if t is not None else None
+        return {"ready_s": since(self.ready_at), "first_byte_s": since(self.first_byte_at),
+                "phases": {k: round(v, 3) for k, v in self.load_phases.items()}}
 
 
 @dataclass

@@ -124,6 +124,10 @@ def test_scale_from_zero_answers_every_request_and_scales_back(tiny_llama_dir, r
             answers = list(pool.map(lambda i: httpx.post(cold.url + "/v1/completions", json={
                 "prompt": f"cold {i}", "max_tokens": 4}, timeout=180), range(3)))
         assert [a.status_code for a in answers] == [200, 200, 200]
+        started = cold.fleet()["replicas"][0]["cold_start"]
+        assert {"process", "files", "kernels", "weights", "kv_cache", "warm_up"} <= \
+            set(started["phases"])
+        assert started["first_byte_s"] >= started["ready_s"] > 0  # held until it was ready
         assert cold.metric('ember_router_scale_events_total{direction="up"}') == 1
         assert cold.metric("ember_router_cold_start_seconds_count") == 1
         cold.wait(lambda f: f["replicas"] == [], "scaled to zero", 60)
