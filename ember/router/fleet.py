@@ -41,6 +41,7 @@ class RouteKeys:
     block_keys: dict[int, list[int]]   # block size -> keys of the prompt's full blocks
     text_keys: list[int]
     session_key: str | None = None
+    counted: bool = True    # False: not a generation (/tokenize...), kept out of the stats
 
 
 class Fleet:
@@ -130,6 +131,8 @@ class Fleet:
         replica = by_id[decision.replica_id]
         replica.in_flight += 1
         self._note_routed(replica, keys, now)
+        if not keys.counted:
+            return replica, decision
         self.metrics.decisions.labels(replica.id, decision.reason).inc()
         total = self._total_units(replica, keys)
         if total:
@@ -161,6 +164,11 @@ class Fleet:
             self.metrics.ejections.labels(replica.id, reason).inc()
             log.warning("replica %s ejected (%s)", replica.id, reason)
         replica.ejected_until = now + self.config.eject_s
+
+    def needs_text_keys(self) -> bool:
+        """Whether some replica is routed on text (no KV events, or none polled yet)."""
+        return any(not r.supports_events or self.blocks[r.id].block_size is None
+                   for r in self.replicas.values())
 
     def block_sizes(self) -> set[int]:
         return {i.block_size for i in self.blocks.values() if i.block_size}

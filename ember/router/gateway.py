@@ -30,7 +30,7 @@ from ember.server.errors import PayloadTooLarge, install_error_handlers
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from ember.server.tenants import match_key
 
-NO_KEYS = RouteKeys({}, [])
+NO_KEYS = RouteKeys({}, [], counted=False)
 
 
 @dataclass
@@ -166,7 +166,8 @@ async def route(gw: Gateway, request: Request, model: type, path: str) -> Respon
         raise Overloaded(f"the gateway has {gw.in_flight} requests in flight, its limit; "
                          "retry later")
     keys = gw.prompts.route_keys(body, request.state.tenant, gw.fleet.block_sizes(),
-                                 request.headers, gw.fleet.config.policy == "prefix")
+                                 request.headers, gw.fleet.config.policy == "prefix",
+                                 gw.fleet.needs_text_keys())
     headers = forwarded(request)
     capture = None
     if gw.rollout.shadow_wanted(gw.fleet):

@@ -7,9 +7,12 @@ ids) only costs a cache miss, never a wrong answer: routing is a guess the repli
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 
 from ember.config import ApiKey
+from ember.errors import ConfigError
 from ember.kv.prefix_cache import extend_keys
 from ember.router.fleet import RouteKeys
 from ember.router.kv_index import text_keys
@@ -21,12 +24,16 @@ from ember.weights.gguf_metadata import read_gguf_metadata
 from ember.weights.paths import default_model_path
 
 Body = CompletionRequest | ChatCompletionRequest
+MAX_HEADS = 1024
 
 
 def load_tokenizer(model: str | None) -> Tokenizer | None:
     """The model's tokenizer, or None when the gateway cannot read the model's files (it
     then routes on text alone)."""
-    path = default_model_path() if model is None else Path(model).expanduser()
+    try:
+        path = default_model_path() if model is None else Path(model).expanduser()
+    except ConfigError:  # no default model here: the replicas may run anything
+        return None
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
         path = ggufs[0] if len(ggufs) == 1 else path
@@ -46,33 +53,60 @@ class PromptKeys:
         self.salts = tenant_salts(keys)
         self.text_chunk_chars = text_chunk_chars
         self.session_header = session_header
+        # a chat's rendered history -> its token ids and block keys (LRU)
+        self.heads: OrderedDict[tuple[str, int, str | None], tuple[list[int], list[int]]] = \
+            OrderedDict()
 
     def route_keys(self, body: Body, tenant: ApiKey | None, block_sizes: set[int],
-                   headers: dict[str, str], want_keys: bool) -> RouteKeys:
+                   headers: Mapping[str, str], want_keys: bool, want_text: bool = True
+                   ) -> RouteKeys:
+        """The request's keys: block keys per block size, and the text tree's chunk keys if
+        `want_text` (a replica without KV events is routed on text)."""
         session_key = headers.get(self.session_header) or body.user
         if not want_keys:
             return RouteKeys({}, [], session_key)
-        text = prompt_text(body)
         salt = body.cache_salt
         if tenant is not None:
             salt = tenant_salt(self.salts[tenant.tenant], salt)
         block_keys: dict[int, list[int]] = {}
         if self.tokenizer is not None and block_sizes and body.prefix_cache:
-            ids = self.token_ids(body, text)
             for size in block_sizes:
-                block_keys[size] = extend_keys([], ids, size, salt)
-        chunks = text_keys((salt or "") + "\x00" + text, self.text_chunk_chars) \
-            if body.prefix_cache else []
+                block_keys[size] = self.block_keys(body, size, salt)
+        chunks = text_keys((salt or "") + "\x00" + prompt_text(body), self.text_chunk_chars) \
+            if body.prefix_cache and want_text else []
         return RouteKeys(block_keys, chunks, session_key)
 
-    def token_ids(self, body: Body, text: str) -> list[int]:
-        if isinstance(body, ChatCompletionRequest):
-            rendered = self.template.render(
-                [m.as_template_message(i) for i, m in enumerate(body.messages)],
-                body.add_generation_prompt)
-            return self.tokenizer.encode(rendered, add_special_tokens=False)
-        first = body.prompt_list()[0]
-        return first if isinstance(first, list) else self.tokenizer.encode(first)
+    def block_keys(self, body: Body, block_size: int, salt: str | None) -> list[int]:
+        """The prompt's block keys. For a chat, the conversation before its last message
+        (a tenant's system prompt, a session's history) is tokenized and hashed once and
+        remembered: encoding a long prompt costs milliseconds, more than routing may."""
+        if not isinstance(body, ChatCompletionRequest):
+            first = body.prompt_list()[0]
+            ids = first if isinstance(first, list) else self.tokenizer.encode(first)
+            return extend_keys([], ids, block_size, salt)
+        messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
+        full = self.template.render(messages, body.add_generation_prompt)
+        head = self.template.render(messages[:-1], False) if len(messages) > 1 else ""
+        if not head or not full.startswith(head):
+            return extend_keys([], self.tokenizer.encode(full, add_special_tokens=False),
+                               block_size, salt)
+        head_ids, head_keys = self._head(head, block_size, salt)
+        ids = head_ids + self.tokenizer.encode(full[len(head):], add_special_tokens=False)
+        return extend_keys(list(head_keys), ids, block_size, salt)
+
+    def _head(self, text: str, block_size: int, salt: str | None
+              ) -> tuple[list[int], list[int]]:
+        key = (text, block_size, salt)
+        found = self.heads.get(key)
+        if found is None:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            found = (ids, extend_keys([], ids, block_size, salt))
+            self.heads[key] = found
+            if len(self.heads) > MAX_HEADS:
+                self.heads.popitem(last=False)
+        else:
+            self.heads.move_to_end(key)
+        return found
 
 
 def prompt_text(body: Body) -> str:
