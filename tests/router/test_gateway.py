@@ -205,3 +205,37 @@ def test_admin_endpoints_follow_the_api_key(replicas):
         assert httpx.get(gw.url + "/health/live").status_code == 200
     finally:
         gw.close()
+
+
+class NeverReady:
+    """A launcher whose replicas never answer (a port nobody listens on)."""
+
+    def __init__(self) -> None:
+        self.started = 0
+
+    def start(self, replica_id: str):
+        from ember.router.replicas import RemoteHandle
+        self.started += 1
+        return RemoteHandle("http://127.0.0.1:9")
+
+
+def test_a_cold_fleet_holds_requests_and_overflows_with_503_never_404():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ember.router.config import AutoscaleConfig
+    launcher = NeverReady()
+    gw = LiveGateway({}, launchers={"primary": launcher}, max_queue=2, hold_timeout_s=1.5,
+                     autoscale=AutoscaleConfig(min_replicas=0, max_replicas=1,
+                                               scale_to_zero_after_s=60))
+    try:
+        assert httpx.get(gw.url + "/health/ready").status_code == 200  # can start one
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: httpx.post(
+                gw.url + "/v1/completions", json={"prompt": f"q{i}"}, timeout=30), range(4)))
+        assert sorted(a.status_code for a in answers) == [503] * 4
+        assert all(a.headers["retry-after"] for a in answers)
+        assert launcher.started == 1      # one replica asked for, at once
+        assert gw.metric('ember_router_rejected_total{reason="hold_queue_full"}') == 2
+        assert gw.metric('ember_router_rejected_total{reason="hold_timeout"}') == 2
+    finally:
+        gw.close()
