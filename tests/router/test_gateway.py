@@ -239,3 +239,24 @@ def test_a_cold_fleet_holds_requests_and_overflows_with_503_never_404():
         assert gw.metric('ember_router_rejected_total{reason="hold_timeout"}') == 2
     finally:
         gw.close()
+
+
+def test_rollback_drains_the_canary_and_keeps_serving(replicas):
+    gw = LiveGateway({"r1": replicas[0].url, "canary1": replicas[1].url},
+                     rollout=Rollout(canary_percent=100, rng=random.Random(0)))
+    try:
+        gw.wait_ready()
+        assert httpx.post(gw.url + "/v1/completions",
+                          json={"prompt": "to the canary", "max_tokens": 2}).status_code == 200
+        assert gw.metric('ember_router_requests_total{replica="canary1"') == 1
+        assert httpx.post(gw.url + "/fleet/rollback").json()["rolled_back"] == 1
+        deadline = time.monotonic() + 10
+        while {r["id"] for r in httpx.get(gw.url + "/fleet").json()["replicas"]} != {"r1"}:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for i in range(3):
+            assert httpx.post(gw.url + "/v1/completions",
+                              json={"prompt": f"after {i}", "max_tokens": 2}).status_code == 200
+        assert gw.metric('ember_router_requests_total{replica="r1"') == 3
+    finally:
+        gw.close()
