@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -101,6 +101,12 @@ def create_gateway(gw: Gateway) -> FastAPI:
         return await gw.proxy.forward(request.url.path, b"", forwarded(request), NO_KEYS,
                                       "primary", False, time.monotonic(), method="GET")
 
+    _add_probes(app, gw)
+    _add_admin(app, gw, guard)
+    return app
+
+
+def _add_probes(app: FastAPI, gw: Gateway) -> None:
     @app.get("/health/live")
     async def live() -> JSONResponse:
         return JSONResponse({"status": "live"})
@@ -118,6 +124,9 @@ def create_gateway(gw: Gateway) -> FastAPI:
         return Response(generate_latest(gw.fleet.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_admin(app: FastAPI, gw: Gateway, guard: Callable[[Request], Awaitable[None]]
+               ) -> None:
     @app.get("/fleet", dependencies=[Depends(guard)])
     async def fleet() -> JSONResponse:
         return JSONResponse({"policy": gw.fleet.config.policy,
@@ -133,8 +142,6 @@ def create_gateway(gw: Gateway) -> FastAPI:
     @app.post("/fleet/rollback", dependencies=[Depends(guard)])
     async def rollback() -> JSONResponse:
         return JSONResponse(await gw.rollout.rollback(gw.fleet))
-
-    return app
 
 
 def forwarded(request: Request) -> dict[str, str]:
