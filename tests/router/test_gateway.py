@@ -260,3 +260,23 @@ def test_rollback_drains_the_canary_and_keeps_serving(replicas):
         assert gw.metric('ember_router_requests_total{replica="r1"') == 3
     finally:
         gw.close()
+
+
+def test_a_client_that_leaves_a_stream_aborts_it_on_the_replica(replicas):
+    gw = LiveGateway({"r1": replicas[0].url})
+    aborts = 'ember_request_aborts_total{reason="client_disconnect"}'
+    try:
+        gw.wait_ready()
+        before = replicas[0].metric(aborts)
+        with httpx.stream("POST", gw.url + "/v1/completions", json={
+                "prompt": "go on", "max_tokens": 400, "ignore_eos": True,
+                "stream": True}) as resp:
+            next(resp.iter_lines())   # the stream has started; now hang up
+        deadline = time.monotonic() + 20
+        while replicas[0].metric(aborts) < before + 1:
+            assert time.monotonic() < deadline, "the replica kept generating"
+            time.sleep(0.05)
+        replicas[0].wait_idle()
+        assert gw.fleet.replicas["r1"].in_flight == 0
+    finally:
+        gw.close()
