@@ -13,15 +13,18 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ember.bench.cli import add_bench_parser, results_dir
 from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, PREFILL_MATMULS,
                           QUANTIZATIONS, ApiKey, CacheConfig, EngineConfig, SchedulerConfig,
                           ServerConfig, parse_api_keys)
-from ember.engine.llm import LLM
 from ember.errors import ConfigError, EmberError, InvalidRequest
 from ember.request import SamplingParams
 from ember.router.cli import add_route_args
+
+if TYPE_CHECKING:  # the engine (and torch) load only for commands that run it
+    from ember.engine.llm import LLM
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +121,7 @@ def _print_stream(deltas: Iterator[str]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from ember.engine.llm import LLM
     params = sampling_params(args)  # bad values fail before the model loads
     llm = LLM(config=engine_config(args))
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat \
@@ -126,6 +130,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> None:
+    from ember.engine.llm import LLM
     params = sampling_params(args)
     llm = LLM(config=engine_config(args))
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -228,6 +233,7 @@ def cmd_route(args: argparse.Namespace) -> None:
 
 
 def cmd_perplexity(args: argparse.Namespace) -> None:
+    from ember.engine.llm import LLM
     from ember.bench.workloads import default_corpus
     from ember.engine.perplexity import perplexity
     llm = LLM(config=engine_config(args))
@@ -241,6 +247,7 @@ def cmd_perplexity(args: argparse.Namespace) -> None:
 
 
 def cmd_roofline(args: argparse.Namespace) -> None:
+    from ember.engine.llm import LLM
     from ember.engine.roofline import format_report, roofline_report
     report = roofline_report(LLM(config=engine_config(args)), args.batch, args.context)
     print(format_report(report))

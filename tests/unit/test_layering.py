@@ -77,8 +77,8 @@ def test_bench_runs_the_engine_only_offline():
 
 
 def test_router_runs_without_torch():
-    """The gateway process imports neither torch nor the engine, through any import chain."""
-    code = ("import sys, ember.router.main, ember.router.ray_replicas; "
+    """`ember route` imports neither torch nor the engine, through any import chain."""
+    code = ("import sys, ember.cli, ember.router.main, ember.router.ray_replicas; "
             "print(sorted(m for m in ('torch', 'ember.engine', 'ember.server.state') "
             "if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
