@@ -1,4 +1,4 @@
-"""`ember serve | generate | chat`: argv and environment -> configs -> the engine.
+"""`ember serve | route | generate | chat`: argv and environment -> configs -> the engine.
 
 The only module that reads environment variables: EMBER_MODEL (the default for --model) and
 EMBER_API_KEY (the default for --api-key), and XDG_CACHE_HOME (where `ember bench` writes
@@ -13,14 +13,18 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ember.bench.cli import add_bench_parser, results_dir
 from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, PREFILL_MATMULS,
                           QUANTIZATIONS, ApiKey, CacheConfig, EngineConfig, SchedulerConfig,
                           ServerConfig, parse_api_keys)
-from ember.engine.llm import LLM
 from ember.errors import ConfigError, EmberError, InvalidRequest
 from ember.request import SamplingParams
+from ember.router.cli import add_route_args
+
+if TYPE_CHECKING:  # the engine (and torch) load only for commands that run it
+    from ember.engine.llm import LLM
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +138,7 @@ def _print_stream(deltas: Iterator[str]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from ember.engine.llm import LLM
     params = sampling_params(args)  # bad values fail before the model loads
     llm = LLM(config=engine_config(args))
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat \
@@ -142,6 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> None:
+    from ember.engine.llm import LLM
     params = sampling_params(args)
     llm = LLM(config=engine_config(args))
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -238,7 +244,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(engine_config(args), config)
 
 
+def cmd_route(args: argparse.Namespace) -> None:
+    from ember.router.main import cmd_route as route  # the gateway loads only when routing
+    route(args.route_parser, args, server_config(args))
+
+
 def cmd_perplexity(args: argparse.Namespace) -> None:
+    from ember.engine.llm import LLM
     from ember.bench.workloads import default_corpus
     from ember.engine.perplexity import perplexity
     llm = LLM(config=engine_config(args))
@@ -252,6 +264,7 @@ def cmd_perplexity(args: argparse.Namespace) -> None:
 
 
 def cmd_roofline(args: argparse.Namespace) -> None:
+    from ember.engine.llm import LLM
     from ember.engine.roofline import format_report, roofline_report
     report = roofline_report(LLM(config=engine_config(args)), args.batch, args.context)
     print(format_report(report))
@@ -293,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(serve)
     _server_args(serve)
     serve.set_defaults(func=cmd_serve)
+    route = sub.add_parser("route", help="a gateway over many `ember serve` replicas: "
+                           "cache-aware routing, failover, autoscaling, rollouts")
+    _engine_args(route)
+    _server_args(route)
+    add_route_args(route)
+    route.set_defaults(func=cmd_route, route_parser=route)
     add_bench_parser(sub, results_dir(os.environ, Path.home()))
     ppl = sub.add_parser("perplexity", help="perplexity of a text: the quality check for "
                          "weight and KV formats")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ember.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
-WORKLOADS = ("random", "shared-prefix", "chat-sessions", "jsonl")
+WORKLOADS = ("random", "shared-prefix", "multi-tenant", "chat-sessions", "jsonl")
 
 
 def results_dir(environ: Mapping[str, str], home: Path) -> Path:
@@ -31,6 +31,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", default="fixed:64", help="as --input-len")
     g.add_argument("--groups", type=int, default=4, help="shared-prefix: prefix groups")
     g.add_argument("--per-group", type=int, default=8, help="shared-prefix: requests per group")
+    g.add_argument("--tenants", type=int, default=32,
+                   help="multi-tenant: tenants, each with its own --prefix-len system prompt, "
+                        "drawn at random for each of --num-requests")
     g.add_argument("--prefix-len", type=int, default=600)
     g.add_argument("--suffix-len", type=int, default=20)
     g.add_argument("--sessions", type=int, default=8, help="chat-sessions: conversations")

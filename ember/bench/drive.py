@@ -19,7 +19,7 @@ from ember.bench.client import LoadConfig, Runner, print_progress
 from ember.bench.metrics import metric_deltas, parse_prometheus, parse_slo, summarize
 from ember.bench.workloads import (BenchRequest, LengthDist, PromptMaker, chat_sessions,
                                    default_corpus, from_jsonl, local_tokenizer, server_tokenizer,
-                                   shared_prefix, synthetic)
+                                   multi_tenant, shared_prefix, synthetic)
 
 
 def load_config(args: argparse.Namespace, base_url: str, model: str | None) -> LoadConfig:
@@ -62,6 +62,9 @@ def build_requests(args: argparse.Namespace, base_url: str, model: str | None
     if args.workload == "shared-prefix":
         return shared_prefix(maker, args.groups, args.per_group, args.prefix_len,
                              args.suffix_len, output_len, rng, chat)
+    if args.workload == "multi-tenant":
+        return multi_tenant(maker, args.tenants, args.num_requests, args.prefix_len,
+                            args.suffix_len, output_len, rng, chat)
     if args.workload == "chat-sessions":
         return chat_sessions(maker, args.sessions, args.turns, LengthDist.parse(args.input_len),
                              output_len, rng)

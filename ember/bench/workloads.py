@@ -125,6 +125,26 @@ def shared_prefix(maker: PromptMaker, groups: int, per_group: int, prefix_len: i
             for i, t in enumerate(texts)]
 
 
+def multi_tenant(maker: PromptMaker, tenants: int, num: int, prefix_len: int, suffix_len: int,
+                 output_len: LengthDist, rng: random.Random, chat: bool) -> list[BenchRequest]:
+    """N requests, each from a tenant drawn at random among T; a tenant's requests share its
+    own P-token system prompt and add an S-token question (a fleet's cache-aware routing
+    test: more tenants than one replica's cache holds)."""
+    systems = [maker.make(prefix_len) for _ in range(tenants)]
+    requests = []
+    for i in range(num):
+        system, question = systems[rng.randrange(tenants)], maker.make(suffix_len)
+        max_tokens = output_len.sample(rng)
+        if chat:
+            requests.append(BenchRequest(i, max_tokens, messages=[
+                {"role": "system", "content": system}, {"role": "user", "content": question}],
+                target_prompt_tokens=prefix_len + suffix_len))
+        else:
+            requests.append(_request(i, system + question, max_tokens, prefix_len + suffix_len,
+                                     False))
+    return requests
+
+
 def chat_sessions(maker: PromptMaker, sessions: int, turns: int, user_len: LengthDist,
                   output_len: LengthDist, rng: random.Random) -> list[BenchRequest]:
     """S conversations of T turns; each turn's history holds the server's real replies."""

@@ -28,6 +28,7 @@ from typing import Any
 
 from ember.config import EngineConfig
 from ember.constraint import Constraint
+from ember.engine.cold_start import process_age_s
 from ember.engine.core import EngineCore, StepFailed
 from ember.engine.memory import return_free_memory
 from ember.engine.output import SequenceText
@@ -111,6 +112,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.stats = EngineStats()
         self.core: EngineCore | None = None
+        self.process_s: float | None = None  # the process's age when the engine began loading
         self._inbox: deque[tuple[str, Any]] = deque()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}      # by request id
@@ -250,8 +252,10 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            self.process_s = process_age_s()   # the process's life before the engine loads
             self.core = EngineCore(self.config)
             self._warm_up()
+            self.core.load_phases.mark("warm_up")
             self.state = EngineState.READY
             self._publish_stats(stepped=False)
             self._loaded.set()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.calibrate import prepare_int8_prefill, use_int8_prefill
+from ember.engine.cold_start import PhaseClock
 from ember.engine.memory import (huge_page_zeros, large_blocks_mapped_alone, move_to_huge_pages,
                                  return_free_memory)
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
@@ -88,6 +89,7 @@ class CacheInfo:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.load_phases = PhaseClock()
         files = open_model_files(config.model)
         self.model_path = files.path
         self.model_config = files.model_config()
@@ -96,7 +98,9 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         self.quantization = resolve_quantization(config.quantization, files, self.model_config,
                                                  self.dtype, config.device)
+        self.load_phases.mark("files")
         kernels = load_kernels(config.kernels, config.device)
+        self.load_phases.mark("kernels")
         self.kernels = kernels   # compiled CPU kernels, or None (the torch path)
         self.prefill_matmul = resolve_prefill_matmul(config.prefill_matmul, self.quantization,
                                                      kernels)
@@ -105,6 +109,7 @@ class EngineCore:
                                                   config.device), self.quantization, kernels)
             move_to_huge_pages(step_weights(model))
         model.use_kernels(kernels)  # (the decode stack takes the weights where they are now)
+        self.load_phases.mark("weights")
         model.cache_rope(self.max_model_len, self.dtype)
         if self.prefill_matmul == "int8":  # bfloat16 copies out before the KV cache comes
             prepare_int8_prefill(model)
@@ -137,6 +142,7 @@ class EngineCore:
         for name, path in config.loras:
             self.loras.add(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.load_phases.mark("kv_cache")
         if self.prefill_matmul == "int8":  # SmoothQuant int8 from a calibration prompt
             use_int8_prefill(self, kernels)
             gc.collect()

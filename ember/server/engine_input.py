@@ -19,6 +19,7 @@ from ember.request import RequestOptions, SamplingParams
 from ember.server.errors import Forbidden
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from ember.server.state import ServerState
+from ember.server.tenants import tenant_salt
 from ember.server.tools import check_tools, render_for_plain_template, tool_constraint
 from ember.tokenizer.tokenizer import Tokenizer
 
@@ -127,8 +128,3 @@ async def adapter_options(state: ServerState, body: SamplingFields,
     await state.engine.prepare_lora(lora)
     return replace(options, lora=lora)
 
-
-def tenant_salt(secret: str, cache_salt: str | None) -> str:
-    """A salt no other tenant can send: the tenant's secret is hex of a fixed length, so it
-    ends where the request's own salt begins."""
-    return secret if cache_salt is None else f"{secret}\n{cache_salt}"

