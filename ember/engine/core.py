@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.calibrate import prepare_int8_prefill, use_int8_prefill
+from ember.engine.embed import EMBED_PARAMS, check_embedding_input, resolve_pooling
 from ember.engine.memory import (huge_page_zeros, large_blocks_mapped_alone, move_to_huge_pages,
                                  return_free_memory)
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kernels import load_kernels
 from ember.kv.kv_manager import KVCacheManager
 from ember.quant.packed import step_weights
-from ember.request import FinishReason, Request, RequestOptions, SamplingParams
+from ember.request import FinishReason, PoolingParams, Request, RequestOptions, SamplingParams
 from ember.runner.kv_tensors import (GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks,
                                     resolve_kv_cache_dtype)
 from ember.runner.runner import ModelRunner
@@ -85,6 +86,8 @@ class CacheInfo:
 
 
 class EngineCore:
+    task = "generate"  # config.task once loaded (the calibration run generates, whatever it is)
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         files = open_model_files(config.model)
@@ -93,6 +96,8 @@ class EngineCore:
         self.tokenizer = load_tokenizer(files)
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
+        self.pooling = resolve_pooling(config.pooling, None if isinstance(files, GGUFFile)
+                                       else files.path, encoder=False)
         self.quantization = resolve_quantization(config.quantization, files, self.model_config,
                                                  self.dtype, config.device)
         kernels = load_kernels(config.kernels, config.device)
@@ -137,6 +142,7 @@ class EngineCore:
             use_int8_prefill(self, kernels)
             gc.collect()
             return_free_memory()
+        self.task = config.task
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     options: RequestOptions = RequestOptions(),
@@ -157,6 +163,29 @@ class EngineCore:
         self.scheduler.add(request)
         return request
 
+    def add_embedding(self, request_id: str, prompt_token_ids: list[int],
+                      pooling: PoolingParams = PoolingParams(),
+                      options: RequestOptions = RequestOptions()) -> Request:
+        """Queue one prompt to embed (engine/embed.py). Raises InvalidRequest at once."""
+        pooling = self.check_embedding(prompt_token_ids, pooling)
+        if pooling.method != "last":  # every row is pooled: none may come from the cache
+            options = replace(options, prefix_cache=False)
+        request = Request(request_id, list(prompt_token_ids), EMBED_PARAMS,
+                          eos_token_ids=frozenset(), max_tokens=0, priority=options.priority,
+                          user=options.user, cache_salt=options.cache_salt,
+                          prefix_cache=options.prefix_cache, pooling=pooling)
+        self.scheduler.add(request)
+        return request
+
+    def check_embedding(self, prompt_token_ids: list[int], pooling: PoolingParams
+                        ) -> PoolingParams:
+        """Raise if the prompt cannot be embedded; else the pooling, its method resolved.
+        Reads only what never changes after start-up, so any thread may call it."""
+        limit = min(self.max_model_len, self.cache_info.num_tokens)
+        check_embedding_input(prompt_token_ids, pooling, limit, self.model_config.hidden_size)
+        self._check_token_ids(prompt_token_ids, EMBED_PARAMS)
+        return pooling if pooling.method is not None else replace(pooling, method=self.pooling)
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise if the request can never run; else return its resolved max_tokens: what it
         asked for, cut to the room the context (and the whole KV cache) leaves after the
@@ -164,6 +193,10 @@ class EngineCore:
 
         Reads only what never changes after start-up, so any thread may call it.
         """
+        if self.task == "embed":
+            raise InvalidRequest("this engine runs the embed task: it computes embeddings "
+                                 "(/v1/embeddings) and generates no text; start it with "
+                                 "--task generate to generate")
         self._check_token_ids(prompt_token_ids, params)
         num_prompt = len(prompt_token_ids)
         asked = params.max_tokens if params.max_tokens is not None else 1

@@ -9,6 +9,7 @@ from ember.models.attention import PagedKV
 from ember.models.llama import LlamaForCausalLM
 from ember.request import Request
 from ember.runner.inputs import ModelInputs, prepare_inputs
+from ember.runner.pooling import Pooler
 from ember.sampling.sampler import Sampler
 from ember.scheduler.output import RunnerOutput, SchedulerOutput
 
@@ -21,6 +22,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(seed, self.device, kernels)
+        self.pooler = Pooler()
 
     @torch.inference_mode()
     def forward(self, plan: SchedulerOutput) -> tuple[list[Request], Tensor]:
@@ -28,10 +30,17 @@ class ModelRunner:
 
         Returns the requests that sample this step and their logits [S, vocab] float32.
         """
+        return self._logits(*self._hidden(plan))
+
+    def _hidden(self, plan: SchedulerOutput) -> tuple[ModelInputs, Tensor]:
+        """The step's inputs and final hidden states [T, hidden]."""
         self._copy_blocks(plan)
         inputs = prepare_inputs(plan, self.block_size, self.device,
                                 self.model.stack_runs_decodes(self.kv_caches))
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                  inputs.attn)
+
+    def _logits(self, inputs: ModelInputs, hidden: Tensor) -> tuple[list[Request], Tensor]:
         if not inputs.sampling_requests:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         if inputs.logits_indices is not None:
@@ -56,13 +65,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         self.sampler.forget(plan.finished_request_ids)
+        self.pooler.forget(plan.finished_request_ids)
         if not plan.scheduled:
             return RunnerOutput()
-        requests, logits = self.forward(plan)
+        inputs, hidden = self._hidden(plan)
+        output = RunnerOutput(pooled=self.pooler.pool(plan, hidden))
+        requests, logits = self._logits(inputs, hidden)
         if not requests:
-            return RunnerOutput()
+            return output
         token_ids, logprobs = self.sampler.sample(logits, requests)
-        output = RunnerOutput()
         for request, token_id, logprob in zip(requests, token_ids, logprobs):
             output.sampled_token_ids[request.request_id] = [token_id]
             if logprob is not None:

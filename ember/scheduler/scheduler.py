@@ -203,7 +203,8 @@ class Scheduler:
         start = request.num_computed_tokens
         return ScheduledRequest(request, start, num_new,
                                 list(self.kv.block_table(request.request_id)),
-                                samples=start + num_new == request.num_tokens)
+                                samples=start + num_new == request.num_tokens
+                                and request.pooling is None)
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Apply a step's results. Returns the requests that got new tokens (finished or not)."""
@@ -214,6 +215,12 @@ class Scheduler:
                 continue
             request.num_computed_tokens = item.end
             self.kv.cache_full_blocks(request)
+            embedding = result.pooled.get(request.request_id)
+            if embedding is not None:  # an embedding request ends with its prompt
+                request.embedding = embedding
+                self.finish(request.request_id, FinishReason.STOP)
+                advanced.append(request)
+                continue
             new_token_ids = result.sampled_token_ids.get(request.request_id, [])
             new_logprobs = result.logprobs.get(request.request_id, [])
             for k, token_id in enumerate(new_token_ids):
