@@ -1,0 +1,146 @@
+"""/v1/embeddings over HTTP on the tiny random model: the OpenAI shape (through the openai
+SDK too), vectors equal to transformers' pooled hidden states, base64 == float, Matryoshka
+truncation, usage, and a 400 naming the rule for each bad input."""
+from __future__ import annotations
+
+import base64
+import threading
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.server.conftest import LiveServer
+
+MAX_INPUTS = 8
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    folder, _ = tiny_llama_dir
+    # a 16-token budget: longer inputs are prefilled in chunks, beside other requests
+    live = LiveServer(folder, engine_options={"max_model_len": MAX_LEN,
+                                              "max_num_batched_tokens": 16},
+                      max_embedding_inputs=MAX_INPUTS)
+    yield live
+    live.close()
+
+
+def hf_last(hf, ids: list[int], dimensions: int | None = None) -> np.ndarray:
+    with torch.no_grad():
+        hidden = hf.model(torch.tensor([ids])).last_hidden_state[0]
+    return F.normalize(hidden[-1][:dimensions], dim=0).numpy()
+
+
+def embed(server, **body) -> httpx.Response:
+    return httpx.post(server.url + "/v1/embeddings", json=body, timeout=60)
+
+
+def test_openai_sdk_embeddings_match_transformers(server, tiny_llama_dir):
+    import openai
+    _, hf = tiny_llama_dir
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    texts = ["Hello there, how are you?", "A longer sentence, long enough to be prefilled in "
+             "more than one chunk of sixteen tokens by the scheduler of the engine."]
+    result = client.embeddings.create(input=texts, model=server.state.model_name)
+    assert [d.index for d in result.data] == [0, 1]
+    ids = [server.engine.tokenizer.encode(t) for t in texts]
+    assert result.usage.prompt_tokens == result.usage.total_tokens == sum(map(len, ids))
+    for item, prompt in zip(result.data, ids):
+        got = np.asarray(item.embedding)
+        assert abs(np.linalg.norm(got) - 1) < 1e-5
+        assert float(got @ hf_last(hf, prompt)) >= 0.9999
+
+
+def test_base64_decodes_to_the_float_vectors(server):
+    ids = [[5, 6, 7, 8], list(range(300, 340))]
+    # salted apart: the second request computes what the first did, not a prefix-cache hit
+    floats = embed(server, input=ids, encoding_format="float", cache_salt="a").json()
+    packed = embed(server, input=ids, encoding_format="base64", cache_salt="b").json()
+    for f, b in zip(floats["data"], packed["data"]):
+        decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
+        assert decoded.tolist() == f["embedding"]
+    assert floats["object"] == "list" and floats["data"][0]["object"] == "embedding"
+    assert floats["model"] == server.state.model_name
+
+
+def test_token_id_inputs_and_dimensions(server, tiny_llama_dir):
+    _, hf = tiny_llama_dir
+    one = embed(server, input=list(range(40, 60)), dimensions=24).json()
+    (item,) = one["data"]
+    assert len(item["embedding"]) == 24
+    got = np.asarray(item["embedding"])
+    assert abs(np.linalg.norm(got) - 1) < 1e-5
+    assert float(got @ hf_last(hf, list(range(40, 60)), 24)) >= 0.9999
+    full = np.asarray(embed(server, input=list(range(40, 60))).json()["data"][0]["embedding"])
+    assert np.allclose(got, full[:24] / np.linalg.norm(full[:24]), atol=1e-6)
+    assert one["usage"] == {"prompt_tokens": 20, "total_tokens": 20}
+
+
+def test_embeddings_beside_streamed_generation(server, tiny_llama_dir):
+    """Embeddings while a completion streams: both correct; the completion's tokens are those
+    it makes alone."""
+    _, hf = tiny_llama_dir
+    body = {"prompt": [7, 8, 9, 10], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    alone = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    results = {}
+
+    def complete() -> None:
+        results["gen"] = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    thread = threading.Thread(target=complete)
+    thread.start()
+    inputs = [list(range(500 + 7 * i, 540 + 7 * i)) for i in range(4)]
+    data = embed(server, input=inputs).json()["data"]
+    thread.join(60)
+    assert results["gen"]["choices"][0]["text"] == alone["choices"][0]["text"]
+    for item, ids in zip(data, inputs):
+        assert float(np.asarray(item["embedding"]) @ hf_last(hf, ids)) >= 0.9999
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"input": []}, "input", "input must be a non-empty string"),
+    ({"input": ""}, "input", r"input\[0\] is an empty string"),
+    ({"input": ["fine", ""]}, "input", r"input\[1\] is an empty string"),
+    ({"input": [[]]}, "input", "input must be"),
+    ({"input": ["text", [1, 2]]}, "input", "input must be"),
+    ({"input": 42}, "input", "input must be"),
+    ({"input": ["x"] * (MAX_INPUTS + 1)}, "input", f"at most {MAX_INPUTS}"),
+    ({"input": [[5, 6], list(range(MAX_LEN + 1))]}, "input",
+     rf"input\[1\] has {MAX_LEN + 1} tokens, but the model embeds at most {MAX_LEN}"),
+    ({"input": [[10**7]]}, "prompt", "outside the vocabulary"),
+    ({"input": "x", "dimensions": 0}, "dimensions", r"must be an integer in \[1, "),
+    ({"input": "x", "dimensions": 65}, "dimensions", r"dimensions=65 must be in \[1, 64\]"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),
+    ({"input": "x", "model": "other"}, "model", "does not exist"),
+    ({"input": "x", "pooling": "mean"}, "pooling", "unknown parameter"),
+])
+def test_bad_requests_get_a_clear_4xx(server, body, param, message):
+    r = embed(server, **body)
+    assert r.status_code == (404 if param == "model" else 400), r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert pytest.importorskip("re").search(message, error["message"]), error["message"]
+    server.wait_idle()
+
+
+def test_embeddings_count_in_the_metrics(server):
+    before = server.metric("ember_prompt_tokens_total")
+    embed(server, input=[[1, 2, 3], [4, 5]])
+    assert server.metric("ember_prompt_tokens_total") == before + 5
+
+
+def test_embed_task_serves_embeddings_and_refuses_completions(tiny_llama_dir):
+    folder, hf = tiny_llama_dir
+    live = LiveServer(folder, engine_options={"max_model_len": MAX_LEN, "task": "embed"})
+    try:
+        r = httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 400
+        assert "--task generate" in r.json()["error"]["message"]
+        vector = embed(live, input=[[9, 8, 7]]).json()["data"][0]["embedding"]
+        assert float(np.asarray(vector) @ hf_last(hf, [9, 8, 7])) >= 0.9999
+    finally:
+        live.close()
