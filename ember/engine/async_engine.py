@@ -159,6 +159,10 @@ class AsyncEngine:
     def tokenizer(self):
         return self._core().tokenizer
 
+    def check_generates(self) -> None:
+        """Raise InvalidRequest if the engine only embeds (--task embed)."""
+        self._core().check_generates()
+
     @property
     def embedding_size(self) -> int:
         """The length of the model's embeddings (its hidden size)."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.calibrate import prepare_int8_prefill, use_int8_prefill
 from ember.engine.embed import EMBED_PARAMS, check_embedding_input, resolve_pooling
+from ember.engine.encoder import build_encoder, is_encoder
 from ember.engine.memory import (huge_page_zeros, large_blocks_mapped_alone, move_to_huge_pages,
                                  return_free_memory)
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
@@ -25,6 +26,7 @@ from ember.sampling.grammar import Grammars
 from ember.scheduler.scheduler import Scheduler
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.gguf import GGUFFile
+from ember.weights.safetensors import SafetensorsFolder
 from ember.weights.loader import (ModelFiles, apply_quantization, load_model, open_model_files,
                                   resolve_dtype, resolve_prefill_matmul,
                                   resolve_quantization)
@@ -92,6 +94,9 @@ class EngineCore:
         self.config = config
         files = open_model_files(config.model)
         self.model_path = files.path
+        if is_encoder(files):  # BERT-style: embeddings only, no KV cache (engine/encoder.py)
+            self._init_encoder(config, files)
+            return
         self.model_config = files.model_config()
         self.tokenizer = load_tokenizer(files)
         self.dtype = resolve_dtype(config.dtype, config.device)
@@ -144,6 +149,22 @@ class EngineCore:
             return_free_memory()
         self.task = config.task
 
+    def _init_encoder(self, config: EngineConfig, files: SafetensorsFolder) -> None:
+        encoder = build_encoder(config, files)
+        self.tokenizer = load_tokenizer(files)
+        self.model_config, self.dtype = encoder.model_config, encoder.dtype
+        self.max_model_len, self.pooling = encoder.max_model_len, encoder.pooling
+        self.quantization, self.kernels, self.prefill_matmul = "none", None, "none"
+        kv = encoder.scheduler.kv
+        self.cache_info = CacheInfo(kv.num_blocks, kv.block_size, 0, "none")
+        self.scheduler, self.runner = encoder.scheduler, encoder.runner
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.task = config.task
+        log.info("loaded %s (%s encoder, %s, on %s); embeddings pooled by %s, at most %d "
+                 "tokens", self.model_path.name, self.model_config.architecture,
+                 str(self.dtype).removeprefix("torch."), config.device, self.pooling,
+                 self.max_model_len)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     options: RequestOptions = RequestOptions(),
                     grammar: object | None = None) -> Request:
@@ -193,10 +214,7 @@ class EngineCore:
 
         Reads only what never changes after start-up, so any thread may call it.
         """
-        if self.task == "embed":
-            raise InvalidRequest("this engine runs the embed task: it computes embeddings "
-                                 "(/v1/embeddings) and generates no text; start it with "
-                                 "--task generate to generate")
+        self.check_generates()
         self._check_token_ids(prompt_token_ids, params)
         num_prompt = len(prompt_token_ids)
         asked = params.max_tokens if params.max_tokens is not None else 1
@@ -207,6 +225,13 @@ class EngineCore:
                                  what="the whole KV cache")
         room = min(self.max_model_len, self.cache_info.num_tokens) - num_prompt
         return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def check_generates(self) -> None:
+        """Raise unless this engine generates text (its task is not embed)."""
+        if self.task == "embed":
+            raise InvalidRequest("this engine runs the embed task: it computes embeddings "
+                                 "(/v1/embeddings) and generates no text; start it with "
+                                 "--task generate to generate")
 
     def _check_token_ids(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:

@@ -144,3 +144,34 @@ def test_embed_task_serves_embeddings_and_refuses_completions(tiny_llama_dir):
         assert float(np.asarray(vector) @ hf_last(hf, [9, 8, 7])) >= 0.9999
     finally:
         live.close()
+
+
+def test_ember_serve_task_embed_on_minilm_matches_sentence_transformers(minilm_path):
+    """`ember serve --task embed` on all-MiniLM-L6-v2 (a BERT): the openai SDK's vectors equal
+    sentence-transformers' on the same weights; the flags bound the inputs; no completions."""
+    import openai
+    st = pytest.importorskip("sentence_transformers")
+    from tests.server.conftest import free_port, start_server, wait_ready
+    port = free_port()
+    proc = start_server(minilm_path, port, "--task", "embed", "--dtype", "float32",
+                        "--max-embedding-inputs", "3")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url)
+        texts = ["A man is eating food.", "The new movie is awesome!", "ok"]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        result = client.embeddings.create(input=texts, model="model")
+        got = np.asarray([d.embedding for d in result.data])
+        want = st.SentenceTransformer(str(minilm_path), device="cpu").encode(
+            texts, normalize_embeddings=True)
+        assert np.all((got * want).sum(axis=1) >= 0.9999)
+        r = httpx.post(url + "/v1/embeddings", json={"input": texts + ["four"]})
+        assert r.status_code == 400 and "at most 3" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/embeddings", json={"input": "word " * 300})
+        assert r.status_code == 400 and "at most 256" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "--task generate" in r.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
