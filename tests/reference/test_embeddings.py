@@ -145,3 +145,14 @@ def test_embed_task_refuses_generation(tiny_llama_dir):
         llm.generate([[5, 6, 7]])
     (out,) = llm.embed([PROMPTS[1]])
     assert_close(out.embedding, hf_pooled(hf, PROMPTS[1], "mean"))
+
+
+@pytest.mark.parametrize("method", ["last", "mean"])
+def test_default_smollm_gguf_embeddings_match_transformers(smollm_llm, hf_smollm, method):
+    """The default model (SmolLM2's Q4_1 GGUF, dequantized, fp32) against transformers loading
+    the same GGUF."""
+    texts = ["The capital of France is Paris.", "def fib(n): return n if n < 2 else fib(n - 1)"]
+    outputs = smollm_llm.embed(texts, PoolingParams(method))
+    for out, text in zip(outputs, texts):
+        assert_close(out.embedding, hf_pooled(hf_smollm, smollm_llm.tokenizer.encode(text),
+                                              method))
