@@ -25,20 +25,20 @@ class ModelRunner:
         self.pooler = Pooler()
 
     @torch.inference_mode()
-    def forward(self, plan: SchedulerOutput) -> tuple[list[Request], Tensor]:
+    def forward(self, plan: SchedulerOutput, pooled: dict[str, list[float]] | None = None
+                ) -> tuple[list[Request], Tensor]:
         """Run the model over the plan's tokens, writing their K/V into the cache.
 
-        Returns the requests that sample this step and their logits [S, vocab] float32.
+        Returns the requests that sample this step and their logits [S, vocab] float32;
+        `pooled`, if given, gets the vectors of the embedding requests whose prompt ended.
         """
-        return self._logits(*self._hidden(plan))
-
-    def _hidden(self, plan: SchedulerOutput) -> tuple[ModelInputs, Tensor]:
-        """The step's inputs and final hidden states [T, hidden]."""
         self._copy_blocks(plan)
         inputs = prepare_inputs(plan, self.block_size, self.device,
                                 self.model.stack_runs_decodes(self.kv_caches))
-        return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                  inputs.attn)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        if pooled is not None:
+            pooled.update(self.pooler.pool(plan, hidden))
+        return self._logits(inputs, hidden)
 
     def _logits(self, inputs: ModelInputs, hidden: Tensor) -> tuple[list[Request], Tensor]:
         if not inputs.sampling_requests:
@@ -68,9 +68,8 @@ class ModelRunner:
         self.pooler.forget(plan.finished_request_ids)
         if not plan.scheduled:
             return RunnerOutput()
-        inputs, hidden = self._hidden(plan)
-        output = RunnerOutput(pooled=self.pooler.pool(plan, hidden))
-        requests, logits = self._logits(inputs, hidden)
+        output = RunnerOutput()
+        requests, logits = self.forward(plan, output.pooled)
         if not requests:
             return output
         token_ids, logprobs = self.sampler.sample(logits, requests)
