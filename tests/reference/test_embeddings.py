@@ -7,12 +7,16 @@ runs in the same steps.
 """
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ember import LLM, SamplingParams
-from ember.errors import InvalidRequest
+from ember import LLM, EngineConfig, SamplingParams
+from ember.engine.async_engine import AsyncEngine, Finished
+from ember.engine.embed import EmbeddingOutput
+from ember.errors import InvalidRequest, RequestFailed
 from ember.request import PoolingParams
 
 PROMPTS = [list(range(5, 45)), list(range(100, 107)), [3], list(range(1000, 1033))]
@@ -156,3 +160,56 @@ def test_default_smollm_gguf_embeddings_match_transformers(smollm_llm, hf_smollm
     for out, text in zip(outputs, texts):
         assert_close(out.embedding, hf_pooled(hf_smollm, smollm_llm.tokenizer.encode(text),
                                               method))
+
+
+def test_a_fault_pooling_one_request_fails_it_alone(llm, tiny_llama_dir, monkeypatch):
+    """A fault while pooling one embedding request's rows fails that request (its inputs
+    together) alone: another embedding request and a generation in the same steps finish with
+    the vectors and tokens they have without the fault; every block is free afterwards."""
+    folder, hf = tiny_llama_dir
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want_tokens = llm.generate([PROMPTS[3]], params)[0].outputs[0].token_ids
+    engine = AsyncEngine(EngineConfig.from_options(model=str(folder), dtype="float32",
+                                                   max_num_batched_tokens=16))
+    engine.start()
+    asyncio.run(engine.wait_ready())
+    try:
+        pooler = engine.core.runner.pooler
+        real_take = pooler._take
+
+        def take(item, rows):
+            if item.request.request_id.startswith("victim-"):
+                raise RuntimeError("injected fault")
+            return real_take(item, rows)
+        monkeypatch.setattr(pooler, "_take", take)
+
+        async def embed(request_id: str, inputs: list[list[int]]):
+            vectors = [None] * len(inputs)
+            try:
+                async for item in engine.submit_embedding(request_id, inputs,
+                                                          PoolingParams("mean")):
+                    if isinstance(item, EmbeddingOutput):
+                        vectors[item.index] = item.embedding
+            except RequestFailed as e:
+                return e
+            return vectors
+
+        async def generate() -> list[int]:
+            tokens: list[int] = []
+            async for item in engine.generate("gen", PROMPTS[3], params):
+                if not isinstance(item, Finished):
+                    tokens += item.token_ids
+            return tokens
+
+        async def main():
+            return await asyncio.gather(embed("victim", PROMPTS[:2]), embed("ok", PROMPTS[1:3]),
+                                        generate())
+        victim, ok, tokens = asyncio.run(main())
+        assert isinstance(victim, RequestFailed) and "injected fault" in victim.message
+        for vector, ids in zip(ok, PROMPTS[1:3]):
+            assert_close(vector, hf_pooled(hf, ids, "mean"))
+        assert tokens == want_tokens
+        kv = engine.core.scheduler.kv
+        assert not engine.core.scheduler.requests and kv.num_free_blocks == kv.num_blocks
+    finally:
+        engine.shutdown()
