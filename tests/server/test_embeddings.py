@@ -175,3 +175,28 @@ def test_ember_serve_task_embed_on_minilm_matches_sentence_transformers(minilm_p
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_inputs_count_against_max_waiting(tiny_llama_dir):
+    """Each input is one waiting sequence: with a request waiting, an embeddings request that
+    would pass --max-waiting gets 429 with Retry-After; with nothing waiting, one of more
+    inputs than --max-waiting is let in, so it is never refused for good."""
+    folder, _ = tiny_llama_dir
+    live = LiveServer(folder, engine_options={"max_model_len": MAX_LEN}, max_waiting=4)
+    gate = threading.Event()
+    try:
+        r = embed(live, input=[[5, 6, 7]] * 8)   # 8 inputs > 4, nothing waiting
+        assert r.status_code == 200 and len(r.json()["data"]) == 8
+        live.delay_steps(gate=gate)              # the engine holds what it has queued
+        waiting = threading.Thread(target=lambda: embed(live, input=[[5, 6]]))
+        waiting.start()
+        while live.engine.stats.num_waiting + len(live.engine._inbox) == 0:
+            waiting.join(0.01)
+        r = embed(live, input=[[5, 6, 7]] * 4)   # 1 waiting + 4 > 4
+        assert r.status_code == 429 and r.headers["retry-after"]
+        assert "takes at most 4" in r.json()["error"]["message"]
+        gate.set()
+        waiting.join(30)
+    finally:
+        gate.set()
+        live.close()
