@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ember.config import ServerConfig
 from tests.server.conftest import LiveServer
 
 MAX_INPUTS = 8
@@ -133,19 +134,6 @@ def test_embeddings_count_in_the_metrics(server):
     assert server.metric("ember_prompt_tokens_total") == before + 5
 
 
-def test_embed_task_serves_embeddings_and_refuses_completions(tiny_llama_dir):
-    folder, hf = tiny_llama_dir
-    live = LiveServer(folder, engine_options={"max_model_len": MAX_LEN, "task": "embed"})
-    try:
-        r = httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-        assert r.status_code == 400
-        assert "--task generate" in r.json()["error"]["message"]
-        vector = embed(live, input=[[9, 8, 7]]).json()["data"][0]["embedding"]
-        assert float(np.asarray(vector) @ hf_last(hf, [9, 8, 7])) >= 0.9999
-    finally:
-        live.close()
-
-
 def test_ember_serve_task_embed_on_minilm_matches_sentence_transformers(minilm_path):
     """`ember serve --task embed` on all-MiniLM-L6-v2 (a BERT): the openai SDK's vectors equal
     sentence-transformers' on the same weights; the flags bound the inputs; no completions."""
@@ -169,34 +157,36 @@ def test_ember_serve_task_embed_on_minilm_matches_sentence_transformers(minilm_p
         assert r.status_code == 400 and "at most 3" in r.json()["error"]["message"]
         r = httpx.post(url + "/v1/embeddings", json={"input": "word " * 300})
         assert r.status_code == 400 and "at most 256" in r.json()["error"]["message"]
-        r = httpx.post(url + "/v1/chat/completions",
-                       json={"messages": [{"role": "user", "content": "hi"}]})
-        assert r.status_code == 400 and "--task generate" in r.json()["error"]["message"]
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                  "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "hi"})):
+            r = httpx.post(url + path, json=body)
+            assert r.status_code == 400 and "--task generate" in r.json()["error"]["message"]
     finally:
         proc.terminate()
         proc.wait(30)
 
 
-def test_inputs_count_against_max_waiting(tiny_llama_dir):
+def test_inputs_count_against_max_waiting(server):
     """Each input is one waiting sequence: with a request waiting, an embeddings request that
     would pass --max-waiting gets 429 with Retry-After; with nothing waiting, one of more
     inputs than --max-waiting is let in, so it is never refused for good."""
-    folder, _ = tiny_llama_dir
-    live = LiveServer(folder, engine_options={"max_model_len": MAX_LEN}, max_waiting=4)
-    gate = threading.Event()
+    engine, gate = server.engine, threading.Event()
+    real_step, engine.max_waiting = engine.core.step, 4
     try:
-        r = embed(live, input=[[5, 6, 7]] * 8)   # 8 inputs > 4, nothing waiting
+        r = embed(server, input=[[5, 6, 7]] * 8)   # 8 inputs > 4, nothing waiting
         assert r.status_code == 200 and len(r.json()["data"]) == 8
-        live.delay_steps(gate=gate)              # the engine holds what it has queued
-        waiting = threading.Thread(target=lambda: embed(live, input=[[5, 6]]))
+        server.delay_steps(gate=gate)              # the engine holds what it has queued
+        waiting = threading.Thread(target=lambda: embed(server, input=[[5, 6]]))
         waiting.start()
-        while live.engine.stats.num_waiting + len(live.engine._inbox) == 0:
+        while engine.stats.num_waiting + len(engine._inbox) == 0:
             waiting.join(0.01)
-        r = embed(live, input=[[5, 6, 7]] * 4)   # 1 waiting + 4 > 4
+        r = embed(server, input=[[5, 6, 7]] * 4)   # 1 waiting + 4 > 4
         assert r.status_code == 429 and r.headers["retry-after"]
         assert "takes at most 4" in r.json()["error"]["message"]
         gate.set()
         waiting.join(30)
     finally:
         gate.set()
-        live.close()
+        engine.core.step, engine.max_waiting = real_step, ServerConfig().max_waiting
+        server.wait_idle()
