@@ -9,13 +9,14 @@ each vector as its little-endian float32 bytes.
 from __future__ import annotations
 
 import base64
+import json
 import uuid
 from typing import Any, Literal
 
 import anyio
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from ember.engine.async_engine import Finished, RequestStream
 from ember.engine.embed import EmbeddingOutput, check_embedding_input
@@ -24,9 +25,9 @@ from ember.request import MAX_INT32, PoolingParams, RequestOptions
 from ember.server.engine_input import tenant_options
 from ember.server.errors import ClientDisconnected
 from ember.server.generation import end_reason, unless_disconnected
-from ember.server.metrics import RequestTracker
 from ember.server.protocol import Strict, _in_range
-from ember.server.state import arrival_time, read_json_body, request_tenant, server_state
+from ember.server.state import (ServerState, arrival_time, read_json_body, request_tenant,
+                                server_state)
 from ember.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -86,22 +87,15 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
 
 
 @router.post("/v1/embeddings")
-async def create_embedding(request: Request) -> JSONResponse:
+async def create_embedding(request: Request) -> Response:
     state = server_state(request)
     tenant = request_tenant(request)
     tracker = state.metrics.tracker(arrival_time(request), tenant.tenant if tenant else None)
     body: EmbeddingRequest = await read_json_body(request, EmbeddingRequest)
     state.check_model(body.model)
-    texts = body.inputs(state.config.max_embedding_inputs)
-    engine = state.engine
-    hidden = engine.embedding_size  # (503 while the model loads)
-    pooling = PoolingParams(dimensions=body.dimensions)
-    options = tenant_options(body, tenant, state.tenant_salts)
-    inputs = await anyio.to_thread.run_sync(encode_inputs, texts, engine.tokenizer)
-    limit = state.max_model_len() or 0
-    for index, ids in enumerate(inputs):  # each refusal names its input
-        check_embedding_input(ids, pooling, limit, hidden, index)
-    stream = engine.submit_embedding(f"embd-{uuid.uuid4().hex}", inputs, pooling, options)
+    inputs, pooling = await _engine_inputs(state, body)
+    stream = state.engine.submit_embedding(f"embd-{uuid.uuid4().hex}", inputs, pooling,
+                                           tenant_options(body, tenant, state.tenant_salts))
     try:
         vectors, finished = await unless_disconnected(request, _collect(stream, len(inputs)))
     except ClientDisconnected:
@@ -112,12 +106,28 @@ async def create_embedding(request: Request) -> JSONResponse:
         raise
     finally:
         stream.close()
-    num_tokens = finished.num_prompt_tokens
-    _report(tracker, len(inputs), finished)
-    data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, body.encoding_format)}
-            for i, v in enumerate(vectors)]
-    return JSONResponse({"object": "list", "data": data, "model": state.model_name,
-                         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+    tracker.on_finish(["stop"] * len(inputs), finished.num_prompt_tokens,
+                      [finished.queue_time_s])
+    # 2048 vectors of a few hundred floats take a while to write: not on the event loop
+    content = await anyio.to_thread.run_sync(
+        _response_body, vectors, body.encoding_format, state.model_name,
+        finished.num_prompt_tokens)
+    return Response(content, media_type="application/json")
+
+
+async def _engine_inputs(state: ServerState, body: EmbeddingRequest
+                         ) -> tuple[list[list[int]], PoolingParams]:
+    """The inputs as token ids (tokenized off the event loop), each checked, and the
+    pooling asked for."""
+    texts = body.inputs(state.config.max_embedding_inputs)
+    engine = state.engine
+    hidden = engine.embedding_size  # (503 while the model loads)
+    pooling = PoolingParams(dimensions=body.dimensions)
+    inputs = await anyio.to_thread.run_sync(encode_inputs, texts, engine.tokenizer)
+    limit = state.max_model_len() or 0
+    for index, ids in enumerate(inputs):  # each refusal names its input
+        check_embedding_input(ids, pooling, limit, hidden, index)
+    return inputs, pooling
 
 
 async def _collect(stream: RequestStream, num_inputs: int
@@ -132,6 +142,10 @@ async def _collect(stream: RequestStream, num_inputs: int
     return vectors, finished
 
 
-def _report(tracker: RequestTracker, num_inputs: int, finished: Finished) -> None:
-    tracker.on_finish(["stop"] * num_inputs, finished.num_prompt_tokens,
-                      [finished.queue_time_s])
+def _response_body(vectors: list[list[float]], encoding_format: str, model: str,
+                   num_tokens: int) -> bytes:
+    data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, encoding_format)}
+            for i, v in enumerate(vectors)]
+    return json.dumps({"object": "list", "data": data, "model": model,
+                       "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}},
+                      separators=(",", ":")).encode()
