@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ember.bench.cli import add_bench_parser, results_dir
-from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, PREFILL_MATMULS,
-                          QUANTIZATIONS, ApiKey, CacheConfig, EngineConfig, SchedulerConfig,
-                          ServerConfig, parse_api_keys)
+from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, POOLINGS,
+                          PREFILL_MATMULS, QUANTIZATIONS, TASKS, ApiKey, CacheConfig,
+                          EngineConfig, SchedulerConfig, ServerConfig, parse_api_keys)
 from ember.errors import ConfigError, EmberError, InvalidRequest
 from ember.request import SamplingParams
 from ember.router.cli import add_route_args
@@ -72,6 +72,13 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    help="auto: int8 with int4 weights where the compiled attention kernels "
                         "read it in place (~2x the tokens of bfloat16, faster under load), "
                         "else the model's dtype; model: the model's dtype")
+    g.add_argument("--task", default=EngineConfig.task, choices=list(TASKS),
+                   help="generate: text, and embeddings too; embed: embeddings only (and the "
+                        "task of encoder models such as BERT)")
+    g.add_argument("--pooling", default=EngineConfig.pooling, choices=list(POOLINGS),
+                   help="how embeddings pool the prompt's hidden states; auto: the model "
+                        "folder's sentence-transformers pooling, else the last token (decoders) "
+                        "or CLS (encoders)")
     g.add_argument("--fair-share", action="store_true",
                    help="admit waiting requests round-robin by their `user`")
     g.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
@@ -101,7 +108,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, quantization=args.quantization,
         prefill_matmul=args.prefill_matmul, kernels=args.kernels, device=args.device,
         max_model_len=args.max_model_len,
-        seed=args.engine_seed,
+        seed=args.engine_seed, task=args.task, pooling=args.pooling,
         loras=tuple(parse_lora(spec) for spec in args.lora), max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
@@ -214,6 +221,8 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     g.add_argument("--max-n", type=int, default=d.max_n,
                    help="the most completions one request may ask for (n and best_of)")
+    g.add_argument("--max-embedding-inputs", type=int, default=d.max_embedding_inputs,
+                   help="the most inputs one /v1/embeddings request may send")
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="on SIGTERM, seconds for in-flight requests to finish")
 
@@ -235,7 +244,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_keys=read_api_keys(args.api_keys),
         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
         request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-        drain_timeout_s=args.drain_timeout, max_n=args.max_n)
+        drain_timeout_s=args.drain_timeout, max_n=args.max_n,
+        max_embedding_inputs=args.max_embedding_inputs)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

@@ -19,6 +19,9 @@ KV_CACHE_DTYPES = ("auto", "model", "int8")  # auto: int8 with int4 weights on t
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats (ember/quant/packed.py)
 PREFILL_MATMULS = ("auto", "bfloat16", "int8")  # dense matmuls over 8 rows (ember/quant/packed.py)
 KERNELS = ("auto", "torch")  # compiled CPU kernels where they build, or the torch path alone
+TASKS = ("generate", "embed")  # generate also serves embeddings; embed serves only them
+POOLINGS = ("auto", "last", "mean", "cls")  # auto: the model folder's sentence-transformers
+                                            # pooling, else the last token
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -156,6 +159,8 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
+    task: str = "generate"         # embed: embeddings only (and the only task of encoders)
+    pooling: str = "auto"          # how embeddings pool the prompt's hidden states
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     loras: tuple[tuple[str, str], ...] = ()   # (name, path) of LoRA adapters loaded at start
@@ -171,6 +176,8 @@ class EngineConfig:
             raise ConfigError(f"max_loras={self.max_loras} must be >= 1 and max_lora_rank="
                               f"{self.max_lora_rank} in [1, 256]")
         object.__setattr__(self, "loras", tuple((str(n), str(p)) for n, p in self.loras))
+        check_choice("task", self.task, TASKS)
+        check_choice("pooling", self.pooling, POOLINGS)
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len={self.max_model_len} must be positive, or None "
                               "for the model's own context length")
@@ -271,6 +278,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     max_json_depth: int = 32
     max_n: int = 16                       # completions one request may ask for (n, best_of)
+    max_embedding_inputs: int = 2048      # inputs one /v1/embeddings request may send (OpenAI's)
     drain_timeout_s: float = 30.0         # SIGTERM: time for in-flight requests to finish
     stall_timeout_s: float = 60.0         # /health/ready turns 503 if a busy engine stalls
 
@@ -281,7 +289,8 @@ class ServerConfig:
             raise ConfigError("api_key is empty; pass a non-empty key or none at all")
         if self.api_key is not None and any(k.key == self.api_key for k in self.api_keys):
             raise ConfigError("api_key is also in the API keys file; give each key once")
-        for name in ("max_waiting", "max_body_bytes", "max_json_depth", "max_n"):
+        for name in ("max_waiting", "max_body_bytes", "max_json_depth", "max_n",
+                     "max_embedding_inputs"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
         for name in ("request_timeout_s", "drain_timeout_s", "stall_timeout_s"):

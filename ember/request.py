@@ -141,6 +141,28 @@ class RequestOptions:
             raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
 
 
+POOLING_METHODS = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request: its prompt's hidden states pooled into one L2-normalised vector
+    instead of sampled. `method` None is the model's own pooling; `dimensions` keeps the
+    vector's first N values (Matryoshka truncation) before normalising."""
+
+    method: str | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in POOLING_METHODS:
+            raise InvalidRequest(f"pooling={self.method!r} must be one of "
+                                 f"{', '.join(POOLING_METHODS)}", param="pooling")
+        if self.dimensions is not None and not (_is_int(self.dimensions)
+                                                and 1 <= self.dimensions <= MAX_INT32):
+            raise InvalidRequest(f"dimensions={self.dimensions!r} must be a positive integer",
+                                 param="dimensions")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -184,6 +206,8 @@ class Request:
     num_cached_tokens: int = 0        # prompt tokens served from the prefix cache
     grammar: object | None = None     # the compiled constraint (opaque to the bookkeeping)
     lora: str | None = None           # the LoRA adapter's name (None: the base model)
+    pooling: PoolingParams | None = None  # set: embed the prompt; never sample a token
+    embedding: list[float] | None = None  # the pooled vector, once its last chunk ran
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

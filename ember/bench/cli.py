@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ember.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
-WORKLOADS = ("random", "shared-prefix", "multi-tenant", "chat-sessions", "jsonl")
+WORKLOADS = ("random", "shared-prefix", "multi-tenant", "chat-sessions", "jsonl",
+             "embeddings")
 
 
 def results_dir(environ: Mapping[str, str], home: Path) -> Path:
@@ -38,6 +39,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--suffix-len", type=int, default=20)
     g.add_argument("--sessions", type=int, default=8, help="chat-sessions: conversations")
     g.add_argument("--turns", type=int, default=4, help="chat-sessions: turns each")
+    g.add_argument("--inputs-per-request", type=int, default=16,
+                   help="embeddings: texts per /v1/embeddings request (each --input-len long)")
     g.add_argument("--dataset", default=None, help="jsonl: a file of {prompt|messages, "
                    "max_tokens?} lines")
     g.add_argument("--corpus", default=None, help="text to cut prompts from (default: a "

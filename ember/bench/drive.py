@@ -18,16 +18,18 @@ import httpx
 from ember.bench.client import LoadConfig, Runner, print_progress
 from ember.bench.metrics import metric_deltas, parse_prometheus, parse_slo, summarize
 from ember.bench.workloads import (BenchRequest, LengthDist, PromptMaker, chat_sessions,
-                                   default_corpus, from_jsonl, local_tokenizer, server_tokenizer,
-                                   multi_tenant, shared_prefix, synthetic)
+                                   default_corpus, embedding_batches, from_jsonl,
+                                   local_tokenizer, multi_tenant, server_tokenizer,
+                                   shared_prefix, synthetic)
 
 
 def load_config(args: argparse.Namespace, base_url: str, model: str | None) -> LoadConfig:
     concurrency = args.concurrency if args.concurrency is not None else \
         (None if args.rate else 1)
+    endpoint = {"chat-sessions": "chat", "embeddings": "embeddings"}.get(args.workload,
+                                                                         args.endpoint)
     return LoadConfig(
-        base_url=base_url, model=model, endpoint="chat" if args.workload == "chat-sessions"
-        else args.endpoint, concurrency=concurrency, rate=args.rate,
+        base_url=base_url, model=model, endpoint=endpoint, concurrency=concurrency, rate=args.rate,
         burstiness=args.burstiness, ramp_up_s=args.ramp_up, duration_s=args.duration,
         timeout_s=args.timeout, cancel_fraction=args.cancel_fraction,
         force_output=not args.no_force_output, temperature=args.temperature,
@@ -65,6 +67,9 @@ def build_requests(args: argparse.Namespace, base_url: str, model: str | None
     if args.workload == "multi-tenant":
         return multi_tenant(maker, args.tenants, args.num_requests, args.prefix_len,
                             args.suffix_len, output_len, rng, chat)
+    if args.workload == "embeddings":
+        return embedding_batches(maker, args.num_requests, args.inputs_per_request,
+                                 LengthDist.parse(args.input_len), rng)
     if args.workload == "chat-sessions":
         return chat_sessions(maker, args.sessions, args.turns, LengthDist.parse(args.input_len),
                              output_len, rng)
@@ -104,5 +109,7 @@ def run_once(args: argparse.Namespace, base_url: str, requests: list[BenchReques
                          "rate": cfg.rate, "burstiness": cfg.burstiness,
                          "input_len": args.input_len, "output_len": args.output_len,
                          "seed": args.seed, "num_requests": len(records),
+                         "inputs_per_request": args.inputs_per_request
+                         if args.workload == "embeddings" else None,
                          "command": " ".join(sys.argv)}
     return summary, records

@@ -65,6 +65,7 @@ class BenchRequest:
     session: int | None = None                      # chat sessions: turns run in order
     turn: int | None = None
     user_turns: list[str] = field(default_factory=list)  # later turns of a session
+    inputs: list[str] | None = None                 # /v1/embeddings: the texts to embed
 
 
 def default_corpus() -> str:
@@ -156,6 +157,14 @@ def chat_sessions(maker: PromptMaker, sessions: int, turns: int, user_len: Lengt
             messages=[{"role": "user", "content": user_turns[0]}], session=s, turn=0,
             user_turns=user_turns[1:]))
     return requests
+
+
+def embedding_batches(maker: PromptMaker, num: int, inputs_per_request: int,
+                      input_len: LengthDist, rng: random.Random) -> list[BenchRequest]:
+    """N /v1/embeddings requests of K texts each, every text's length drawn from input_len."""
+    return [BenchRequest(index=i, max_tokens=0, inputs=[
+        maker.make(input_len.sample(rng)) for _ in range(inputs_per_request)])
+        for i in range(num)]
 
 
 def from_jsonl(path: Path, output_len: LengthDist, rng: random.Random,

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.calibrate import prepare_int8_prefill, use_int8_prefill
 from ember.engine.cold_start import PhaseClock
+from ember.engine.embed import EMBED_PARAMS, check_embedding_input, resolve_pooling
+from ember.engine.encoder import build_encoder, is_encoder
 from ember.engine.memory import (huge_page_zeros, large_blocks_mapped_alone, move_to_huge_pages,
                                  return_free_memory)
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
@@ -18,7 +20,7 @@ from ember.kernels import load_kernels
 from ember.kv.kv_manager import KVCacheManager
 from ember.lora.registry import LoraRegistry
 from ember.quant.packed import step_weights
-from ember.request import FinishReason, Request, RequestOptions, SamplingParams
+from ember.request import FinishReason, PoolingParams, Request, RequestOptions, SamplingParams
 from ember.runner.kv_tensors import (GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks,
                                     resolve_kv_cache_dtype)
 from ember.runner.runner import ModelRunner
@@ -26,6 +28,7 @@ from ember.sampling.grammar import Grammars
 from ember.scheduler.scheduler import Scheduler
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.gguf import GGUFFile
+from ember.weights.safetensors import SafetensorsFolder
 from ember.weights.loader import (ModelFiles, apply_quantization, load_model, open_model_files,
                                   resolve_dtype, resolve_prefill_matmul,
                                   resolve_quantization)
@@ -87,15 +90,22 @@ class CacheInfo:
 
 
 class EngineCore:
+    task = "generate"  # config.task once loaded (the calibration run generates, whatever it is)
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.load_phases = PhaseClock()
         files = open_model_files(config.model)
         self.model_path = files.path
+        if is_encoder(files):  # BERT-style: embeddings only, no KV cache (engine/encoder.py)
+            self._init_encoder(config, files)
+            return
         self.model_config = files.model_config()
         self.tokenizer = load_tokenizer(files)
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
+        self.pooling = resolve_pooling(config.pooling, None if isinstance(files, GGUFFile)
+                                       else files.path, encoder=False)
         self.quantization = resolve_quantization(config.quantization, files, self.model_config,
                                                  self.dtype, config.device)
         self.load_phases.mark("files")
@@ -147,6 +157,27 @@ class EngineCore:
             use_int8_prefill(self, kernels)
             gc.collect()
             return_free_memory()
+        self.task = config.task
+
+    def _init_encoder(self, config: EngineConfig, files: SafetensorsFolder) -> None:
+        encoder = build_encoder(config, files)
+        self.tokenizer = load_tokenizer(files)
+        self.model_config, self.dtype = encoder.model_config, encoder.dtype
+        self.max_model_len, self.pooling = encoder.max_model_len, encoder.pooling
+        self.quantization, self.kernels, self.prefill_matmul = "none", None, "none"
+        kv = encoder.scheduler.kv
+        self.cache_info = CacheInfo(kv.num_blocks, kv.block_size, 0, "none")
+        self.scheduler, self.runner = encoder.scheduler, encoder.runner
+        if config.loras:
+            raise ConfigError(f"{self.model_path.name} is an encoder; LoRA adapters are served "
+                              "on decoder models")
+        self.loras = LoraRegistry(self.model_config)  # none: an encoder runs no adapter
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.task = config.task
+        log.info("loaded %s (%s encoder, %s, on %s); embeddings pooled by %s, at most %d "
+                 "tokens", self.model_path.name, self.model_config.architecture,
+                 str(self.dtype).removeprefix("torch."), config.device, self.pooling,
+                 self.max_model_len)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     options: RequestOptions = RequestOptions(),
@@ -159,20 +190,50 @@ class EngineCore:
         max_tokens = self.check_request(prompt_token_ids, params)
         if params.constraint is not None and grammar is None:
             grammar = self.grammars.compile(params.constraint)
-        salt = options.cache_salt
-        if options.lora is not None:  # an adapter's KV is its own: never shared with another
-            adapter = self.loras.acquire(options.lora)
-            salt = f"lora:{adapter.uid}" + ("" if salt is None else f"\n{salt}")
         request = Request(request_id, list(prompt_token_ids), params,
                           eos_token_ids=self.tokenizer.eos_token_ids, max_tokens=max_tokens,
                           priority=options.priority, user=options.user,
-                          cache_salt=salt, prefix_cache=options.prefix_cache,
+                          cache_salt=self._salt(options), prefix_cache=options.prefix_cache,
                           grammar=grammar, lora=options.lora)
+        self._queue(request)
+        return request
+
+    def _salt(self, options: RequestOptions) -> str | None:
+        """The request's prefix-cache salt: an adapter's KV is its own, never shared with
+        another adapter or the base (its adapter is made resident here)."""
+        if options.lora is None:
+            return options.cache_salt
+        adapter = self.loras.acquire(options.lora)
+        return f"lora:{adapter.uid}" + ("" if options.cache_salt is None
+                                        else f"\n{options.cache_salt}")
+
+    def _queue(self, request: Request) -> None:
         self.scheduler.add(request)
         if request.lora is not None:
             self.loras.busy = self.loras.busy | {request.lora}
+
+    def add_embedding(self, request_id: str, prompt_token_ids: list[int],
+                      pooling: PoolingParams = PoolingParams(),
+                      options: RequestOptions = RequestOptions()) -> Request:
+        """Queue one prompt to embed (engine/embed.py). Raises InvalidRequest at once."""
+        pooling = self.check_embedding(prompt_token_ids, pooling)
+        if pooling.method != "last":  # every row is pooled: none may come from the cache
+            options = replace(options, prefix_cache=False)
+        request = Request(request_id, list(prompt_token_ids), EMBED_PARAMS,
+                          eos_token_ids=frozenset(), max_tokens=0, priority=options.priority,
+                          user=options.user, cache_salt=self._salt(options),
+                          prefix_cache=options.prefix_cache, pooling=pooling, lora=options.lora)
+        self._queue(request)
         return request
 
+    def check_embedding(self, prompt_token_ids: list[int], pooling: PoolingParams
+                        ) -> PoolingParams:
+        """Raise if the prompt cannot be embedded; else the pooling, its method resolved.
+        Reads only what never changes after start-up, so any thread may call it."""
+        limit = min(self.max_model_len, self.cache_info.num_tokens)
+        check_embedding_input(prompt_token_ids, pooling, limit, self.model_config.hidden_size)
+        self._check_token_ids(prompt_token_ids, EMBED_PARAMS)
+        return pooling if pooling.method is not None else replace(pooling, method=self.pooling)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise if the request can never run; else return its resolved max_tokens: what it
@@ -181,6 +242,7 @@ class EngineCore:
 
         Reads only what never changes after start-up, so any thread may call it.
         """
+        self.check_generates()
         self._check_token_ids(prompt_token_ids, params)
         num_prompt = len(prompt_token_ids)
         asked = params.max_tokens if params.max_tokens is not None else 1
@@ -191,6 +253,13 @@ class EngineCore:
                                  what="the whole KV cache")
         room = min(self.max_model_len, self.cache_info.num_tokens) - num_prompt
         return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def check_generates(self) -> None:
+        """Raise unless this engine generates text (its task is not embed)."""
+        if self.task == "embed":
+            raise InvalidRequest("this engine runs the embed task: it computes embeddings "
+                                 "(/v1/embeddings) and generates no text; start it with "
+                                 "--task generate to generate")
 
     def _check_token_ids(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:

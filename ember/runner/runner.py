@@ -11,6 +11,7 @@ from ember.models.attention import PagedKV
 from ember.models.llama import LlamaForCausalLM
 from ember.request import Request
 from ember.runner.inputs import ModelInputs, prepare_inputs
+from ember.runner.pooling import Pooler
 from ember.sampling.sampler import Sampler
 from ember.scheduler.output import RunnerOutput, SchedulerOutput
 
@@ -29,18 +30,26 @@ class ModelRunner:
         self.lora_steps = LoraStepBuilder(model.model.norm.weight.dtype, self.device)
         if loras is not None:
             loras.on_evict = self.lora_steps.forget
+        self.pooler = Pooler()
 
     @torch.inference_mode()
-    def forward(self, plan: SchedulerOutput) -> tuple[list[Request], Tensor]:
+    def forward(self, plan: SchedulerOutput, pooled: dict[str, list[float]] | None = None
+                ) -> tuple[list[Request], Tensor]:
         """Run the model over the plan's tokens, writing their K/V into the cache.
 
-        Returns the requests that sample this step and their logits [S, vocab] float32.
+        Returns the requests that sample this step and their logits [S, vocab] float32;
+        `pooled`, if given, gets the vectors of the embedding requests whose prompt ended.
         """
         self._copy_blocks(plan)
         inputs = prepare_inputs(plan, self.block_size, self.device,
                                 self.model.stack_runs_decodes(self.kv_caches))
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
                             self._lora_step(plan))
+        if pooled is not None:
+            pooled.update(self.pooler.pool(plan, hidden))
+        return self._logits(inputs, hidden)
+
+    def _logits(self, inputs: ModelInputs, hidden: Tensor) -> tuple[list[Request], Tensor]:
         if not inputs.sampling_requests:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         if inputs.logits_indices is not None:
@@ -74,13 +83,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         self.sampler.forget(plan.finished_request_ids)
+        self.pooler.forget(plan.finished_request_ids)
         if not plan.scheduled:
             return RunnerOutput()
-        requests, logits = self.forward(plan)
-        if not requests:
-            return RunnerOutput()
-        token_ids, logprobs = self.sampler.sample(logits, requests)
         output = RunnerOutput()
+        requests, logits = self.forward(plan, output.pooled)
+        if not requests:
+            return output
+        token_ids, logprobs = self.sampler.sample(logits, requests)
         for request, token_id, logprob in zip(requests, token_ids, logprobs):
             output.sampled_token_ids[request.request_id] = [token_id]
             if logprob is not None:

@@ -16,7 +16,7 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]     # the request's block table (covers start + num_new_tokens)
     samples: bool            # reaches the newest token, so a new one is sampled (False for
-                             # the leading chunks of a chunked prefill)
+                             # the leading chunks of a chunked prefill, and for embeddings)
 
     @property
     def end(self) -> int:
@@ -41,7 +41,9 @@ class SchedulerOutput:
 
 @dataclass
 class RunnerOutput:
-    """Tokens sampled this step, per request (a list: speculative decoding may add several)."""
+    """Tokens sampled this step, per request (a list: speculative decoding may add several),
+    and the vectors of the embedding requests whose last prompt chunk ran."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[SampledLogprob]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -31,8 +31,10 @@ def rank(request: Request) -> tuple[int, float, str]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 whole_prompts: bool = False) -> None:
         self.config = config
+        self.whole_prompts = whole_prompts  # never split a prompt across steps (encoders)
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []
@@ -99,6 +101,8 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.whole_prompts and num_new < request.num_tokens - request.num_computed_tokens:
+                break
             if not self._allocate_or_preempt(request, num_new):
                 break
             scheduled.append(self._plan(request, num_new))
@@ -164,6 +168,8 @@ class Scheduler:
                 else PrefixHit()
             num_hit = hit.num_tokens
             num_new = min(request.num_tokens - num_hit, budget)
+            if self.whole_prompts and num_new < request.num_tokens - num_hit:
+                return  # it waits for a step with room for all of it
             if not self.kv.allocate_slots(request, num_hit + num_new, hit):
                 return
             self.waiting.remove(request)
@@ -203,7 +209,8 @@ class Scheduler:
         start = request.num_computed_tokens
         return ScheduledRequest(request, start, num_new,
                                 list(self.kv.block_table(request.request_id)),
-                                samples=start + num_new == request.num_tokens)
+                                samples=start + num_new == request.num_tokens
+                                and request.pooling is None)
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Apply a step's results. Returns the requests that got new tokens (finished or not)."""
@@ -214,6 +221,12 @@ class Scheduler:
                 continue
             request.num_computed_tokens = item.end
             self.kv.cache_full_blocks(request)
+            embedding = result.pooled.get(request.request_id)
+            if embedding is not None:  # an embedding request ends with its prompt
+                request.embedding = embedding
+                self.finish(request.request_id, FinishReason.STOP)
+                advanced.append(request)
+                continue
             new_token_ids = result.sampled_token_ids.get(request.request_id, [])
             new_logprobs = result.logprobs.get(request.request_id, [])
             for k, token_id in enumerate(new_token_ids):

@@ -70,6 +70,7 @@ async def parse_request(request: Request, model: type[M]
     tracker = state.metrics.tracker(arrival_time(request), tenant.tenant if tenant else None)
     body = await read_json_body(request, model)
     tracker.adapter = state.check_model(body.model)
+    state.engine.check_generates()  # before templating: an embedding model may have no template
     body.check_supported()
     return state, body, tracker
 

@@ -127,6 +127,10 @@ class Tokenizer:
             raise ModelLoadError(f"{path} has no tokenizer.json; ember needs the fast-tokenizer "
                                  "file (save it with transformers' save_pretrained)")
         backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        # some files (sentence-transformers') pad and cut every text to a fixed length; a
+        # prompt is its own tokens, and one past the context is refused, never cut
+        backend.no_truncation()
+        backend.no_padding()
         config = _read_optional_json(path / "tokenizer_config.json")
         generation = _read_optional_json(path / "generation_config.json")
         bos = _special_token(config.get("bos_token"))
