@@ -147,6 +147,7 @@ class EngineCore:
                             config.cache.eviction_policy)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
         self.loras = LoraRegistry(self.model_config, config.max_loras, config.max_lora_rank)
+        self.loras.in_use = self._loras_in_use
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
                                   kernels, self.loras)
         for name, path in config.loras:
@@ -209,8 +210,6 @@ class EngineCore:
 
     def _queue(self, request: Request) -> None:
         self.scheduler.add(request)
-        if request.lora is not None:
-            self.loras.busy = self.loras.busy | {request.lora}
 
     def add_embedding(self, request_id: str, prompt_token_ids: list[int],
                       pooling: PoolingParams = PoolingParams(),
@@ -280,7 +279,6 @@ class EngineCore:
     def finish(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         """End a request now (abort, stop string) and free its KV blocks."""
         self.scheduler.finish(request_id, reason)
-        self._update_busy_loras()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -295,15 +293,13 @@ class EngineCore:
             raise StepFailed(list(self.scheduler.requests), e) from e
         try:
             result = self.runner.execute(plan)           # forward + sample on the device
-            advanced = self.scheduler.update(plan, result)   # append tokens, finish, free
+            return self.scheduler.update(plan, result)   # append tokens, finish, free
         except Exception as e:
             self.scheduler.unschedule(plan)
             raise StepFailed([s.request.request_id for s in plan.scheduled], e) from e
-        self._update_busy_loras()
-        return advanced
 
-    def _update_busy_loras(self) -> None:
-        """Adapters that no request holds any more may leave memory."""
-        if self.loras.busy:
-            self.loras.busy = frozenset(r.lora for r in self.scheduler.requests.values()
-                                        if r.lora is not None)
+    def _loras_in_use(self) -> frozenset[str]:
+        """The adapters of queued and running requests (any thread: the list is copied in
+        one C call, under the GIL)."""
+        return frozenset(r.lora for r in list(self.scheduler.requests.values())
+                         if r.lora is not None)

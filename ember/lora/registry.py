@@ -3,8 +3,8 @@
 Registered adapters (at start, or loaded at run time) are known by name; at most `max_loras`
 of them are resident (their factors in CPU memory), least recently used out first. An evicted
 adapter is read from its file again when a request names it. An adapter that a queued or
-running request uses (`busy`, which the engine thread keeps current) is never evicted: when
-every resident one is busy, a request for another is refused with Overloaded (retry once some
+running request uses (`in_use`, which the engine provides) is never evicted: when every
+resident one is in use, a request for another is refused with Overloaded (retry once some
 finish). Any thread may call these.
 """
 from __future__ import annotations
@@ -45,7 +45,8 @@ class LoraRegistry:
         self._resident: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._uids = itertools.count(1)
         self._lock = threading.RLock()
-        self.busy: frozenset[str] = frozenset()  # adapters of queued and running requests
+        # the adapters of queued and running requests (the engine sets it)
+        self.in_use: Callable[[], frozenset[str]] = frozenset
 
     def names(self) -> list[str]:
         with self._lock:
@@ -72,7 +73,7 @@ class LoraRegistry:
             if old is not None and self.on_evict is not None:
                 self.on_evict(old.uid)
             self._known[name] = AdapterInfo(name, adapter.path, uid)
-            self._make_room(self.busy - {name})
+            self._make_room(self.in_use() - {name})
             self._resident[name] = adapter
         log.info("LoRA adapter %s loaded from %s (rank %d, %.1f MiB)", name, adapter.path,
                  adapter.rank, adapter.num_bytes / 2**20)
@@ -86,7 +87,7 @@ class LoraRegistry:
                 raise AdapterNotFound(f"no LoRA adapter named {name!r} is loaded; loaded: "
                                      f"{', '.join(self._known) or 'none'}", param="lora_name")
             del self._known[name]
-            if name not in self.busy:
+            if name not in self.in_use():
                 self._evict(name)
 
     def acquire(self, name: str) -> LoraAdapter:
@@ -101,7 +102,7 @@ class LoraRegistry:
             if adapter is not None:
                 self._resident.move_to_end(name)
                 return adapter
-            self._make_room(self.busy)
+            self._make_room(self.in_use())
             adapter = load_adapter(name, info.path, self.config, info.uid, self.max_rank)
             self._resident[name] = adapter
             return adapter

@@ -9,7 +9,7 @@
 // (tests/reference/test_cpu_kernels.py, tests/reference/test_smollm_gguf.py).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
+#include <ATen/ops/bmm.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -400,17 +400,20 @@ void DecodeStack::attend(const Plan& plan, const at::Tensor& q, const at::Tensor
 
 void DecodeStack::check_lora(const std::vector<at::Tensor>& lora, size_t layers) {
   if (lora.empty()) return;
-  TORCH_CHECK(lora.size() == 4 + 8 * layers, "lora: 4 masks and 8 factors per layer");
-  for (const auto& t : lora) {
-    TORCH_CHECK(t.numel() == 0 || (t.scalar_type() == at::kBFloat16 && t.dim() == 2 &&
-                                   t.is_contiguous()),
-                "lora: each mask and factor must be a contiguous 2-D bfloat16 tensor");
+  TORCH_CHECK(lora.size() == 2 + 8 * layers, "lora: gather, pad and 8 factors per layer");
+  TORCH_CHECK(lora[0].scalar_type() == at::kLong && lora[0].dim() == 1,
+              "lora: the gather index must be 1-D int64");
+  TORCH_CHECK(lora[1].numel() == 0 || (lora[1].dim() == 2 && lora[1].size(0) == lora[0].size(0)),
+              "lora: the padding mask must be [rows, 1] or empty");
+  for (size_t i = 2; i < lora.size(); ++i) {
+    TORCH_CHECK(lora[i].numel() == 0 || (lora[i].dim() == 3 && lora[i].is_contiguous()),
+                "lora: each factor must be a contiguous [adapters, rows, cols] tensor");
   }
 }
 
 bool DecodeStack::has_lora(const Plan& plan, size_t l, int p) {
   return plan.lora != nullptr && !plan.lora->empty() &&
-         (*plan.lora)[4 + 8 * l + 2 * p].numel() > 0;
+         (*plan.lora)[2 + 8 * l + 2 * p].numel() > 0;
 }
 
 // What LoraLayer.add_ computes (ember/lora/batch.py), with the same ops in the same order
@@ -418,7 +421,12 @@ void DecodeStack::add_lora(const Plan& plan, size_t l, int p, const at::Tensor& 
                            at::Tensor& y) {
   if (!has_lora(plan, l, p)) return;
   const auto& lora = *plan.lora;
-  y.addmm_(at::mm(in, lora[4 + 8 * l + 2 * p]).mul_(lora[p]), lora[4 + 8 * l + 2 * p + 1]);
+  const auto& a = lora[2 + 8 * l + 2 * p];
+  const auto& b = lora[2 + 8 * l + 2 * p + 1];
+  auto xs = in.index_select(0, lora[0]).to(a.scalar_type());
+  if (lora[1].numel() > 0) xs.mul_(lora[1]);
+  auto delta = at::bmm(at::bmm(xs.view({a.size(0), -1, xs.size(1)}), a), b);
+  y.index_add_(0, lora[0], delta.view({-1, delta.size(2)}).to(y.scalar_type()));
 }
 
 // out = x w^T on int8 dot products (bfloat16), or with `swiglu` silu(gate) * up of it

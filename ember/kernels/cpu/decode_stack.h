@@ -52,10 +52,11 @@ class DecodeStack {
   // With positions [T] (int64), cos and sin are tables [P, 1, d] (every position below P) and
   // row t takes row positions[t] of each, instead of two torch index ops before the call (in a
   // batch-1 decode step, where the caches are cold: model.forward's glue 69-104 -> 44-67 us).
-  // With lora (ember/lora/batch.py LoraStep.stack_tensors: 4 row masks [T, R_p], for qkv,
-  // o, gate_up and down, then per layer (A [in, R_p], B [R_p, out]) for each; an empty
-  // tensor where there is none), each projection's output gets += ((in @ A) * mask) @ B, as
-  // the layers add it, and the step runs in run() (not run_decodes).
+  // With lora (ember/lora/batch.py LoraStep.stack_tensors: the rows gathered per adapter
+  // [G * L] int64, their padding mask [G * L, 1] or empty, then per layer (A [G, in, R],
+  // B [G, R, out]) for qkv, o, gate_up and down; an empty tensor where there is none), each
+  // projection's output gets y[rows] += bmm(bmm(in[rows], A), B), as the layers add it, and
+  // the step runs in run() (not run_decodes).
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                      const std::vector<at::Tensor>& kv,
                      const std::vector<at::Tensor>& kv_scales, at::Tensor slots,
