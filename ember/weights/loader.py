@@ -1,4 +1,5 @@
-"""Model files -> a ready LlamaForCausalLM: find the files, rename, fuse, cast, load."""
+"""Model files -> a ready LlamaForCausalLM (or a relative of it, ember/models/decoder.py): find
+the files, rename, fuse, cast, load."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,6 +12,7 @@ from ember.config import ModelConfig
 from ember.errors import ConfigError, ModelLoadError
 from ember.kernels import CpuKernels
 from ember.models.layers import rope_inv_freq
+from ember.models.decoder import VariantForCausalLM
 from ember.models.llama import LlamaForCausalLM
 from ember.quant.packed import Int8Embedding, KernelInt8Linear, check_method, quantize_linears
 from ember.weights.gguf import ROPE_FREQS, GGUFFile
@@ -133,7 +135,7 @@ def load_model(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
                device: str) -> LlamaForCausalLM:
     """Build the model on the meta device, then assign the file's tensors to it."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = (LlamaForCausalLM if config.is_llama else VariantForCausalLM)(config)
     state, parts = {}, {}
     rope_freqs = None
     for name, tensor in files.tensors(config):
