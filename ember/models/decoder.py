@@ -12,14 +12,13 @@ Each is a Llama decoder with some of these changes (ModelConfig's fields name th
                  and logits (Gemma 2)
   windows        sliding-window layers (Mistral, Phi-3, Gemma's local layers; windowed.py),
                  Gemma 3's local layers with a RoPE base of their own
-  longrope       Phi-3's per-frequency RoPE factors, long ones past the original context
+  longrope       Phi-3's per-frequency RoPE factors: long ones where the served context
+                 passes the original one
 
 Parameter names follow transformers (q/k/v and gate/up fused as in llama.py). The layers run
 one by one: the compiled decode stack computes Llama's layer only.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -120,10 +119,18 @@ class VariantForCausalLM(LlamaForCausalLM):
         self.model.layers = nn.ModuleList(VariantDecoderLayer(config, i)
                                           for i in range(config.num_layers))
         self.rope_tables: dict[str, tuple[Tensor, Tensor]] | None = None  # set by cache_rope
+        self.long_rope = False  # LongRoPE's long factors (cache_rope decides)
 
     def cache_rope(self, max_positions: int, dtype: torch.dtype) -> None:
         """From now on, look RoPE's cos and sin up in tables for positions below
-        `max_positions`."""
+        `max_positions` (the engine's max_model_len). With LongRoPE, that length chooses the
+        factors for every position, as llama.cpp chooses them by its context size: long ones
+        when it passes the original context. (transformers switches a sequence to the long
+        factors when it grows past it, recomputing its whole cache, which a paged cache
+        shared between requests cannot do.)"""
+        scaling = self.config.rope_scaling
+        self.long_rope = scaling is not None and scaling.kind == "longrope" and \
+            max_positions > scaling.original_max_position_embeddings
         positions = torch.arange(max_positions, device=self.inv_freq.device)
         self.rope_tables = self._rope(positions, dtype)
 
@@ -131,7 +138,7 @@ class VariantForCausalLM(LlamaForCausalLM):
         """cos, sin [T, 1, head_dim] per table, at `positions` [T]."""
         config = self.config
         tables = {GLOBAL: _cos_sin(positions, self.inv_freq, config.rope_theta,
-                                   config.rope_scaling, dtype)}
+                                   config.rope_scaling, self.long_rope, dtype)}
         if config.local_rope_theta:
             local = rope_inv_freq(config.head_dim, config.local_rope_theta, None)
             tables[LOCAL] = rope_cos_sin(positions, local.to(positions.device), dtype)
@@ -170,22 +177,13 @@ class VariantForCausalLM(LlamaForCausalLM):
 
 
 def _cos_sin(positions: Tensor, inv_freq: Tensor, theta: float, scaling: RopeScaling | None,
-             dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """rope_cos_sin's tables; with longrope, the long factors from the original context on
-    (per position, where transformers switches a whole sequence once it grows past it), and
-    cos and sin scaled by the attention factor."""
+             long: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """rope_cos_sin's tables; with LongRoPE, from the long factors where `long` (else the
+    short ones, inv_freq), and cos and sin scaled by the attention factor."""
     if scaling is None or scaling.kind != "longrope":
         return rope_cos_sin(positions, inv_freq, dtype)
-    long = longrope_inv_freq(inv_freq.shape[0] * 2, theta,
-                             scaling.long_factor).to(positions.device)
-    is_long = (positions >= scaling.original_max_position_embeddings)[:, None, None]
-    cos, sin = rope_cos_sin(positions, inv_freq, torch.float32)
-    long_cos, long_sin = rope_cos_sin(positions, long, torch.float32)
+    if long:
+        inv_freq = longrope_inv_freq(inv_freq.shape[0] * 2, theta, scaling.long_factor)
+    cos, sin = rope_cos_sin(positions, inv_freq.to(positions.device), torch.float32)
     factor = scaling.attention_factor
-    return ((torch.where(is_long, long_cos, cos) * factor).to(dtype),
-            (torch.where(is_long, long_sin, sin) * factor).to(dtype))
-
-
-def longrope_attention_factor(factor: float, original: int) -> float:
-    """transformers' default LongRoPE attention factor for a context stretched `factor` times."""
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return (cos * factor).to(dtype), (sin * factor).to(dtype)

@@ -2,8 +2,13 @@
 models made here and saved as Hugging Face folders.
 
 Reference: transformers' own modelling code with the same weights, float32 on CPU, generating
-token by token with its cache (so that Phi-3's LongRoPE switches to the long factors as
-transformers' generation does, position by position past the original context).
+token by token with its cache.
+
+Phi-3's LongRoPE: transformers uses the short factors while a sequence fits the original
+context and recomputes it with the long ones past it; ember (as llama.cpp) picks them by the
+context it serves. So the Phi-3 case serves the original context (short factors, generation
+compared), and test_longrope_past_the_original_context serves more (long factors, compared
+with transformers' forward over a sequence past the original context).
 """
 from __future__ import annotations
 
@@ -13,16 +18,17 @@ import torch
 from ember import LLM, EngineConfig, SamplingParams
 from ember.engine.core import EngineCore
 from tests.conftest import TINY, first_mismatch, save_tiny_model
-from tests.reference.test_llama_vs_hf import PROMPTS, ember_greedy_logits
+from tests.reference.test_llama_vs_hf import PROMPTS, ember_greedy_logits, hf_logits
 
 NUM_STEPS = 12
 WINDOW = 8  # shorter than most prompts, so that the window cuts keys off
 HEAD = dict(head_dim=16)
 # factors for head_dim 16: 8 frequencies
+ORIGINAL_CONTEXT = 96  # more than any prompt here with its new tokens
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0 + 0.05 * i for i in range(8)],
             "long_factor": [1.5 + 0.4 * i for i in range(8)],
-            "original_max_position_embeddings": 48}
+            "original_max_position_embeddings": ORIGINAL_CONTEXT}
 
 CASES = {
     "qwen3": ("Qwen3", dict(HEAD)),
@@ -36,10 +42,15 @@ CASES = {
                                       "sliding_attention": {"rope_type": "default",
                                                             "rope_theta": 1e4}})),
     "phi3-longrope-window": ("Phi3", dict(pad_token_id=0, sliding_window=16,
-                                          rope_parameters=LONGROPE)),
+                                          rope_parameters=LONGROPE,
+                                          original_max_position_embeddings=ORIGINAL_CONTEXT)),
     "olmo2": ("Olmo2", dict(pad_token_id=0)),
     "mistral-window": ("Mistral", dict(sliding_window=WINDOW)),
 }
+
+
+# engine options per case: Phi-3 serves its original context (see the module's docstring)
+ENGINE = {"phi3-longrope-window": dict(max_model_len=ORIGINAL_CONTEXT)}
 
 
 def tiny_variant(kind: str, **overrides):
@@ -56,7 +67,7 @@ def variant_pair(request, tmp_path_factory, tokenizer_files):
     kind, options = CASES[request.param]
     model = tiny_variant(kind, **options)
     folder = save_tiny_model(tmp_path_factory.mktemp(request.param), model, tokenizer_files)
-    return folder, model
+    return folder, model, ENGINE.get(request.param, {})
 
 
 def hf_step_logits(model, prompt: list[int], num_steps: int) -> tuple[list[int], torch.Tensor]:
@@ -69,8 +80,8 @@ def hf_step_logits(model, prompt: list[int], num_steps: int) -> tuple[list[int],
 
 
 def test_logits_match_transformers_at_prefill_and_every_decode_step(variant_pair):
-    folder, hf_model = variant_pair
-    engine = EngineCore(EngineConfig(model=str(folder), dtype="float32"))
+    folder, hf_model, options = variant_pair
+    engine = EngineCore(EngineConfig(model=str(folder), dtype="float32", **options))
     for prompt in PROMPTS:
         tokens, logits = ember_greedy_logits(engine, prompt, NUM_STEPS)
         want_tokens, want = hf_step_logits(hf_model, prompt, NUM_STEPS)
@@ -80,16 +91,27 @@ def test_logits_match_transformers_at_prefill_and_every_decode_step(variant_pair
                                        msg=lambda m, step=step: f"step {step}: {m}")
 
 
-@pytest.mark.parametrize("chunk", [None, 16])
-def test_greedy_tokens_match_transformers_batched(variant_pair, chunk):
-    """All prompts at once; with chunk=16 the long prompts' later chunks attend over the
-    cache through the windowed path."""
-    folder, hf_model = variant_pair
-    options = {} if chunk is None else dict(max_num_batched_tokens=chunk)
-    llm = LLM(str(folder), dtype="float32", **options)
+def test_greedy_tokens_match_transformers_batched_in_chunks(variant_pair):
+    """All prompts at once, in steps of 16 tokens: the long prompts' later chunks attend over
+    the cache beside the others' decodes (the windowed path's groups)."""
+    folder, hf_model, options = variant_pair
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=16, **options)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24,
                                                    ignore_eos=True))
     for prompt, out in zip(PROMPTS, outputs):
         want, _ = hf_step_logits(hf_model, prompt, 24)
         got = out.outputs[0].token_ids
         assert got == want, f"diverged at token {first_mismatch(want, got)}"
+
+
+def test_longrope_past_the_original_context(tmp_path, tokenizer_files):
+    """Served past the original context, every position takes the long factors, as in
+    transformers' forward over a sequence longer than the original context."""
+    kind, options = CASES["phi3-longrope-window"]
+    hf_model = tiny_variant(kind, **options)
+    folder = save_tiny_model(tmp_path, hf_model, tokenizer_files)
+    prompt = list(range(2000, 2000 + ORIGINAL_CONTEXT + 10))
+    engine = EngineCore(EngineConfig(model=str(folder), dtype="float32"))
+    tokens, logits = ember_greedy_logits(engine, prompt, 4)
+    want = hf_logits(hf_model, prompt + tokens[:-1])[len(prompt) - 1:]
+    torch.testing.assert_close(torch.stack(logits), want, atol=1e-4, rtol=0)
