@@ -127,6 +127,14 @@ class ModelConfig:
             return False
         return self.sliding_layers is None or self.sliding_layers[layer_idx]
 
+    def window_of_every_layer(self) -> int | None:
+        """The sliding window when every layer has it (KV blocks behind it can go), else
+        None."""
+        if self.sliding_window is None or not all(self.is_sliding(i)
+                                                   for i in range(self.num_layers)):
+            return None
+        return self.sliding_window
+
     @property
     def is_llama(self) -> bool:
         """Whether LlamaForCausalLM runs it as it is (and its compiled decode stack may)."""

@@ -214,6 +214,7 @@ class Scheduler:
                 continue
             request.num_computed_tokens = item.end
             self.kv.cache_full_blocks(request)
+            self.kv.release_outside_window(request)
             new_token_ids = result.sampled_token_ids.get(request.request_id, [])
             new_logprobs = result.logprobs.get(request.request_id, [])
             for k, token_id in enumerate(new_token_ids):

@@ -115,3 +115,25 @@ def test_longrope_past_the_original_context(tmp_path, tokenizer_files):
     tokens, logits = ember_greedy_logits(engine, prompt, 4)
     want = hf_logits(hf_model, prompt + tokens[:-1])[len(prompt) - 1:]
     torch.testing.assert_close(torch.stack(logits), want, atol=1e-4, rtol=0)
+
+
+def test_window_frees_blocks_behind_it(tmp_path, tokenizer_files):
+    """Windowed Mistral with a cache too small for all prompts' whole sequences at once (43
+    blocks of 4) but room for their windows (24): the blocks behind every window go back
+    as the requests advance, nobody is preempted, and the tokens stay transformers'."""
+    kind, options = CASES["mistral-window"]
+    hf_model = tiny_variant(kind, **options)
+    folder = save_tiny_model(tmp_path, hf_model, tokenizer_files)
+    engine = EngineCore(EngineConfig.from_options(model=str(folder), dtype="float32",
+                                                  block_size=4, num_blocks=24))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    requests = dict(engine.scheduler.requests)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.num_preemptions == 0
+    assert engine.scheduler.kv.num_free_blocks == 24
+    for i, prompt in enumerate(PROMPTS):
+        want, _ = hf_step_logits(hf_model, prompt, 24)
+        assert requests[str(i)].output_token_ids == want
