@@ -7,6 +7,7 @@ as Hugging Face does, so those rows are permuted back here.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,10 +127,15 @@ class GGUFFile:
 
     def linear_bits(self) -> int | None:
         """Bits per weight of the decoder's linear layers as stored (2-8, QUANT_BITS), None if
-        unquantized: the largest over them, so a Q4_K_M file (Q4_K with some Q6_K) counts 6."""
-        bits = [quant_bits(t.tensor_type) for t in self._reader.tensors
-                if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2]
-        return max((b for b in bits if b is not None), default=None)
+        unquantized: those of the type holding most of their weights, so a Q4_K_M file (Q4_K
+        with some Q6_K) counts 4, as its maker meant it to run."""
+        weights: Counter[int] = Counter()
+        for t in self._reader.tensors:
+            if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2:
+                bits = quant_bits(t.tensor_type)
+                if bits is not None:
+                    weights[bits] += int(t.n_elements)
+        return weights.most_common(1)[0][0] if weights else None
 
     def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) pairs, dequantized; rope_freqs keeps its GGUF name."""
