@@ -13,7 +13,8 @@ from ember.errors import ConfigError, UnsupportedModel
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                           "Phi3ForCausalLM", "Olmo2ForCausalLM")
+                           "Phi3ForCausalLM", "Olmo2ForCausalLM", "MixtralForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ROPE_SCALING = ("linear", "llama3", "longrope")
 NORM_LAYOUTS = ("pre", "sandwich", "post")  # see ember/models/decoder.py
 QK_NORMS = ("head", "full")
@@ -85,6 +86,13 @@ class ModelConfig:
     attn_softcap: float | None = None   # Gemma 2: scores = cap * tanh(scores / cap)
     final_softcap: float | None = None  # Gemma 2: the same on the logits
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base
+    # mixture of experts (ember/models/moe.py); num_experts 0: a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False        # renormalise the top-k router probabilities
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's expert every token takes
+    dense_mlp_layers: tuple[int, ...] = ()    # layers with a dense MLP in a MoE model
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -104,6 +112,9 @@ class ModelConfig:
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise UnsupportedModel(f"activation {self.hidden_act!r} is not supported; ember "
                                    "runs silu (SwiGLU) and gelu_tanh (GeGLU) MLPs")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModel(f"{self.num_experts_per_tok} experts per token of "
+                                   f"{self.num_experts}; the model config is invalid")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
             raise UnsupportedModel(f"{len(self.sliding_layers)} layer types for "
                                    f"{self.num_layers} layers; the model config is invalid")

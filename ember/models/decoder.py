@@ -1,4 +1,5 @@
-"""Llama's relatives: Qwen3, Gemma 2 and 3, Phi-3, OLMo 2, and Mistral with its sliding window.
+"""Llama's relatives: Qwen3, Gemma 2 and 3, Phi-3, OLMo 2, Mistral with its sliding window,
+and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (moe.py).
 
 Each is a Llama decoder with some of these changes (ModelConfig's fields name them):
 
@@ -30,6 +31,7 @@ from ember.models.attention import AttentionMetadata, PagedKV, paged_attention
 from ember.models.layers import (RMSNorm, SwiGLU, apply_rope, longrope_inv_freq, rope_cos_sin,
                                  rope_inv_freq)
 from ember.models.llama import LlamaAttention, LlamaForCausalLM
+from ember.models.moe import SparseMoE
 from ember.models.windowed import windowed_attention
 
 GLOBAL, LOCAL = "global", "local"  # RoPE tables: Gemma 3's local layers have their own
@@ -98,7 +100,10 @@ class VariantDecoderLayer(nn.Module):
         if self.layout != "pre":
             self.post_feedforward_layernorm = norm()
         mlp = GeGLU if config.hidden_act == "gelu_tanh" else SwiGLU
-        self.mlp = mlp(config.hidden_size, config.intermediate_size)
+        if config.num_experts and layer_idx not in config.dense_mlp_layers:
+            self.mlp = SparseMoE(config)
+        else:
+            self.mlp = mlp(config.hidden_size, config.intermediate_size)
         self.rope = LOCAL if config.is_sliding(layer_idx) and config.local_rope_theta else GLOBAL
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: PagedKV,
@@ -166,6 +171,18 @@ class VariantForCausalLM(LlamaForCausalLM):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    def int8_prefill_linears(self) -> list[tuple[nn.Module, bool]]:
+        """LlamaForCausalLM's, with each expert's projections where a layer has experts."""
+        pairs: list[tuple[nn.Module, bool]] = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            mlps = [mlp] if isinstance(mlp, SwiGLU) else \
+                [*mlp.experts, *([mlp.shared_expert] if mlp.shared_expert else [])]
+            pairs += [(attn.qkv_proj, False), (attn.o_proj, False)]
+            pairs += [pair for m in mlps for pair in ((m.gate_up_proj, False),
+                                                      (m.down_proj, True))]
+        return pairs
 
     def use_kernels(self, kernels: CpuKernels | None) -> None:
         """Compiled norms, and attention kernels in layers without windows or caps (which

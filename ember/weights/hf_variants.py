@@ -9,6 +9,7 @@ from ember.config import RopeScaling
 from ember.errors import UnsupportedModel
 
 GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+MOES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 # transformers 4 configs without layer_types: which layers slide, by index
 _DEFAULT_SLIDING = {"Gemma2ForCausalLM": lambda i, _: i % 2 == 0,
                     "Gemma3ForCausalLM": lambda i, pattern: (i + 1) % pattern != 0}
@@ -81,6 +82,24 @@ def window_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     return dict(sliding_window=int(window), sliding_layers=sliding)
 
 
+def moe_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The experts: how many, how many per token, their size, the routing's normalisation,
+    Qwen2-MoE's shared expert and the layers that keep a dense MLP."""
+    num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    num_layers = int(config["num_hidden_layers"])
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = sorted(set(config.get("mlp_only_layers") or [])
+                   | {i for i in range(num_layers) if (i + 1) % step})
+    size = config.get("moe_intermediate_size") or config["intermediate_size"]
+    return dict(num_experts=num_experts, num_experts_per_tok=int(config["num_experts_per_tok"]),
+                moe_intermediate_size=int(size),
+                norm_topk_prob=architecture == "MixtralForCausalLM"
+                or bool(config.get("norm_topk_prob")),
+                shared_expert_intermediate_size=int(
+                    config.get("shared_expert_intermediate_size") or 0),
+                dense_mlp_layers=tuple(dense))
+
+
 def variant_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
     """ModelConfig keywords beyond Llama's for this architecture's config.json."""
     fields = rope_fields(config) | window_fields(config, architecture)
@@ -90,6 +109,12 @@ def variant_fields(config: dict[str, Any], architecture: str) -> dict[str, Any]:
         fields["qk_norm"] = "head"
     if architecture == "Olmo2ForCausalLM":
         fields.update(qk_norm="full", norm_layout="post")
+    if architecture in MOES:
+        fields.update(moe_fields(config, architecture))
+    if architecture == "Qwen3MoeForCausalLM":
+        fields["qk_norm"] = "head"
+    if architecture == "OlmoeForCausalLM":
+        fields["qk_norm"] = "full"
     if architecture in GEMMAS:
         # Gemma2Config's defaults, for configs that leave them out
         softcaps = (50.0, 30.0) if architecture == "Gemma2ForCausalLM" else (None, None)

@@ -30,7 +30,7 @@ def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
     if config.get("mlp_bias"):
         raise UnsupportedModel("mlp_bias=true is not supported; ember runs bias-free MLPs")
     num_heads = int(config["num_attention_heads"])
-    is_qwen2 = architectures[0] == "Qwen2ForCausalLM"
+    is_qwen2 = architectures[0] in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
     try:
         return ModelConfig(
             architecture=architectures[0],

@@ -1,5 +1,6 @@
-"""Qwen3, Gemma 2/3, Phi-3, OLMo 2 and windowed Mistral against transformers, on tiny random
-models made here and saved as Hugging Face folders.
+"""Qwen3, Gemma 2/3, Phi-3, OLMo 2, windowed Mistral and the mixtures of experts (Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE) against transformers, on tiny random models made here and saved
+as Hugging Face folders.
 
 Reference: transformers' own modelling code with the same weights, float32 on CPU, generating
 token by token with its cache.
@@ -17,7 +18,10 @@ import torch
 
 from ember import LLM, EngineConfig, SamplingParams
 from ember.engine.core import EngineCore
-from tests.conftest import TINY, first_mismatch, save_tiny_model
+from ember.models.moe import parameter_counts
+from ember.quant.packed import PackedLinear
+from ember.weights.safetensors import model_config_from_hf
+from tests.conftest import TINY, assert_greedy_close, first_mismatch, save_tiny_model
 from tests.reference.test_llama_vs_hf import PROMPTS, ember_greedy_logits, hf_logits
 
 NUM_STEPS = 12
@@ -46,6 +50,14 @@ CASES = {
                                           original_max_position_embeddings=ORIGINAL_CONTEXT)),
     "olmo2": ("Olmo2", dict(pad_token_id=0)),
     "mistral-window": ("Mistral", dict(sliding_window=WINDOW)),
+    "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2moe-shared": ("Qwen2Moe", dict(num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48,
+                                         mlp_only_layers=[1])),
+    "qwen3moe": ("Qwen3Moe", dict(HEAD, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, norm_topk_prob=True)),
+    "olmoe": ("Olmoe", dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0)),
 }
 
 
@@ -137,3 +149,37 @@ def test_window_frees_blocks_behind_it(tmp_path, tokenizer_files):
     for i, prompt in enumerate(PROMPTS):
         want, _ = hf_step_logits(hf_model, prompt, 24)
         assert requests[str(i)].output_token_ids == want
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen2moe-shared", "qwen3moe", "olmoe", "qwen3"])
+def test_parameter_counts_match_transformers(case):
+    """Total parameters are transformers' (norms and biases aside); a MoE's active ones
+    count top-k experts of each sparse layer in place of all of them."""
+    kind, options = CASES[case]
+    hf_model = tiny_variant(kind, **options)
+    hf_config = hf_model.config.to_dict() | {"architectures": [type(hf_model).__name__]}
+    config = model_config_from_hf(hf_config)
+    active, total = parameter_counts(config)
+    want = sum(p.numel() for name, p in hf_model.named_parameters()
+               if "norm" not in name and not name.endswith("bias"))
+    assert total == want
+    sparse = config.num_layers - len(config.dense_mlp_layers)
+    idle = config.num_experts - config.num_experts_per_tok
+    assert total - active == sparse * idle * 3 * config.hidden_size * \
+        config.moe_intermediate_size
+
+
+def test_experts_pack_like_dense_weights(tmp_path, tokenizer_files):
+    """--quantization int8 packs every expert's projections (not the router), and greedy
+    tokens stay close to the dense bfloat16 model's (the closeness rule)."""
+    kind, options = CASES["qwen2moe-shared"]
+    folder = save_tiny_model(tmp_path, tiny_variant(kind, **options), tokenizer_files)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    dense = LLM(str(folder), dtype="bfloat16", quantization="none")
+    packed = LLM(str(folder), dtype="bfloat16", quantization="int8")
+    moe = packed.engine.runner.model.model.layers[0].mlp
+    linears = [m for expert in [*moe.experts, moe.shared_expert]
+               for m in (expert.gate_up_proj, expert.down_proj)]
+    assert all(isinstance(m, PackedLinear) for m in linears)
+    assert not isinstance(moe.gate, PackedLinear)
+    assert_greedy_close(dense.generate(PROMPTS, params), packed.generate(PROMPTS, params))
