@@ -18,7 +18,8 @@ from gguf import ReaderTensor
 from ember.config import ModelConfig, RopeScaling
 from ember.errors import ModelLoadError, UnsupportedModel
 from ember.quant.formats import dequantize, quant_bits
-from ember.weights.gguf_archs import ARCHITECTURES, ROPE_FACTORS, layer_names, variant_fields
+from ember.weights.gguf_archs import (ARCHITECTURES, MIXTRAL, ROPE_FACTORS, layer_names,
+                                      moe_fields, variant_fields)
 from ember.weights.gguf_metadata import metadata_of, open_reader
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
@@ -86,8 +87,10 @@ class GGUFFile:
         tensor_names = {t.name for t in self._reader.tensors}
         num_layers = int(self._get("block_count"))
         head_dim = int(self._get("attention.key_length", hidden // num_heads))
+        experts = moe_fields(self.arch, self.metadata, tensor_names, num_layers)
         return ModelConfig(
-            architecture=ARCHITECTURES[self.arch][0],
+            architecture=MIXTRAL if experts and self.arch == "llama" else
+            ARCHITECTURES[self.arch][0],
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(self._get("feed_forward_length")),
@@ -102,6 +105,7 @@ class GGUFFile:
             qkv_bias="blk.0.attn_q.bias" in tensor_names,
             rope_scaling=self._rope_scaling(),
             **variant_fields(self.arch, self.metadata, hidden, num_heads, head_dim, num_layers),
+            **experts,
         )
 
     def _rope_scaling(self) -> RopeScaling | None:
@@ -160,4 +164,10 @@ class GGUFFile:
                 tensor = unpermute_rows(tensor, config.num_heads)
             elif permuted and ".k_proj." in name:
                 tensor = unpermute_rows(tensor, config.num_kv_heads)
+            if "*" in name:  # stacked experts
+                for expert, weight in enumerate(tensor):
+                    yield name.replace("*", str(expert)), weight
+                continue
+            if name.endswith("shared_expert_gate.weight"):
+                tensor = tensor.reshape(1, -1)  # stored as a vector
             yield name, tensor

@@ -101,8 +101,8 @@ def _arch_reasons(file: GGUFFile, arch: str | None) -> list[str]:
                if t.name not in (ROPE_FREQS, *ROPE_FACTORS) and hf_name(t.name, arch) is None]
     if unknown:
         return [f"{_some(unknown)} {'is' if len(unknown) == 1 else 'are'} not part of the "
-                f"{arch} layout ember runs (mixture-of-experts and other extensions are not "
-                "supported)"]
+                f"{arch} layout ember runs (extensions beyond the architectures in the README "
+                "are not supported)"]
     try:
         file.model_config()
     except EmberError as e:

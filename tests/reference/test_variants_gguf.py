@@ -1,13 +1,15 @@
-"""Qwen3, Gemma 2/3, Phi-3 and OLMo 2 from GGUF files written here the way llama.cpp's
-converter writes them, against transformers on the same weights.
+"""Qwen3, Gemma 2/3, Phi-3, OLMo 2 and the mixtures of experts from GGUF files written here
+the way llama.cpp's converter writes them, against transformers on the same weights.
 
 The files take their tensor names from the gguf package's own name map (the converter's),
-Gemma's norms with +1 added, Phi-3's LongRoPE factors as tensors, and the metadata keys that
-llama.cpp's loader reads. Reference: transformers' model the file was written from, float32,
+Gemma's norms with +1 added, Phi-3's LongRoPE factors as tensors, experts stacked into one
+tensor per projection (Mixtral as a llama file, q/k rows permuted), and the metadata keys
+that llama.cpp's loader reads. Reference: transformers' model the file was written from, float32,
 token by token (hf_step_logits).
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,15 +20,22 @@ from gguf import MODEL_ARCH_NAMES, GGUFWriter, RopeScalingType, get_tensor_name_
 from ember import EngineConfig
 from ember.engine.core import EngineCore
 from ember.weights.gguf import GGUFFile
+from tests.reference.test_gguf import llama_cpp_permute
 from tests.reference.test_llama_vs_hf import PROMPTS, ember_greedy_logits
 from tests.reference.test_variants_vs_hf import (CASES, ENGINE, NUM_STEPS, hf_step_logits,
                                                  tiny_variant)
 
 ARCHS = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
-         "phi3-longrope-window": "phi3", "olmo2": "olmo2"}
+         "phi3-longrope-window": "phi3", "olmo2": "olmo2", "mixtral": "llama",
+         "qwen2moe-shared": "qwen2moe", "qwen3moe": "qwen3moe", "olmoe": "olmoe"}
+# transformers holds each layer's experts as [experts, rows, columns] tensors, gate and up
+# fused (gate rows first), as GGUF stacks them
+EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 # llama.cpp scales queries by head_dim ** -0.5 (but for the 27B models): give the Gemmas that
+# and llama.cpp's qwen2moe has no dense layers
 GGUF_OVERRIDES = {"gemma2": dict(query_pre_attn_scalar=16),
-                  "gemma3": dict(query_pre_attn_scalar=16)}
+                  "gemma3": dict(query_pre_attn_scalar=16),
+                  "qwen2moe-shared": dict(mlp_only_layers=[])}
 
 
 def write_variant_gguf(path: Path, hf_model, arch: str, source: dict) -> None:
@@ -45,6 +54,18 @@ def write_variant_gguf(path: Path, hf_model, arch: str, source: dict) -> None:
         w = tensor.numpy().astype(np.float32)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             w = w + 1  # the converter stores Gemma's (1 + weight)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            w = llama_cpp_permute(w, heads)
+        if match := EXPERT_RE.fullmatch(name):
+            layer, kind = match.groups()
+            if kind == "down_proj":
+                writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", w)
+            else:
+                gate, up = np.split(w, 2, axis=1)
+                writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", gate)
+                writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", up)
+            continue
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, name
         writer.add_tensor(gname, w)
@@ -87,6 +108,14 @@ def _write_hparams(writer: GGUFWriter, cfg, arch: str) -> None:
         if getattr(cfg, "layer_types", None):
             writer.add_sliding_window_pattern([t == "sliding_attention"
                                                for t in cfg.layer_types])
+    num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
