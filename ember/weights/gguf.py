@@ -141,13 +141,15 @@ class GGUFFile:
                     weights[bits] += int(t.n_elements)
         return weights.most_common(1)[0][0] if weights else None
 
-    def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, tensor) pairs, dequantized; rope_freqs keeps its GGUF name."""
+    def tensors(self, config: ModelConfig, dtype: torch.dtype = torch.float32
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, tensor) pairs, quantized types dequantized to `dtype`; rope_freqs keeps
+        its GGUF name."""
         permuted = ARCHITECTURES[self.arch][1]
         for t in self._reader.tensors:
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
             try:
-                tensor = dequantize(t.data, t.tensor_type, shape)
+                tensor = dequantize(t.data, t.tensor_type, shape, dtype)
             except NotImplementedError as e:
                 raise UnsupportedModel(f"tensor {t.name} uses ggml type {t.tensor_type.name}, "
                                        f"which cannot be dequantized ({e})") from e

@@ -151,7 +151,8 @@ def load_model(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
     state, parts = {}, {}
     rope_freqs = None
     experts: dict[str, torch.Tensor] = {}
-    for name, tensor in files.tensors(config):
+    # quantized GGUF tensors come out in the dtype the model runs in (not float32 first)
+    for name, tensor in files.tensors(config, dtype):
         tensor = tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor
         for pattern, replacement in _MIXTRAL_NAMES if config.num_experts else ():
             name = pattern.sub(replacement, name)

@@ -71,8 +71,10 @@ class SafetensorsFolder:
         """Floating-point weights: nothing to match with packed integer formats."""
         return None
 
-    def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, tensor) pairs, memory-mapped from the files. Gemma's norms compute
+    def tensors(self, config: ModelConfig, dtype: torch.dtype = torch.float32
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, tensor) pairs, memory-mapped from the files, as stored (`dtype`: the
+        loader casts them). Gemma's norms compute
         x * (1 + weight): their weights come out with the 1 added (as llama.cpp stores them)."""
         for file in self.files:
             try:
