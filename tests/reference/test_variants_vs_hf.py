@@ -103,6 +103,12 @@ def test_logits_match_transformers_at_prefill_and_every_decode_step(variant_pair
                                        msg=lambda m, step=step: f"step {step}: {m}")
 
 
+# the cases whose batched steps take paths the logits test does not: windows over continued
+# chunks, and experts serving several requests' tokens at once
+BATCHED = ("gemma2", "phi3-longrope-window", "mistral-window", "mixtral", "qwen2moe-shared")
+
+
+@pytest.mark.parametrize("variant_pair", BATCHED, indirect=True)
 def test_greedy_tokens_match_transformers_batched_in_chunks(variant_pair):
     """All prompts at once, in steps of 16 tokens: the long prompts' later chunks attend over
     the cache beside the others' decodes (the windowed path's groups)."""
