@@ -189,3 +189,20 @@ def test_experts_pack_like_dense_weights(tmp_path, tokenizer_files):
     assert all(isinstance(m, PackedLinear) for m in linears)
     assert not isinstance(moe.gate, PackedLinear)
     assert_greedy_close(dense.generate(PROMPTS, params), packed.generate(PROMPTS, params))
+
+
+def test_roofline_counts_active_expert_weights():
+    """The roofline's per-token parameters are the active ones: parameter_counts' less the
+    input embedding (a lookup) and the routers (kept out of the linears)."""
+    from ember.engine.roofline import model_cost
+    from ember.models.decoder import VariantForCausalLM
+    kind, options = CASES["mixtral"]
+    hf_model = tiny_variant(kind, **options)
+    config = model_config_from_hf(hf_model.config.to_dict()
+                                  | {"architectures": ["MixtralForCausalLM"]})
+    with torch.device("meta"):
+        model = VariantForCausalLM(config)
+    active, _ = parameter_counts(config)
+    routers = config.num_layers * config.hidden_size * config.num_experts
+    embedding = config.vocab_size * config.hidden_size
+    assert model_cost(model, 0).params == active - embedding - routers
