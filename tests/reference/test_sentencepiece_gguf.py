@@ -105,3 +105,41 @@ def test_byte_fallback_spells_unseen_characters_in_bytes(sentencepiece_gguf):
     ids = ours.encode("☃", add_special_tokens=False)
     assert b"".join(ours.token_bytes(i) for i in ids).endswith("☃".encode())
     assert ours.decode(ids) == "☃"
+
+
+@pytest.fixture(scope="module")
+def small_byte_level(smollm_path) -> dict:
+    """SmolLM2's first 4000 tokens and the merges among them: a byte-level vocabulary small
+    enough for transformers to read in a moment."""
+    source = read_gguf_metadata(smollm_path)
+    tokens = source["tokenizer.ggml.tokens"][:4000]
+    known = set(tokens)
+    merges = [m for m in source["tokenizer.ggml.merges"]
+              if "".join(m.split(" ")) in known and set(m.split(" ")) <= known]
+    return {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.token_type": source["tokenizer.ggml.token_type"][:4000]}
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "tekken", "gpt-4o", "smollm"])
+def test_byte_level_pre_tokenizers_equal_transformers(tmp_path, small_byte_level, pre):
+    """A byte-level vocabulary under each GGUF pre-tokenizer name: the text is split as
+    transformers splits it for that name."""
+    transformers = pytest.importorskip("transformers")
+    source = small_byte_level
+    path = tmp_path / f"bpe-{pre}.gguf"
+    writer = GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(source["tokenizer.ggml.tokens"])
+    writer.add_token_types(source["tokenizer.ggml.token_type"])
+    writer.add_token_merges(source["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    ours = Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
+    for text in TEXTS + ["I'M HAPPY they're 12345 and 3.14159", "CamelCaseWords andMore"]:
+        assert ours.encode(text) == reference(text)["input_ids"], text
