@@ -11,8 +11,13 @@ from dataclasses import dataclass, field, fields
 
 from ember.errors import ConfigError, UnsupportedModel
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_SCALING = ("linear", "llama3")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                           "Phi3ForCausalLM", "Olmo2ForCausalLM", "MixtralForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+SUPPORTED_ROPE_SCALING = ("linear", "llama3", "longrope")
+NORM_LAYOUTS = ("pre", "sandwich", "post")  # see ember/models/decoder.py
+QK_NORMS = ("head", "full")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu", "cost")
 KV_CACHE_DTYPES = ("auto", "model", "int8")  # auto: int8 with int4 weights on the kernels
@@ -33,13 +38,18 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: 'linear' (positions / factor) or 'llama3' (Llama 3.1 bands)."""
+    """RoPE frequency scaling: 'linear' (positions / factor), 'llama3' (Llama 3.1 bands) or
+    'longrope' (Phi-3: per-frequency divisors, short below the original context, long past
+    it, and cos/sin scaled by attention_factor)."""
 
     kind: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in SUPPORTED_ROPE_SCALING:
@@ -68,6 +78,24 @@ class ModelConfig:
     qkv_bias: bool = False
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
+    # what sets the variants apart from Llama (ember/models/decoder.py)
+    sliding_layers: tuple[bool, ...] | None = None  # per layer (None: all, with a window)
+    qk_norm: str | None = None          # RMSNorm on q and k: per "head", or over the "full" row
+    norm_layout: str = "pre"            # pre (Llama), sandwich (Gemma 2/3), post (OLMo 2)
+    hidden_act: str = "silu"            # silu (SwiGLU) or gelu_tanh (GeGLU)
+    norm_plus_one: bool = False         # Gemma: norms compute x * (1 + weight)
+    embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    attn_scale: float | None = None     # None: head_dim ** -0.5
+    attn_softcap: float | None = None   # Gemma 2: scores = cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base
+    # mixture of experts (ember/models/moe.py); num_experts 0: a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False        # renormalise the top-k router probabilities
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's expert every token takes
+    dense_mlp_layers: tuple[int, ...] = ()    # layers with a dense MLP in a MoE model
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -81,6 +109,18 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModel(f"num_heads={self.num_heads} is not a multiple of "
                                    f"num_kv_heads={self.num_kv_heads}; the model files are invalid")
+        check_choice("norm_layout", self.norm_layout, NORM_LAYOUTS)
+        if self.qk_norm is not None:
+            check_choice("qk_norm", self.qk_norm, QK_NORMS)
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise UnsupportedModel(f"activation {self.hidden_act!r} is not supported; ember "
+                                   "runs silu (SwiGLU) and gelu_tanh (GeGLU) MLPs")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModel(f"{self.num_experts_per_tok} experts per token of "
+                                   f"{self.num_experts}; the model config is invalid")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise UnsupportedModel(f"{len(self.sliding_layers)} layer types for "
+                                   f"{self.num_layers} layers; the model config is invalid")
 
     @property
     def q_size(self) -> int:
@@ -91,10 +131,29 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def context_limit(self) -> int:
-        """Longest sequence the model can attend over exactly (sliding windows included)."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence the model can attend over exactly: sliding windows are honoured
+        by masking, so they do not limit it."""
         return self.max_position_embeddings
+
+    def is_sliding(self, layer_idx: int) -> bool:
+        """Whether this layer attends only to the last sliding_window tokens."""
+        if self.sliding_window is None:
+            return False
+        return self.sliding_layers is None or self.sliding_layers[layer_idx]
+
+    def window_of_every_layer(self) -> int | None:
+        """The sliding window when every layer has it (KV blocks behind it can go), else
+        None."""
+        if self.sliding_window is None or not all(self.is_sliding(i)
+                                                   for i in range(self.num_layers)):
+            return None
+        return self.sliding_window
+
+    @property
+    def is_llama(self) -> bool:
+        """Whether LlamaForCausalLM runs it as it is (and its compiled decode stack may)."""
+        return (self.architecture in SUPPORTED_ARCHITECTURES[:3] and self.sliding_window is None
+                and (self.rope_scaling is None or self.rope_scaling.kind != "longrope"))
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,8 @@ class EngineCore:
         kv_caches = allocate_kv_caches(self.model_config, num_blocks, block_size, self.dtype,
                                        config.device, kv_dtype, zeros=huge_page_zeros)
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
-                            config.cache.eviction_policy)
+                            config.cache.eviction_policy,
+                            self.model_config.window_of_every_layer())
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
         self.loras = LoraRegistry(self.model_config, config.max_loras, config.max_lora_rank)
         self.loras.in_use = self._loras_in_use

@@ -79,6 +79,10 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, uid: int,
     if not modules:
         raise ConfigError(f"LoRA adapter {name!r} at {path} has no LoRA weights on "
                           f"{', '.join(TARGETS)}")
+    mlp = sorted({mod for _, mod in modules if TARGETS[mod][0] in ("gate_up", "down")})
+    if mlp and getattr(config, "num_experts", 0):
+        raise ConfigError(f"LoRA adapter {name!r} targets {', '.join(mlp)}; on a mixture of "
+                          "experts ember serves adapters on attention (q/k/v/o) only")
     rank = max(m.a.shape[0] for m in modules.values())
     if rank > max_rank:
         raise ConfigError(f"LoRA adapter {name!r} has rank {rank}; ember serves ranks up to "

@@ -40,7 +40,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> Tensor:
-    """Inverse frequencies [head_dim / 2] float32, with linear or Llama 3.1 scaling."""
+    """Inverse frequencies [head_dim / 2] float32, with linear or Llama 3.1 scaling (longrope:
+    its short factors, for positions within the original context)."""
     # on the CPU even under a meta-device context (meta ops import torch._dynamo)
     steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
     inv_freq = 1.0 / theta ** (steps / head_dim)
@@ -48,7 +49,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> T
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "longrope":
+        return longrope_inv_freq(head_dim, theta, scaling.short_factor)
     return _llama3_inv_freq(inv_freq, scaling)
+
+
+def longrope_inv_freq(head_dim: int, theta: float, factors: tuple[float, ...]) -> Tensor:
+    """Phi-3's LongRoPE: each frequency divided by its own factor [head_dim / 2]."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    factors_t = torch.tensor(factors, dtype=torch.float32, device="cpu")
+    return 1.0 / (factors_t * theta ** (steps / head_dim))
 
 
 def _llama3_inv_freq(inv_freq: Tensor, s: RopeScaling) -> Tensor:

@@ -221,6 +221,7 @@ class Scheduler:
                 continue
             request.num_computed_tokens = item.end
             self.kv.cache_full_blocks(request)
+            self.kv.release_outside_window(request)
             embedding = result.pooled.get(request.request_id)
             if embedding is not None:  # an embedding request ends with its prompt
                 request.embedding = embedding
