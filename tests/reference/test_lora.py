@@ -286,3 +286,27 @@ def test_decode_stack_adds_adapters_as_the_layers_do(smollm_path: Path, tmp_path
             assert tokens == want_tokens
             torch.testing.assert_close(torch.stack(logits), torch.stack(want_logits),
                                        atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "qwen3moe"])
+def test_adapters_on_variant_models_match_peft(kind: str, tmp_path: Path,
+                                               tokenizer_files: Path) -> None:
+    """The variant decoders (q/k norms, GeGLU, windows, experts) take adapters the same way;
+    on a mixture of experts, attention adapters only (an MLP one is refused)."""
+    from tests.reference.test_variants_vs_hf import CASES, tiny_variant
+    arch, options = CASES[kind]
+    base = tiny_variant(arch, **options)
+    folder = save_tiny_model(tmp_path / "base", base, tokenizer_files)
+    moe = kind == "qwen3moe"
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + ([] if moe else ["gate_proj",
+                                                                        "down_proj"])
+    ref = make_adapter(base, tmp_path / "lora", 8, 16, False, targets, 3)
+    engine = EngineCore(EngineConfig(model=str(folder), dtype="float32",
+                                     loras=(("a", str(tmp_path / "lora")),)))
+    jobs = [("a", PROMPTS[0]), (None, PROMPTS[1]), ("a", PROMPTS[1])]
+    for (lora, prompt), (tokens, _) in zip(jobs, run_greedy(engine, jobs, 6)):
+        assert tokens == hf_greedy(ref if lora else base, prompt, 6), (kind, lora)
+    if moe:
+        make_adapter(base, tmp_path / "mlp", 4, 4, False, ["down_proj"], 4)
+        with pytest.raises(ConfigError, match="attention|not a LoRA factor"):
+            engine.loras.add("mlp", tmp_path / "mlp")
