@@ -94,6 +94,7 @@ def test_a_changed_model_file_misses_the_cache(tiny_llama_dir, tmp_path):
     assert not again.engine.weights_cached
 
 
+@pytest.mark.slow   # two full loads of the default model (~1.5 min on 2 busy cores)
 def test_the_default_model_from_the_cache_matches_a_full_load(tmp_path):
     first = start(None, tmp_path)
     second = start(None, tmp_path)

@@ -170,9 +170,11 @@ class EngineCore:
             use_int8_prefill(self, kernels)
             gc.collect()
             return_free_memory()
+        self.load_phases.mark("calibrate")
         if weight_cache is not None and not self.weights_cached:
             weight_cache.save(model, self.model_path)
             return_free_memory()
+            self.load_phases.mark("cache_write")
         self.task = config.task
 
     def _init_encoder(self, config: EngineConfig, files: SafetensorsFolder) -> None:
