@@ -25,7 +25,17 @@ def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
 
 
 def cached_folders(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if not p.name.startswith("."))
+    return sorted(p for p in root.iterdir() if not p.name.startswith(".") and p.name != "files")
+
+
+def assert_same_tokenizer(a: LLM, b: LLM) -> None:
+    """A second start (from a GGUF's summary) has the same tokenizer and architecture."""
+    text = [*PROMPTS, LONG, "<|im_start|>user\nhi ü 😀<|im_end|>"]
+    assert [b.tokenizer.encode(t) for t in text] == [a.tokenizer.encode(t) for t in text]
+    assert (b.tokenizer.bos_token, b.tokenizer.eos_token, b.tokenizer.eos_token_ids,
+            b.tokenizer.chat_template) == (a.tokenizer.bos_token, a.tokenizer.eos_token,
+                                           a.tokenizer.eos_token_ids, a.tokenizer.chat_template)
+    assert b.engine.model_config == a.engine.model_config
 
 
 def start(model: str | None, root: Path, **options: object) -> LLM:
@@ -50,6 +60,8 @@ def test_an_engine_from_the_cache_matches_a_full_load(tiny_llama_dir, tmp_path, 
     second = start(str(folder), tmp_path, **TINY_OPTIONS[kind])
     assert second.engine.weights_cached
     assert run(second) == run(first)
+    assert not (tmp_path / "files").exists()   # a folder's files are summarized by nothing
+    assert_same_tokenizer(first, second)
 
 
 def test_other_options_do_not_share_a_cache(tiny_llama_dir, tmp_path):
@@ -100,6 +112,8 @@ def test_the_default_model_from_the_cache_matches_a_full_load(tmp_path):
     second = start(None, tmp_path)
     assert (first.engine.weights_cached, second.engine.weights_cached) == (False, True)
     assert run(second) == run(first)
+    assert len(list((tmp_path / "files").glob("*.json"))) == 1   # the GGUF's summary
+    assert_same_tokenizer(first, second)
 
 
 def test_prune_keeps_the_newest_caches_of_models_that_still_exist(tmp_path):

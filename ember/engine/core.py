@@ -29,11 +29,11 @@ from ember.runner.kv_tensors import (GIB, allocate_kv_caches, kv_bytes_per_token
 from ember.runner.runner import ModelRunner
 from ember.sampling.grammar import Grammars
 from ember.scheduler.scheduler import Scheduler
-from ember.tokenizer.tokenizer import Tokenizer
-from ember.weights.cache import WeightCache, cache_key
+from ember.weights.cache import SUMMARIES, WeightCache, cache_key
 from ember.weights.gguf import GGUFFile
 from ember.weights.safetensors import SafetensorsFolder
-from ember.weights.loader import (ModelFiles, apply_quantization, load_model, open_model_files,
+from ember.weights.summary import FilesSummary, load_tokenizer, open_summarized
+from ember.weights.loader import (apply_quantization, load_model, open_model_files,
                                   resolve_dtype, resolve_prefill_matmul,
                                   resolve_quantization)
 
@@ -49,12 +49,6 @@ class StepFailed(Exception):
         super().__init__(f"{type(error).__name__}: {error}")
         self.request_ids = request_ids
         self.error = error
-
-
-def load_tokenizer(files: ModelFiles) -> Tokenizer:
-    if isinstance(files, GGUFFile):
-        return Tokenizer.from_gguf_metadata(files.metadata)
-    return Tokenizer.from_hf_folder(files.path)
 
 
 def resolve_max_model_len(config: EngineConfig, model: ModelConfig,
@@ -99,7 +93,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.load_phases = PhaseClock()
-        files = open_model_files(config.model)
+        files = open_model_files(config.model) if config.weight_cache_dir is None else \
+            open_summarized(config.model, Path(config.weight_cache_dir) / SUMMARIES)
         self.model_path = files.path
         if is_encoder(files):  # BERT-style: embeddings only, no KV cache (engine/encoder.py)
             self._init_encoder(config, files)
@@ -108,8 +103,9 @@ class EngineCore:
         self.tokenizer = load_tokenizer(files)
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
-        self.pooling = resolve_pooling(config.pooling, None if isinstance(files, GGUFFile)
-                                       else files.path, encoder=False)
+        gguf = isinstance(files, (GGUFFile, FilesSummary))   # (summaries are of GGUFs)
+        self.pooling = resolve_pooling(config.pooling, None if gguf else files.path,
+                                       encoder=False)
         self.quantization = resolve_quantization(config.quantization, files, self.model_config,
                                                  self.dtype, config.device)
         self.load_phases.mark("files")

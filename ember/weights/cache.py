@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 TENSORS, META = "model.safetensors", "model.json"
+SUMMARIES = "files"   # the model files' summaries (ember/weights/summary.py), kept apart
 KEEP = 4                  # cached models kept (most recently written); older ones are removed
 PARTIAL_STALE_S = 3600.0  # a partial write this old was cut short (its writer died)
 # the modules quantization puts in place, rebuilt from their settings and tensors
@@ -124,6 +125,8 @@ def prune(root: Path, keep: int, now: float | None = None) -> list[Path]:
     now = time.time() if now is None else now
     removed, kept = [], []
     for folder in root.iterdir():
+        if folder.name == SUMMARIES:
+            continue
         if folder.name.startswith(".partial-"):
             if now - folder.stat().st_mtime > PARTIAL_STALE_S:
                 removed.append(folder)
