@@ -134,3 +134,12 @@ def test_prune_keeps_the_newest_caches_of_models_that_still_exist(tmp_path):
     removed = prune(root, keep=2, now=10_000)
     assert sorted(p.name for p in removed) == [".partial-x", "key0", "key3"]
     assert sorted(p.name for p in root.iterdir()) == ["key1", "key2"]
+
+
+def test_serve_caches_under_xdg_cache_home_unless_told_not_to(tmp_path, monkeypatch):
+    from ember.cli import build_parser, engine_config
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    on = engine_config(build_parser().parse_args(["serve"]))
+    off = engine_config(build_parser().parse_args(["serve", "--no-weight-cache"]))
+    assert (on.weight_cache_dir, off.weight_cache_dir) == \
+        (str(tmp_path / "ember" / "weights"), None)
