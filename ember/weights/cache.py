@@ -31,6 +31,7 @@ from torch import nn
 
 from ember.config import EngineConfig, ModelConfig
 from ember.kernels import CpuKernels
+from ember.models.decoder import VariantForCausalLM
 from ember.models.llama import LlamaForCausalLM
 from ember.quant.packed import Int8Embedding, KernelInt8Linear, PackedLinear, prepack_for_onednn
 
@@ -201,8 +202,8 @@ def _restore(config: ModelConfig, meta: dict[str, Any], tensors: dict[str, torch
              kernels: CpuKernels | None) -> LlamaForCausalLM:
     """The model built on the meta device, its packed modules put back from their settings,
     and every tensor assigned (the mapped ones themselves, not copies)."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    with torch.device("meta"):   # the class load_model builds
+        model = (LlamaForCausalLM if config.is_llama else VariantForCausalLM)(config)
     for path, spec in meta["modules"].items():
         if spec["kernels"] and kernels is None:
             raise ValueError("the cache was made with the compiled kernels")

@@ -88,7 +88,8 @@ def summary_key(path: Path) -> str:
 
 
 def _read(path: Path, data: dict[str, Any]) -> FilesSummary:
-    config = dict(data["config"])
+    # JSON has lists where the config has tuples (per-layer settings)
+    config = {k: tuple(v) if isinstance(v, list) else v for k, v in data["config"].items()}
     if config["rope_scaling"] is not None:
         config["rope_scaling"] = RopeScaling(**config["rope_scaling"])
     tok = data["tokenizer"]
