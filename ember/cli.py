@@ -2,7 +2,7 @@
 
 The only module that reads environment variables: EMBER_MODEL (the default for --model) and
 EMBER_API_KEY (the default for --api-key), and XDG_CACHE_HOME (where `ember bench` writes
-results without --out).
+results without --out, and the engine caches the loaded model's weights).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -87,6 +87,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-loras", type=int, default=8,
                    help="LoRA adapters held in memory at once (least recently used out)")
     g.add_argument("--max-lora-rank", type=int, default=64)
+    g.add_argument("--no-weight-cache", action="store_true",
+                   help="load and pack the weights afresh every start (by default the packed "
+                        "weights are cached under $XDG_CACHE_HOME/ember/weights and "
+                        "memory-mapped on the next start)")
     g.add_argument("-q", "--quiet", action="store_true",
                    help="do not report the model and KV cache on stderr at start")
 
@@ -103,6 +107,11 @@ def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
 
 
+def weight_cache_dir(environ: Mapping[str, str], home: Path) -> Path:
+    """Where loaded models are cached: the user's cache folder, as for bench results."""
+    return results_dir(environ, home).parent / "weights"
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization,
@@ -111,6 +120,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.engine_seed, task=args.task, pooling=args.pooling,
         loras=tuple(parse_lora(spec) for spec in args.lora), max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        weight_cache_dir=None if getattr(args, "no_weight_cache", False) else
+        str(weight_cache_dir(os.environ, Path.home())),
         cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                           enable_prefix_caching=not args.no_prefix_caching,
                           eviction_policy=args.eviction_policy,

@@ -225,6 +225,9 @@ class EngineConfig:
     loras: tuple[tuple[str, str], ...] = ()   # (name, path) of LoRA adapters loaded at start
     max_loras: int = 8             # adapters resident in memory at once (least recently used out)
     max_lora_rank: int = 64
+    # the model as the engine runs it is cached in this folder and memory-mapped on the next
+    # start (ember/weights/cache.py); None: no cache
+    weight_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)

@@ -4,8 +4,12 @@ only if starting again is cheap, so each phase is reported on its own):
     process   interpreter start and imports, until the engine begins to load
     files     open the model files, read the tokenizer
     kernels   load (or build) the compiled CPU kernels
-    weights   read, rename, fuse, cast and pack the weights
+    weights   read, rename, fuse, cast and pack the weights (or map them from the weight
+              cache, ember/weights/cache.py)
     kv_cache  plan and allocate the KV cache, build the scheduler and runner
+    calibrate the int8 prompt matmuls' calibration prompt (none when the weights came from
+              the cache, which holds its result)
+    cache_write  save the weight cache (only on a start that missed it)
     warm_up   one short generation
 """
 from __future__ import annotations

@@ -7,6 +7,9 @@ from __future__ import annotations
 import gc
 import logging
 from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
 
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.calibrate import prepare_int8_prefill, use_int8_prefill
@@ -16,7 +19,7 @@ from ember.engine.encoder import build_encoder, is_encoder
 from ember.engine.memory import (huge_page_zeros, large_blocks_mapped_alone, move_to_huge_pages,
                                  return_free_memory)
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
-from ember.kernels import load_kernels
+from ember.kernels import CpuKernels, load_kernels
 from ember.kv.kv_manager import KVCacheManager
 from ember.lora.registry import LoraRegistry
 from ember.quant.packed import step_weights
@@ -26,10 +29,11 @@ from ember.runner.kv_tensors import (GIB, allocate_kv_caches, kv_bytes_per_token
 from ember.runner.runner import ModelRunner
 from ember.sampling.grammar import Grammars
 from ember.scheduler.scheduler import Scheduler
-from ember.tokenizer.tokenizer import Tokenizer
+from ember.weights.cache import SUMMARIES, WeightCache, cache_key
 from ember.weights.gguf import GGUFFile
 from ember.weights.safetensors import SafetensorsFolder
-from ember.weights.loader import (ModelFiles, apply_quantization, load_model, open_model_files,
+from ember.weights.summary import FilesSummary, load_tokenizer, open_summarized
+from ember.weights.loader import (apply_quantization, load_model, open_model_files,
                                   resolve_dtype, resolve_prefill_matmul,
                                   resolve_quantization)
 
@@ -45,12 +49,6 @@ class StepFailed(Exception):
         super().__init__(f"{type(error).__name__}: {error}")
         self.request_ids = request_ids
         self.error = error
-
-
-def load_tokenizer(files: ModelFiles) -> Tokenizer:
-    if isinstance(files, GGUFFile):
-        return Tokenizer.from_gguf_metadata(files.metadata)
-    return Tokenizer.from_hf_folder(files.path)
 
 
 def resolve_max_model_len(config: EngineConfig, model: ModelConfig,
@@ -95,7 +93,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.load_phases = PhaseClock()
-        files = open_model_files(config.model)
+        files = open_model_files(config.model) if config.weight_cache_dir is None else \
+            open_summarized(config.model, Path(config.weight_cache_dir) / SUMMARIES)
         self.model_path = files.path
         if is_encoder(files):  # BERT-style: embeddings only, no KV cache (engine/encoder.py)
             self._init_encoder(config, files)
@@ -104,8 +103,9 @@ class EngineCore:
         self.tokenizer = load_tokenizer(files)
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
-        self.pooling = resolve_pooling(config.pooling, None if isinstance(files, GGUFFile)
-                                       else files.path, encoder=False)
+        gguf = isinstance(files, (GGUFFile, FilesSummary))   # (summaries are of GGUFs)
+        self.pooling = resolve_pooling(config.pooling, None if gguf else files.path,
+                                       encoder=False)
         self.quantization = resolve_quantization(config.quantization, files, self.model_config,
                                                  self.dtype, config.device)
         self.load_phases.mark("files")
@@ -114,14 +114,19 @@ class EngineCore:
         self.kernels = kernels   # compiled CPU kernels, or None (the torch path)
         self.prefill_matmul = resolve_prefill_matmul(config.prefill_matmul, self.quantization,
                                                      kernels)
+        weight_cache = self._weight_cache(kernels)
+        model = None if weight_cache is None else weight_cache.load(self.model_config, kernels)
+        self.weights_cached = model is not None   # final weights mapped: no calibration
         with large_blocks_mapped_alone():  # weights and load temporaries in separate mappings
-            model = apply_quantization(load_model(files, self.model_config, self.dtype,
-                                                  config.device), self.quantization, kernels)
+            if model is None:
+                model = apply_quantization(load_model(files, self.model_config, self.dtype,
+                                                      config.device), self.quantization, kernels)
             move_to_huge_pages(step_weights(model))
         model.use_kernels(kernels)  # (the decode stack takes the weights where they are now)
         self.load_phases.mark("weights")
         model.cache_rope(self.max_model_len, self.dtype)
-        if self.prefill_matmul == "int8":  # bfloat16 copies out before the KV cache comes
+        if self.prefill_matmul == "int8" and not self.weights_cached:  # bfloat16 copies out
+            # before the KV cache comes
             prepare_int8_prefill(model)
         del files  # the file's metadata (~170 MB of Python objects for a GGUF) goes now,
         gc.collect()  # before the KV cache is allocated: loading peaks lower
@@ -155,10 +160,17 @@ class EngineCore:
             self.loras.add(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.load_phases.mark("kv_cache")
-        if self.prefill_matmul == "int8":  # SmoothQuant int8 from a calibration prompt
+        if self.prefill_matmul == "int8" and self.weights_cached:
+            model.use_int8_decode()   # the cached int8 weights are calibrated already
+        elif self.prefill_matmul == "int8":  # SmoothQuant int8 from a calibration prompt
             use_int8_prefill(self, kernels)
             gc.collect()
             return_free_memory()
+        self.load_phases.mark("calibrate")
+        if weight_cache is not None and not self.weights_cached:
+            weight_cache.save(model, self.model_path)
+            return_free_memory()
+            self.load_phases.mark("cache_write")
         self.task = config.task
 
     def _init_encoder(self, config: EngineConfig, files: SafetensorsFolder) -> None:
@@ -180,6 +192,17 @@ class EngineCore:
                  "tokens", self.model_path.name, self.model_config.architecture,
                  str(self.dtype).removeprefix("torch."), config.device, self.pooling,
                  self.max_model_len)
+
+    def _weight_cache(self, kernels: CpuKernels | None) -> WeightCache | None:
+        """This model's cache on disk (ember/weights/cache.py), where one is configured and
+        the weights live on the CPU."""
+        if self.config.weight_cache_dir is None or \
+                torch.device(self.config.device).type != "cpu":
+            return None
+        choices = {"dtype": str(self.dtype), "quantization": self.quantization,
+                   "prefill_matmul": self.prefill_matmul}
+        return WeightCache(Path(self.config.weight_cache_dir),
+                           cache_key(self.model_path, self.config, choices, kernels))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     options: RequestOptions = RequestOptions(),

@@ -4,6 +4,10 @@ Where the defaults come from:
 * imbalance guard (max - min in-flight > 8 and max > 1.5x min): SGLang's cache-aware router
   balances by queue length when its absolute and relative thresholds are both passed; its
   relative threshold is 1.5, and 8 is a burst the size of one client's concurrency.
+* share guard (over the last 64 decisions, max - min routed > 8 and max > 1.25x min):
+  the in-flight guard never fires when the concurrency is below its absolute threshold, so
+  with few tenants whole tenants piled onto one replica (a 24/41 split measured); routed
+  counts catch that. 1.25 over a window keeps the whole run's split under 1.5.
 * saturation filter (waiting > 5 or KV usage > 0.8): llm-d's endpoint picker defaults for its
   queue and KV-cache filters.
 * load weight (one in-flight request costs as much as prefilling 4 blocks): one decoding
@@ -25,6 +29,9 @@ POLICIES = ("prefix", "round-robin", "least-load", "session")
 class PrefixConfig:
     imbalance_abs: int = 8
     imbalance_rel: float = 1.5
+    share_window: int = 64          # recent decisions the share guard counts (0: no guard)
+    share_abs: int = 8
+    share_rel: float = 1.25
     max_waiting: int = 5
     max_kv_usage: float = 0.8
     load_weight: float = 4.0        # blocks to prefill that one in-flight request is worth
@@ -36,6 +43,9 @@ class PrefixConfig:
         if self.imbalance_abs < 0 or self.imbalance_rel < 1:
             raise ConfigError("the imbalance guard needs imbalance_abs >= 0 and "
                               "imbalance_rel >= 1")
+        if self.share_window < 0 or self.share_abs < 0 or self.share_rel < 1:
+            raise ConfigError("the share guard needs share_window >= 0, share_abs >= 0 and "
+                              "share_rel >= 1")
         if not 0 < self.max_kv_usage <= 1:
             raise ConfigError(f"max_kv_usage={self.max_kv_usage} must be in (0, 1]")
         if self.routed_ttl_s <= 0 or self.text_chunk_chars <= 0 or self.max_text_chunks <= 0:

@@ -44,6 +44,7 @@ class Gateway:
     tenants: bool = False              # keys name tenants, whose prefixes are salted
     in_flight: int = 0
     stop_replicas: bool = True
+    draining: bool = False             # stopping: not ready, in-flight requests finish
 
     def check_key(self, request: Request) -> ApiKey | None:
         if not self.keys:
@@ -55,6 +56,8 @@ class Gateway:
         self.in_flight = max(0, self.in_flight - 1)
 
     def ready(self) -> bool:
+        if self.draining:
+            return False
         now = time.monotonic()
         primaries = self.fleet.group("primary")
         if any(r.routable(now) for r in primaries):

@@ -17,6 +17,7 @@ from ember.router.prompts import PromptKeys, load_tokenizer
 from ember.router.proxy import Proxy
 from ember.router.replicas import Launcher, LocalLauncher, RemoteHandle, Replica
 from ember.router.rollout import Rollout, parse_spec
+from ember.server.exit import GracefulServer
 from ember.tokenizer.tokenizer import Tokenizer
 
 
@@ -66,8 +67,11 @@ def cmd_route(parser: argparse.ArgumentParser, args: argparse.Namespace,
     print(f"ember: routing on http://{server.host}:{server.port} over "
           f"{len(fleet.replicas)} replicas ({config.policy}); see /fleet", file=sys.stderr,
           flush=True)
-    uvicorn.run(app, host=server.host, port=server.port, log_level="warning",
-                access_log=False)
+    uv_config = uvicorn.Config(app, host=server.host, port=server.port, log_level="warning",
+                               timeout_graceful_shutdown=server.drain_timeout_s,
+                               access_log=False)
+    # on SIGTERM: not ready, in-flight requests finish, replicas stop, exit 0
+    GracefulServer(uv_config, lambda: setattr(gateway, "draining", True)).run()
 
 
 def assemble(fleet: Fleet, rollout: Rollout, config: RouterConfig,

@@ -8,6 +8,8 @@ decisions sees each other.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ember.router.config import PrefixConfig
@@ -54,20 +56,24 @@ def session(cands: list[Candidate], key: str | None) -> Decision:
     return Decision(max(cands, key=weight).id, "session")
 
 
-def prefix(cands: list[Candidate], num_blocks: int, cfg: PrefixConfig) -> Decision:
+def prefix(cands: list[Candidate], num_blocks: int, cfg: PrefixConfig,
+           recent: Mapping[str, int] | None = None) -> Decision:
     """Cost = blocks still to prefill + load_weight x in-flight, over the replicas that pass
-    the saturation filter (all of them, if none does) and the imbalance guard."""
+    the saturation filter (all of them, if none does) and the imbalance guards: in-flight
+    counts, then `recent` (requests routed to each replica over the last decisions)."""
     pool = [c for c in cands if not saturated(c, cfg)]
     reason = "prefix"
     if not pool:
         pool, reason = cands, "all_saturated"
-    loads = [c.in_flight for c in pool]
-    low, high = min(loads), max(loads)
-    if high - low > cfg.imbalance_abs and high > cfg.imbalance_rel * low:
-        middle = (high + low) / 2
-        pool = [c for c in pool if c.in_flight <= middle]
-        best = max(pool, key=lambda c: (c.matched_blocks, -c.in_flight, c.id))
-        return Decision(best.id, "imbalance", best.matched_blocks)
+    guarded = _less_loaded(pool, {c.id: c.in_flight for c in pool}, cfg.imbalance_abs,
+                           cfg.imbalance_rel)
+    if guarded is not None:
+        return _longest_prefix(guarded, "imbalance")
+    if recent is not None:
+        guarded = _less_loaded(pool, {c.id: recent.get(c.id, 0) for c in pool},
+                               cfg.share_abs, cfg.share_rel)
+        if guarded is not None:
+            return _longest_prefix(guarded, "share_imbalance")
 
     def cost(c: Candidate) -> tuple[float, str]:
         return (num_blocks - c.matched_blocks) + cfg.load_weight * c.in_flight, c.id
@@ -77,13 +83,31 @@ def prefix(cands: list[Candidate], num_blocks: int, cfg: PrefixConfig) -> Decisi
     return Decision(best.id, reason, best.matched_blocks)
 
 
+def _less_loaded(pool: list[Candidate], load: dict[str, int], over_abs: int,
+                 over_rel: float) -> list[Candidate] | None:
+    """Where max - min load > over_abs and max > over_rel x min: the candidates at or below
+    the middle; else None."""
+    low, high = min(load.values()), max(load.values())
+    if high - low > over_abs and high > over_rel * low:
+        return [c for c in pool if load[c.id] <= (high + low) / 2]
+    return None
+
+
+def _longest_prefix(pool: list[Candidate], reason: str) -> Decision:
+    best = max(pool, key=lambda c: (c.matched_blocks, -c.in_flight, c.id))
+    return Decision(best.id, reason, best.matched_blocks)
+
+
 class Picker:
-    """A policy by name, with the little state one keeps (round-robin's turn)."""
+    """A policy by name, with the little state one keeps (round-robin's turn, the prefix
+    policy's last decisions)."""
 
     def __init__(self, policy: str, cfg: PrefixConfig) -> None:
         self.policy = policy
         self.cfg = cfg
         self.turn = 0
+        self.last: deque[str] = deque(maxlen=cfg.share_window)
+        self.routed: Counter[str] = Counter()   # replica id -> its decisions among `last`
 
     def pick(self, cands: list[Candidate], num_blocks: int = 0,
              session_key: str | None = None) -> Decision:
@@ -96,4 +120,18 @@ class Picker:
             return least_load(cands)
         if self.policy == "session":
             return session(cands, session_key)
-        return prefix(cands, num_blocks, self.cfg)
+        decision = prefix(cands, num_blocks, self.cfg,
+                          self.routed if self.cfg.share_window else None)
+        self._note(decision.replica_id)
+        return decision
+
+    def _note(self, replica_id: str) -> None:
+        if self.cfg.share_window == 0:
+            return
+        if len(self.last) == self.last.maxlen:
+            gone = self.last[0]
+            self.routed[gone] -= 1
+            if not self.routed[gone]:
+                del self.routed[gone]
+        self.last.append(replica_id)
+        self.routed[replica_id] += 1

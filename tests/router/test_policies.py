@@ -85,3 +85,32 @@ def test_a_burst_of_one_prefix_spreads_once_in_flight_is_raised_at_decision():
         picks.append(d.replica_id)
     assert picks[0] == "r0" and "r1" in picks
     assert max(loads.values()) - min(loads.values()) <= CFG.imbalance_abs
+
+
+def test_share_guard_spreads_tenants_that_all_sit_on_one_replica():
+    """Few tenants whose prefixes all sit on r0, at a concurrency the in-flight guard never
+    notices (in-flight equal): the share guard moves requests until the recent split is
+    within its bounds, and takes the longest prefix among the less used replicas."""
+    picker = Picker("prefix", CFG)
+    picked = [picker.pick(cands(1, 1, matched=(10, 0)), num_blocks=12) for _ in range(256)]
+    split = Counter(d.replica_id for d in picked)
+    assert max(split.values()) / min(split.values()) <= 1.5   # the whole run's skew
+    window = sorted(picker.routed.values())   # the last 64: one step (a decision in, an
+    # older one out: 2) past the guard at most
+    assert sum(window) == CFG.share_window
+    assert window[1] - window[0] <= CFG.share_abs + 2 or \
+        window[1] <= CFG.share_rel * window[0] + 2
+    assert {d.reason for d in picked} == {"prefix_hit", "share_imbalance"}
+    assert all(d.replica_id == "r1" for d in picked if d.reason == "share_imbalance")
+    # among the less used replicas, the one holding more of the prompt
+    shares = {"r0": 40, "r1": 10, "r2": 10}
+    got = prefix(cands(1, 1, 1, matched=(9, 2, 5)), 12, CFG, shares)
+    assert (got.replica_id, got.reason) == ("r2", "share_imbalance")
+
+
+def test_share_guard_leaves_a_balanced_split_to_the_prefix_cost():
+    got = prefix(cands(1, 1, matched=(0, 10)), 12, CFG, {"r0": 30, "r1": 34})
+    assert (got.replica_id, got.reason) == ("r1", "prefix_hit")
+    picker = Picker("prefix", PrefixConfig(share_window=0))   # off
+    assert {picker.pick(cands(1, 1, matched=(10, 0)), 12).replica_id
+            for _ in range(100)} == {"r0"}

@@ -136,5 +136,11 @@ def test_scale_from_zero_answers_every_request_and_scales_back(tiny_llama_dir, r
                                                                "max_tokens": 4}, timeout=180)
         assert again.status_code == 200
         assert cold.metric('ember_router_scale_events_total{direction="up"}') == 2
+        # SIGTERM drains: the gateway stops its replica and exits 0, as `ember serve` does
+        replica_pid = cold.fleet()["replicas"][0]["pid"]
+        cold.proc.send_signal(signal.SIGTERM)
+        assert cold.proc.wait(60) == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(replica_pid, 0)
     finally:
         cold.close()
