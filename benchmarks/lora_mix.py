@@ -60,6 +60,13 @@ def bench(base_url: str, models: str, args: argparse.Namespace, out: Path) -> fl
     return json.loads(out.read_text())["output_tok_per_s"]
 
 
+def _ready(root: str) -> bool:
+    try:
+        return httpx.get(root + "/health/ready").status_code == 200
+    except httpx.TransportError:  # not listening yet
+        return False
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--start", action="store_true", help="start `ember serve` with the adapters")
@@ -85,7 +92,7 @@ def main() -> None:
             cmd += ["--lora", f"{name}={work / name}"]
         proc = subprocess.Popen(cmd)
         root = args.base_url.rsplit("/v1", 1)[0]
-        while httpx.get(root + "/health/ready").status_code != 200:
+        while not _ready(root):
             if proc.poll() is not None:
                 raise SystemExit("the server exited")
             time.sleep(0.5)

@@ -46,10 +46,11 @@ class FilesSummary:
     def linear_bits(self) -> int | None:
         return self.bits
 
-    def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, config: ModelConfig, dtype: torch.dtype = torch.float32
+                ) -> Iterator[tuple[str, torch.Tensor]]:
         if self._files is None:
             self._files = open_model_files(self.path)
-        return self._files.tensors(config)
+        return self._files.tensors(config, dtype)
 
 
 def open_summarized(model: str | Path | None, root: Path) -> ModelFiles | FilesSummary:
@@ -91,7 +92,9 @@ def _read(path: Path, data: dict[str, Any]) -> FilesSummary:
     # JSON has lists where the config has tuples (per-layer settings)
     config = {k: tuple(v) if isinstance(v, list) else v for k, v in data["config"].items()}
     if config["rope_scaling"] is not None:
-        config["rope_scaling"] = RopeScaling(**config["rope_scaling"])
+        config["rope_scaling"] = RopeScaling(**{
+            k: tuple(v) if isinstance(v, list) else v
+            for k, v in config["rope_scaling"].items()})
     tok = data["tokenizer"]
     tokenizer = Tokenizer(HFTokenizer.from_str(tok["backend"]), bos_token=tok["bos"],
                           eos_token=tok["eos"], eos_token_ids=tok["eos_ids"],
