@@ -71,17 +71,18 @@ class SafetensorsFolder:
         """Floating-point weights: nothing to match with packed integer formats."""
         return None
 
-    def tensors(self, config: ModelConfig, dtype: torch.dtype = torch.float32
+    def tensors(self, config: ModelConfig | None, dtype: torch.dtype = torch.float32
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) pairs, memory-mapped from the files, as stored (`dtype`: the
-        loader casts them). Gemma's norms compute
+        loader casts them; `config` None: an encoder's, as stored). Gemma's norms compute
         x * (1 + weight): their weights come out with the 1 added (as llama.cpp stores them)."""
         for file in self.files:
             try:
                 with safe_open(str(file), framework="pt") as f:
                     for name in f.keys():
                         tensor = f.get_tensor(name)
-                        if config.norm_plus_one and name.endswith("norm.weight"):
+                        if config is not None and config.norm_plus_one \
+                                and name.endswith("norm.weight"):
                             tensor = tensor.float() + 1.0
                         yield name, tensor
             except SafetensorError as e:
