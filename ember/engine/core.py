@@ -32,7 +32,7 @@ from ember.scheduler.scheduler import Scheduler
 from ember.weights.cache import SUMMARIES, WeightCache, cache_key
 from ember.weights.gguf import GGUFFile
 from ember.weights.safetensors import SafetensorsFolder
-from ember.weights.summary import FilesSummary, load_tokenizer, open_summarized
+from ember.engine.files_summary import FilesSummary, load_tokenizer, open_summarized
 from ember.weights.loader import (apply_quantization, load_model, open_model_files,
                                   resolve_dtype, resolve_prefill_matmul,
                                   resolve_quantization)

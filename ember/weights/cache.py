@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 TENSORS, META = "model.safetensors", "model.json"
-SUMMARIES = "files"   # the model files' summaries (ember/weights/summary.py), kept apart
+SUMMARIES = "files"   # the model files' summaries (ember/engine/files_summary.py), kept apart
 KEEP = 4                  # cached models kept (most recently written); older ones are removed
 PARTIAL_STALE_S = 3600.0  # a partial write this old was cut short (its writer died)
 # the modules quantization puts in place, rebuilt from their settings and tensors
