@@ -5,8 +5,9 @@
 
 Writes four random rank-R adapters on every projection of the served model (PEFT format),
 serves them with --lora, then runs `ember bench` at --concurrency twice, base-only and with
-the requests spread over the adapters, alternating the two `--rounds` times, and prints the
-ratio of output token throughputs (median of rounds).
+the requests spread over the adapters, alternating the two `--rounds` times (after
+`--warmup` uncounted rounds), and prints the ratio of output token throughputs (median of
+rounds).
 """
 from __future__ import annotations
 
@@ -78,6 +79,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="rounds of both run first and not counted (a fresh server's first "
+                        "steps run its one-time setup)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ember-lora-bench-"))
     names = [f"a{i}" for i in range(4)]
@@ -98,16 +102,21 @@ def main() -> None:
             time.sleep(0.5)
     base = httpx.get(args.base_url + "/models").json()["data"][0]["id"]
     try:
+        for r in range(args.warmup):
+            bench(args.base_url, base, args, work / f"warm-base{r}.json")
+            bench(args.base_url, ",".join(names), args, work / f"warm-mixed{r}.json")
         results: dict[str, list[float]] = {"base": [], "mixed": []}
         for r in range(args.rounds):
             results["base"].append(bench(args.base_url, base, args, work / f"base{r}.json"))
             results["mixed"].append(bench(args.base_url, ",".join(names), args,
                                           work / f"mixed{r}.json"))
             print(f"round {r}: base {results['base'][-1]:.1f} tok/s, "
-                  f"4 adapters mixed {results['mixed'][-1]:.1f} tok/s", flush=True)
+                  f"4 adapters mixed {results['mixed'][-1]:.1f} tok/s, ratio "
+                  f"{results['mixed'][-1] / results['base'][-1]:.2f}", flush=True)
         base_tps, mixed_tps = (statistics.median(v) for v in results.values())
+        paired = statistics.median(m / b for b, m in zip(results["base"], results["mixed"]))
         print(f"median: base {base_tps:.1f} tok/s, mixed {mixed_tps:.1f} tok/s, "
-              f"ratio {mixed_tps / base_tps:.2f}")
+              f"ratio {mixed_tps / base_tps:.2f} (median of the rounds' ratios {paired:.2f})")
     finally:
         if proc is not None:
             proc.terminate()

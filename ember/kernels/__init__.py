@@ -5,7 +5,8 @@ residual add fused in, RoPE fused with the KV-cache write, SwiGLU's activation, 
 argmax), `decode_attention.cpp` (one new token per request, read in place from the paged KV
 cache, no gathered copy), `prefill_attention.cpp` (flash attention of a prompt chunk over its
 paged context), `int4_matmul.cpp` and `int8_matmul.cpp` (linears on int4 and int8 weights,
-and on int8 activations), `decode_stack.cpp` (every decoder layer of a step in one call), the
+and on int8 activations), `lora.cpp` (the LoRA adapters of a mixed batch, each adapter's
+rows at once), `decode_stack.cpp` (every decoder layer of a step in one call), the
 inline helpers they share (`vec.h` SIMD, `kv_cache.h` the cache's rows, `common.h` what one
 file calls in another) and `bindings.cpp` (the Python bindings only). Most need a CPU with
 AVX-512 BF16 (and VNNI, for the int8 activations); the rest run anywhere. They are built as
@@ -132,6 +133,15 @@ class CpuKernels:
         q in quads (pack_int8_quads; AVX-512 VNNI) on ember's int8 tiles, with the same
         result bit for bit. AVX-512 BF16 only."""
         return self.ops.w8a8_linear(x, q, scales, smooth, swiglu, group)
+
+    def lora_add(self, y: Tensor, x: Tensor, rows: Tensor, starts: Tensor, a: Tensor,
+                 b: Tensor, ranges: Tensor) -> None:
+        """In place, y[rows_g] += (x[rows_g] @ A[g].T) @ B[g] for each adapter g: rows [N]
+        int64 grouped by adapter, starts [G + 1] where each begins, a = A [G, R, in]
+        bfloat16, b and ranges B's nonzero blocks of 16 columns (ember/lora/batch.py
+        _column_blocks); x [T, in] and y [T, out] bfloat16. Products in float32, y + delta
+        rounded once. AVX-512 BF16 only (ember/kernels/cpu/lora.cpp)."""
+        self.ops.lora_add(y, x, rows, starts, a, b, ranges)
 
     def decode_stack(self, weights: list[Tensor], final_norm: Tensor, heads: int,
                      kv_heads: int, head_dim: int, eps: float, scale: float):

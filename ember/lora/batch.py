@@ -1,17 +1,21 @@
 """One step's LoRA work: every adapter in the batch at once, in a few ops per projection.
 
-For a projection with input x [T, in] and output y [T, out], the rows of each adapter in the
-step (g = 0 .. G-1) are gathered into a segment of its own, every segment padded to the
-longest, L rows (a padding row repeats a real one and is zeroed), and
+For a projection with input x [T, in] and output y [T, out], each row with an adapter gets
 
-    y[rows] += bmm(bmm(x[rows], A), B)      A [G, in, R], B [G, R, out] stacked per adapter
+    y[row] += (x[row] @ A) @ B          A [in, R], B [R, out]: its adapter's factors
 
-adds to each row its own adapter's update: the gathered low-rank matmuls of punica / S-LoRA,
-as two batched matmuls whatever the number of adapters. Rows of the base model are not
-gathered at all. No weight is merged, no forward runs per adapter. On the CPU the factors are
-float32 (its float32 matmuls run at twice its bfloat16 rate). The stacks of a set of adapters
-are built once and kept while the same set keeps running (a few sets, least recently used
-out).
+for all adapters of the step at once: the gathered low-rank matmuls of punica / S-LoRA. No
+weight is merged, no forward runs per adapter, rows of the base model cost nothing. Two forms:
+
+- compiled (CPU, bfloat16 activations, AVX-512 BF16): one kernel call per projection
+  (CpuKernels.lora_add) reads each adapter's bfloat16 factors once for all of its rows, and
+  skips the zero blocks of fused projections (q's ranks only write q's columns);
+- torch: the rows of each adapter are gathered into a segment of its own, every segment
+  padded to the longest, and y[rows] += bmm(bmm(x[rows], A), B) over the stacked factors
+  (float32 on the CPU, the model's dtype elsewhere).
+
+The stacks of a set of adapters are built once and kept while the same set keeps running (a
+few sets, least recently used out).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ember.kernels import CpuKernels
 from ember.lora.adapter import PROJECTIONS, LoraAdapter
 
 MAX_CACHED_SETS = 4
@@ -28,38 +33,49 @@ MAX_CACHED_SETS = 4
 
 @dataclass(frozen=True)
 class _Stacks:
-    """Stacked factors of one ordered set of adapters, per layer and projection."""
+    """Stacked factors of one ordered set of adapters, per layer and projection: (A [G, in, R],
+    B [G, R, out]) for torch; for the kernel, (A [G, R, in], B's nonzero blocks of 16 columns
+    [G, P, 16], ranges [ceil(out / 16), 3] int32: see _column_blocks)."""
 
-    layers: list[dict[str, tuple[Tensor, Tensor]]]
-    flat: list[Tensor]            # per layer, (A, B) per projection; empty where none
+    layers: list[dict[str, tuple[Tensor, ...]]]
+    flat: list[Tensor]            # per layer, each projection's tensors; empty where none
 
 
 @dataclass(frozen=True)
 class _Rows:
-    """Which rows each adapter's segment gathers: gather [G * L], and pad [G * L, 1] (0 on
-    padding rows) or None where every segment is full."""
+    """Which rows each adapter takes. Kernel: rows [N] grouped by adapter, starts [G + 1].
+    Torch: gather [G * L] (segments padded to the longest, L, with a repeat of a real row),
+    pad [G * L, 1] (0 on padding rows) or None where every segment is full."""
 
     gather: Tensor
     pad: Tensor | None
     groups: int
+    starts: Tensor | None = None
 
 
 class LoraLayer:
     """One layer's view of the step: add_(projection, y, x) adds the rows' adapters to y."""
 
-    __slots__ = ("factors", "rows")
+    __slots__ = ("factors", "rows", "kernels")
 
-    def __init__(self, factors: dict[str, tuple[Tensor, Tensor]], rows: _Rows) -> None:
+    def __init__(self, factors: dict[str, tuple[Tensor, ...]], rows: _Rows,
+                 kernels: CpuKernels | None) -> None:
         self.factors = factors
         self.rows = rows
+        self.kernels = kernels
 
     def add_(self, projection: str, y: Tensor, x: Tensor) -> Tensor:
-        """y[rows] += bmm(bmm(x[rows], A), B) for this layer's `projection`; returns y."""
-        pair = self.factors.get(projection)
-        if pair is None:
+        """y[row] += (x[row] @ A) @ B for each row's adapter on this layer's `projection`;
+        returns y."""
+        factors = self.factors.get(projection)
+        if factors is None:
             return y
-        a, b = pair
         rows = self.rows
+        if self.kernels is not None:
+            a, b, ranges = factors
+            self.kernels.lora_add(y, x, rows.gather, rows.starts, a, b, ranges)
+            return y
+        a, b = factors
         xs = x.index_select(0, rows.gather).to(a.dtype)
         if rows.pad is not None:
             xs.mul_(rows.pad)
@@ -70,27 +86,34 @@ class LoraLayer:
 class LoraStep:
     """The adapters of one step: layer(i) is what layer i applies."""
 
-    def __init__(self, stacks: _Stacks, rows: _Rows) -> None:
+    def __init__(self, stacks: _Stacks, rows: _Rows, kernels: CpuKernels | None) -> None:
         self._stacks = stacks
         self._rows = rows
+        self._kernels = kernels
 
     def layer(self, index: int) -> LoraLayer:
-        return LoraLayer(self._stacks.layers[index], self._rows)
+        return LoraLayer(self._stacks.layers[index], self._rows, self._kernels)
 
     def stack_tensors(self) -> list[Tensor]:
-        """What the compiled decode stack takes: the gather index and the padding mask (an
-        empty tensor where none), then each layer's (A, B) per projection (empty where none)."""
-        rows = self._rows
-        pad = rows.pad if rows.pad is not None else rows.gather.new_empty(0, dtype=torch.float)
-        return [rows.gather, pad] + self._stacks.flat
+        """What the compiled decode stack takes (kernel form only): the rows grouped by
+        adapter and their starts, then each layer's (A, B, ranges) per projection (empty
+        tensors where none)."""
+        if self._kernels is None:
+            raise ValueError("the decode stack takes the kernel form of a LoRA step")
+        return [self._rows.gather, self._rows.starts] + self._stacks.flat
 
 
 class LoraStepBuilder:
     """Builds each step's LoraStep from the rows' adapters; keeps the stacks of recent sets."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        # the factors' dtype: float32 on the CPU (twice the bfloat16 matmul rate there)
-        self.dtype = torch.float32 if device.type == "cpu" else dtype
+    def __init__(self, dtype: torch.dtype, device: torch.device,
+                 kernels: CpuKernels | None = None) -> None:
+        # the compiled form where it runs (bfloat16 on AVX-512 BF16); else torch's, whose
+        # factors are float32 on the CPU (twice the bfloat16 matmul rate there)
+        self.kernels = kernels if kernels is not None and kernels.has_bf16_dot \
+            and dtype == torch.bfloat16 and device.type == "cpu" else None
+        self.dtype = torch.bfloat16 if self.kernels is not None \
+            else torch.float32 if device.type == "cpu" else dtype
         self.device = device
         self._sets: OrderedDict[tuple[int, ...], _Stacks] = OrderedDict()
 
@@ -108,6 +131,14 @@ class LoraStepBuilder:
         if not adapters:
             return None
         ordered = sorted(adapters.values(), key=lambda a: a.uid)
+        stacks = self._stacks(ordered)
+        if self.kernels is not None:
+            grouped, starts = [], [0]
+            for a in ordered:
+                grouped += segments[a.uid]
+                starts.append(len(grouped))
+            return LoraStep(stacks, _Rows(torch.tensor(grouped), None, len(ordered),
+                                          torch.tensor(starts)), self.kernels)
         longest = max(len(s) for s in segments.values())
         gather, pad = [], []
         for a in ordered:
@@ -115,10 +146,10 @@ class LoraStepBuilder:
             gather += seg + [seg[0]] * (longest - len(seg))
             pad += [1.0] * len(seg) + [0.0] * (longest - len(seg))
         padded = len(gather) > sum(len(s) for s in segments.values())
-        return LoraStep(self._stacks(ordered), _Rows(
+        return LoraStep(stacks, _Rows(
             torch.tensor(gather, device=self.device),
             torch.tensor(pad, dtype=self.dtype, device=self.device)[:, None] if padded
-            else None, len(ordered)))
+            else None, len(ordered)), None)
 
     def forget(self, uid: int) -> None:
         """Drop cached stacks that hold adapter `uid` (it was unloaded or evicted)."""
@@ -130,33 +161,71 @@ class LoraStepBuilder:
         if key in self._sets:
             self._sets.move_to_end(key)
             return self._sets[key]
-        stacks = _stack(adapters, self.dtype, self.device)
+        stacks = _stack(adapters, self.dtype, self.device, self.kernels is not None)
         self._sets[key] = stacks
         while len(self._sets) > MAX_CACHED_SETS:
             self._sets.popitem(last=False)
         return stacks
 
 
-def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device) -> _Stacks:
-    """A [G, in, R] and B [G, R, out] per layer and projection, each adapter's factors padded
-    with zeros to the widest R (an adapter without the projection: all zeros)."""
+def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device,
+           compiled: bool) -> _Stacks:
+    """Each layer's and projection's factors stacked over the adapters, each padded with
+    zeros to the widest R (an adapter without the projection: all zeros); in the kernel's
+    form (`compiled`: A transposed, B in column blocks, ranges) or torch's."""
     widths = {p: max(a.width(p) for a in adapters) for p in PROJECTIONS}
     layers, flat = [], []
     empty = torch.empty(0, dtype=dtype, device=device)
+    none = (empty, empty, torch.empty(0, dtype=torch.int32)) if compiled else (empty, empty)
     for i in range(len(adapters[0].factors)):
         layer = {}
         for p, width in widths.items():
             if width == 0:
                 continue
             shapes = next(a.factors[i][p] for a in adapters if p in a.factors[i])
-            a_stack = torch.zeros(len(adapters), shapes[0].shape[0], width, dtype=dtype)
-            b_stack = torch.zeros(len(adapters), width, shapes[1].shape[1], dtype=dtype)
+            a_stack = torch.zeros(len(adapters), shapes[0].shape[0], width)
+            b_stack = torch.zeros(len(adapters), width, shapes[1].shape[1])
             for g, adapter in enumerate(adapters):
                 if p in adapter.factors[i]:
                     a, b = adapter.factors[i][p]
                     a_stack[g, :, :a.shape[1]] = a
                     b_stack[g, :b.shape[0]] = b
-            layer[p] = (a_stack.to(device), b_stack.to(device))
+            if compiled:
+                layer[p] = (a_stack.transpose(1, 2).contiguous().to(dtype),
+                            *_column_blocks(b_stack.to(dtype)))
+            else:
+                layer[p] = (a_stack.to(dtype=dtype, device=device),
+                            b_stack.to(dtype=dtype, device=device))
         layers.append(layer)
-        flat += [t for p in PROJECTIONS for t in layer.get(p, (empty, empty))]
+        flat += [t for p in PROJECTIONS for t in layer.get(p, none)]
     return _Stacks(layers, flat)
+
+
+def _column_blocks(b: Tensor) -> tuple[Tensor, Tensor]:
+    """B [G, R, out] -> the kernel's (b [G, P, 16], ranges [ceil(out / 16), 3] int32): per
+    block of 16 columns, the ranks [begin, end) holding any adapter's nonzero values there
+    and where those rows start in b. b holds just those ranks of each block, in block order,
+    by pairs ([pairs, 16, 2]: the dot-product instruction's operand; a zero rank completes an
+    odd count; zeros past out). A block is so one sequential read, and the zero blocks of a
+    fused projection (q's ranks in k's columns) are neither stored nor read."""
+    g, r, out = b.shape
+    blocks = (out + 15) // 16
+    padded = torch.nn.functional.pad(b, (0, blocks * 16 - out, 0, 1))  # a zero rank: R + 1
+    blocked = padded.view(g, r + 1, blocks, 16).permute(0, 2, 1, 3)    # [G, blocks, R + 1, 16]
+    nonzero = (blocked[:, :, :r] != 0).any(3).any(0)                  # [blocks, R]
+    ranks = torch.arange(r)
+    begin = torch.where(nonzero, ranks, r).min(1).values
+    end = torch.where(nonzero, ranks + 1, 0).max(1).values
+    begin = torch.minimum(begin, end)
+    parts, offsets, offset = [], [], 0
+    for c in range(blocks):
+        lo, pairs = int(begin[c]), (int(end[c] - begin[c]) + 1) // 2
+        rows = blocked[:, c, lo:lo + 2 * pairs]
+        if rows.shape[1] < 2 * pairs:  # the pair's second rank past R + 1: zeros
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, 2 * pairs - rows.shape[1]))
+        # [G, 2 pairs, 16] -> [G, pairs, 16, 2] -> flat as [G, 2 pairs, 16]
+        parts.append(rows.reshape(g, pairs, 2, 16).transpose(2, 3).reshape(g, 2 * pairs, 16))
+        offsets.append(offset)
+        offset += 2 * pairs
+    ranges = torch.stack([begin, end, torch.tensor(offsets)], 1).to(torch.int32).contiguous()
+    return torch.cat(parts, 1).contiguous(), ranges

@@ -27,7 +27,8 @@ class ModelRunner:
         self.sampler = Sampler(seed, self.device, kernels)
         self.loras = loras
         # the activations' dtype: the norms are never quantized
-        self.lora_steps = LoraStepBuilder(model.model.norm.weight.dtype, self.device)
+        self.lora_steps = LoraStepBuilder(model.model.norm.weight.dtype, self.device,
+                                          kernels)
         if loras is not None:
             loras.on_evict = self.lora_steps.forget
         self.pooler = Pooler()

@@ -260,6 +260,72 @@ def write_random_adapter(folder: Path, config, rank: int, seed: int) -> None:
         {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ALL_TARGETS}))
 
 
+def random_fused_adapter(uid: int, ranks: dict[str, int], sizes: dict[str, tuple[int, ...]],
+                         hidden: int, gen: torch.Generator):
+    """A one-layer LoraAdapter with fused factors as adapter.py builds them: per projection,
+    each module's A columns side by side and its B rows in its own columns only; values
+    rounded to bfloat16 so that both forms of a step hold the same factors."""
+    from ember.lora.adapter import LoraAdapter
+    ins = {"qkv": hidden, "o": sizes["qkv"][0], "gate_up": hidden, "down": sizes["gate_up"][0]}
+    layer = {}
+    for projection, outs in sizes.items():
+        r = ranks.get(projection, 0)
+        if r == 0:
+            continue
+        a = torch.zeros(ins[projection], r * len(outs))
+        b = torch.zeros(r * len(outs), sum(outs))
+        for i, n in enumerate(outs):
+            a[:, i * r:(i + 1) * r] = torch.randn(ins[projection], r, generator=gen)
+            b[i * r:(i + 1) * r, sum(outs[:i]):sum(outs[:i + 1])] = \
+                torch.randn(r, n, generator=gen) * 0.1
+        layer[projection] = (a.bfloat16().float(), b.bfloat16().float())
+    return LoraAdapter(f"r{uid}", Path("."), uid, max(ranks.values()), [layer])
+
+
+def test_lora_kernel_adds_each_rows_adapter() -> None:
+    """The compiled lora_add (one call per projection, bfloat16 factors, zero blocks
+    skipped) gives y + (x A) B, computed in float64 and rounded, within one bfloat16 unit of
+    the last place plus the bfloat16 rounding of x A, for uneven adapter groups at odd sizes
+    (in not a multiple of 32, out not of 16, odd ranks); so does the torch form (float32);
+    base rows stay untouched, bit for bit."""
+    from ember.kernels import load_kernels
+    from ember.lora.batch import LoraStepBuilder
+    kernels = load_kernels("auto", "cpu")
+    if kernels is None or not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX-512 BF16 kernels")
+    gen = torch.Generator().manual_seed(0)
+    hidden, sizes = 72, {"qkv": (40, 24, 24), "o": (72,), "gate_up": (50, 50), "down": (72,)}
+    adapters = [random_fused_adapter(1, {"qkv": 3, "o": 5, "gate_up": 15, "down": 1},
+                                     sizes, hidden, gen),
+                random_fused_adapter(2, {"qkv": 5, "down": 7}, sizes, hidden, gen),
+                random_fused_adapter(3, {"qkv": 3, "o": 2, "gate_up": 4, "down": 2},
+                                     sizes, hidden, gen)]
+    plan = [(adapters[1], 5), (None, 2), (adapters[0], 1), (adapters[2], 9), (None, 1),
+            (adapters[1], 3), (adapters[0], 11)]
+    owner = [a for a, n in plan for _ in range(n)]
+    compiled = LoraStepBuilder(torch.bfloat16, torch.device("cpu"), kernels).build(plan)
+    reference = LoraStepBuilder(torch.bfloat16, torch.device("cpu")).build(plan)
+    ins = {"qkv": hidden, "o": 40, "gate_up": hidden, "down": 50}
+    for projection, outs in sizes.items():
+        x = torch.randn(len(owner), ins[projection], generator=gen).bfloat16()
+        y = torch.randn(len(owner), sum(outs), generator=gen).bfloat16()
+        exact, spread = y.double(), torch.zeros(y.shape, dtype=torch.float64)
+        for row, adapter in enumerate(owner):
+            if adapter is not None and projection in adapter.factors[0]:
+                a, b = adapter.factors[0][projection]
+                exact[row] += (x[row].double() @ a.double()) @ b.double()
+                spread[row] = (x[row].double() @ a.double()).abs() @ b.double().abs()
+        # one unit in the last place of the result, and x A's rounding to bfloat16
+        bound = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7) + \
+            spread * 2 ** -8
+        got = compiled.layer(0).add_(projection, y.clone(), x)
+        base = [row for row, adapter in enumerate(owner) if adapter is None]
+        assert torch.equal(got[base], y[base])
+        assert ((got.double() - exact).abs() <= bound).all(), projection
+        torch_form = reference.layer(0).add_(projection, y.clone(), x)
+        assert ((torch_form.double() - exact).abs() <= 2 * bound).all(), projection
+
+
 def test_decode_stack_adds_adapters_as_the_layers_do(smollm_path: Path, tmp_path: Path) -> None:
     """The production path (int4 weights, bfloat16, compiled kernels): steps with adapter rows
     through the whole-model decode stack equal the same steps layer by layer, at batch sizes

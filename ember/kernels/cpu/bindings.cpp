@@ -41,6 +41,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_rows", &int8_rows, "rows of an int8 weight in 16-row VNNI panels", no_gil);
   m.def("int4_linear", &int4_linear, "x w^T with w int4 (groups of 32) in 16-row panels",
         no_gil);
+  m.def("lora_add", &lora_add, "each adapter's low-rank update added to its rows of y",
+        py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("starts"), py::arg("a"),
+        py::arg("b"), py::arg("ranges"), no_gil);
 #ifdef EMBER_BF16_DOT
   // module_local: two builds may share a process (an A/B of two sources loads both)
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())

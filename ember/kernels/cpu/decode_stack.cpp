@@ -102,7 +102,8 @@ at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
   std::tie(cos, sin) = rope_rows(cos, sin, positions, x.size(0));
   check_inputs(x, cos, sin, kv, kv_scales, slots);
   check_decodes(block_tables, seq_lens, x.size(0), kv[0].size(3));
-  check_lora(lora, layers_.size());
+  check_lora(lora, layers_.size(), x.size(0),
+             {layers_[0].qkv.n, hidden_, 2 * layers_[0].down.k, hidden_});
   return run(x, cos, sin, kv, kv_scales, slots,
              Plan{0, x.size(0), block_tables.data_ptr<int64_t>(), block_tables.size(1),
                   seq_lens.data_ptr<int64_t>(), {}, &lora});
@@ -118,7 +119,8 @@ at::Tensor DecodeStack::forward_mixed(at::Tensor x, at::Tensor cos, at::Tensor s
                                       const std::vector<at::Tensor>& lora) const {
   std::tie(cos, sin) = rope_rows(cos, sin, positions, x.size(0));
   check_inputs(x, cos, sin, kv, kv_scales, slots);
-  check_lora(lora, layers_.size());
+  check_lora(lora, layers_.size(), x.size(0),
+             {layers_[0].qkv.n, hidden_, 2 * layers_[0].down.k, hidden_});
   const int64_t t = x.size(0), decodes = seq_lens.numel(), block_size = kv[0].size(3);
   check_decodes(block_tables, seq_lens, decodes, block_size);
   TORCH_CHECK(chunk_info.scalar_type() == at::kLong && chunk_info.is_contiguous() &&
@@ -398,35 +400,41 @@ void DecodeStack::attend(const Plan& plan, const at::Tensor& q, const at::Tensor
   }
 }
 
-void DecodeStack::check_lora(const std::vector<at::Tensor>& lora, size_t layers) {
+void DecodeStack::check_lora(const std::vector<at::Tensor>& lora, size_t layers, int64_t t,
+                             const std::vector<int64_t>& outs) {
   if (lora.empty()) return;
-  TORCH_CHECK(lora.size() == 2 + 8 * layers, "lora: gather, pad and 8 factors per layer");
-  TORCH_CHECK(lora[0].scalar_type() == at::kLong && lora[0].dim() == 1,
-              "lora: the gather index must be 1-D int64");
-  TORCH_CHECK(lora[1].numel() == 0 || (lora[1].dim() == 2 && lora[1].size(0) == lora[0].size(0)),
-              "lora: the padding mask must be [rows, 1] or empty");
-  for (size_t i = 2; i < lora.size(); ++i) {
-    TORCH_CHECK(lora[i].numel() == 0 || (lora[i].dim() == 3 && lora[i].is_contiguous()),
-                "lora: each factor must be a contiguous [adapters, rows, cols] tensor");
+  TORCH_CHECK(lora.size() == 2 + 12 * layers,
+              "lora: rows, starts and (A, B, ranges) per projection of every layer");
+  const auto& rows = lora[0];
+  for (size_t i = 2; i < lora.size(); i += 3) {
+    if (lora[i].numel() > 0) {
+      check_lora_factors(rows, lora[1], lora[i], lora[i + 1], lora[i + 2], outs[(i - 2) / 3 % 4]);
+    }
+  }
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < t, "lora: a row is outside the step");
   }
 }
 
 bool DecodeStack::has_lora(const Plan& plan, size_t l, int p) {
   return plan.lora != nullptr && !plan.lora->empty() &&
-         (*plan.lora)[2 + 8 * l + 2 * p].numel() > 0;
+         (*plan.lora)[2 + 12 * l + 3 * p].numel() > 0;
 }
 
-// What LoraLayer.add_ computes (ember/lora/batch.py), with the same ops in the same order
+// What LoraLayer.add_ computes (ember/lora/batch.py): the same kernel
 void DecodeStack::add_lora(const Plan& plan, size_t l, int p, const at::Tensor& in,
                            at::Tensor& y) {
   if (!has_lora(plan, l, p)) return;
   const auto& lora = *plan.lora;
-  const auto& a = lora[2 + 8 * l + 2 * p];
-  const auto& b = lora[2 + 8 * l + 2 * p + 1];
-  auto xs = in.index_select(0, lora[0]).to(a.scalar_type());
-  if (lora[1].numel() > 0) xs.mul_(lora[1]);
-  auto delta = at::bmm(at::bmm(xs.view({a.size(0), -1, xs.size(1)}), a), b);
-  y.index_add_(0, lora[0], delta.view({-1, delta.size(2)}).to(y.scalar_type()));
+  const size_t first = 2 + 12 * l + 3 * p;
+  const auto& a = lora[first];
+  lora_add_impl(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), y.stride(0),
+                reinterpret_cast<const uint16_t*>(in.data_ptr<at::BFloat16>()), in.stride(0),
+                lora[0].data_ptr<int64_t>(), lora[1].data_ptr<int64_t>(), lora[1].numel() - 1,
+                reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
+                reinterpret_cast<const uint16_t*>(lora[first + 1].data_ptr<at::BFloat16>()),
+                lora[first + 2].data_ptr<int32_t>(), a.size(1), a.size(2), y.size(1));
 }
 
 // out = x w^T on int8 dot products (bfloat16), or with `swiglu` silu(gate) * up of it

@@ -52,11 +52,11 @@ class DecodeStack {
   // With positions [T] (int64), cos and sin are tables [P, 1, d] (every position below P) and
   // row t takes row positions[t] of each, instead of two torch index ops before the call (in a
   // batch-1 decode step, where the caches are cold: model.forward's glue 69-104 -> 44-67 us).
-  // With lora (ember/lora/batch.py LoraStep.stack_tensors: the rows gathered per adapter
-  // [G * L] int64, their padding mask [G * L, 1] or empty, then per layer (A [G, in, R],
-  // B [G, R, out]) for qkv, o, gate_up and down; an empty tensor where there is none), each
-  // projection's output gets y[rows] += bmm(bmm(in[rows], A), B), as the layers add it, and
-  // the step runs in run() (not run_decodes).
+  // With lora (ember/lora/batch.py LoraStep.stack_tensors: the rows grouped per adapter
+  // [N] int64 and where each adapter's begin [G + 1], then per layer (A [G, R, in],
+  // B [G, P, 16], ranges: lora.cpp's layout) for qkv, o, gate_up and down; empty tensors where there is
+  // none), each projection's output gets its rows' adapters added by lora_add (lora.cpp), as
+  // the layers add them, and the step runs in run() (not run_decodes).
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                      const std::vector<at::Tensor>& kv,
                      const std::vector<at::Tensor>& kv_scales, at::Tensor slots,
@@ -97,10 +97,13 @@ class DecodeStack {
     const std::vector<at::Tensor>* lora = nullptr;   // empty: no adapters this step
   };
 
-  // y += ((in @ A) * mask) @ B for projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l
+  // lora_add (lora.cpp) of projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l: the
+  // plan's lora is [rows, starts, then (A, B, ranges) per projection of every layer]
   static void add_lora(const Plan& plan, size_t l, int p, const at::Tensor& in, at::Tensor& y);
   static bool has_lora(const Plan& plan, size_t l, int p);
-  static void check_lora(const std::vector<at::Tensor>& lora, size_t layers);
+  // outs: the output widths of qkv, o, gate_up and down
+  static void check_lora(const std::vector<at::Tensor>& lora, size_t layers, int64_t t,
+                         const std::vector<int64_t>& outs);
 
   at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                  const std::vector<at::Tensor>& kv,
