@@ -7,9 +7,10 @@ For a projection with input x [T, in] and output y [T, out], each row with an ad
 for all adapters of the step at once: the gathered low-rank matmuls of punica / S-LoRA. No
 weight is merged, no forward runs per adapter, rows of the base model cost nothing. Two forms:
 
-- compiled (CPU, bfloat16 activations, AVX-512 BF16): one kernel call per projection
-  (CpuKernels.lora_add) reads each adapter's bfloat16 factors once for all of its rows, and
-  skips the zero blocks of fused projections (q's ranks only write q's columns);
+- compiled (CPU, bfloat16 activations, AVX-512 BF16 and VNNI): one kernel call per
+  projection (CpuKernels.lora_add) reads each adapter's factors once for all of its rows (A
+  bfloat16, B int8 per column: t B on int8 dot products, t rounded per row), and skips the
+  zero blocks of fused projections (q's ranks only write q's columns);
 - torch: the rows of each adapter are gathered into a segment of its own, every segment
   padded to the longest, and y[rows] += bmm(bmm(x[rows], A), B) over the stacked factors
   (float32 on the CPU, the model's dtype elsewhere).
@@ -34,8 +35,8 @@ MAX_CACHED_SETS = 4
 @dataclass(frozen=True)
 class _Stacks:
     """Stacked factors of one ordered set of adapters, per layer and projection: (A [G, in, R],
-    B [G, R, out]) for torch; for the kernel, (A [G, R, in], B's nonzero blocks of 16 columns
-    [G, P, 16], ranges [ceil(out / 16), 3] int32: see _column_blocks)."""
+    B [G, R, out]) for torch; for the kernel, (A [G, R, in] bfloat16, then B's nonzero
+    blocks of 16 columns in int8, their scales and ranges: see _column_blocks)."""
 
     layers: list[dict[str, tuple[Tensor, ...]]]
     flat: list[Tensor]            # per layer, each projection's tensors; empty where none
@@ -72,8 +73,8 @@ class LoraLayer:
             return y
         rows = self.rows
         if self.kernels is not None:
-            a, b, ranges = factors
-            self.kernels.lora_add(y, x, rows.gather, rows.starts, a, b, ranges)
+            a, b, b_scales, ranges = factors
+            self.kernels.lora_add(y, x, rows.gather, rows.starts, a, b, b_scales, ranges)
             return y
         a, b = factors
         xs = x.index_select(0, rows.gather).to(a.dtype)
@@ -96,7 +97,8 @@ class LoraStep:
 
     def stack_tensors(self) -> list[Tensor]:
         """What the compiled decode stack takes (kernel form only): the rows grouped by
-        adapter and their starts, then each layer's (A, B, ranges) per projection (empty
+        adapter and their starts, then each layer's A, B, B's scales and ranges per
+        projection (empty
         tensors where none)."""
         if self._kernels is None:
             raise ValueError("the decode stack takes the kernel form of a LoRA step")
@@ -108,9 +110,9 @@ class LoraStepBuilder:
 
     def __init__(self, dtype: torch.dtype, device: torch.device,
                  kernels: CpuKernels | None = None) -> None:
-        # the compiled form where it runs (bfloat16 on AVX-512 BF16); else torch's, whose
+        # the compiled form where it runs (bfloat16 on AVX-512 BF16 + VNNI); else torch's, whose
         # factors are float32 on the CPU (twice the bfloat16 matmul rate there)
-        self.kernels = kernels if kernels is not None and kernels.has_bf16_dot \
+        self.kernels = kernels if kernels is not None and kernels.has_int8_dot \
             and dtype == torch.bfloat16 and device.type == "cpu" else None
         self.dtype = torch.bfloat16 if self.kernels is not None \
             else torch.float32 if device.type == "cpu" else dtype
@@ -176,7 +178,7 @@ def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device
     widths = {p: max(a.width(p) for a in adapters) for p in PROJECTIONS}
     layers, flat = [], []
     empty = torch.empty(0, dtype=dtype, device=device)
-    none = (empty, empty, torch.empty(0, dtype=torch.int32)) if compiled else (empty, empty)
+    none = (empty,) * 4 if compiled else (empty, empty)
     for i in range(len(adapters[0].factors)):
         layer = {}
         for p, width in widths.items():
@@ -192,7 +194,7 @@ def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device
                     b_stack[g, :b.shape[0]] = b
             if compiled:
                 layer[p] = (a_stack.transpose(1, 2).contiguous().to(dtype),
-                            *_column_blocks(b_stack.to(dtype)))
+                            *_column_blocks(b_stack))
             else:
                 layer[p] = (a_stack.to(dtype=dtype, device=device),
                             b_stack.to(dtype=dtype, device=device))
@@ -201,17 +203,24 @@ def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device
     return _Stacks(layers, flat)
 
 
-def _column_blocks(b: Tensor) -> tuple[Tensor, Tensor]:
-    """B [G, R, out] -> the kernel's (b [G, P, 16], ranges [ceil(out / 16), 3] int32): per
-    block of 16 columns, the ranks [begin, end) holding any adapter's nonzero values there
-    and where those rows start in b. b holds just those ranks of each block, in block order,
-    by pairs ([pairs, 16, 2]: the dot-product instruction's operand; a zero rank completes an
-    odd count; zeros past out). A block is so one sequential read, and the zero blocks of a
-    fused projection (q's ranks in k's columns) are neither stored nor read."""
+def _column_blocks(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """B [G, R, out] float32 -> the kernel's (b [G, Q, 64] int8, scales [G, 2, out] float32,
+    ranges [ceil(out / 16), 3] int32). B is rounded to int8 per column (scale: its largest
+    magnitude / 127); scales holds per column that scale and the sum of its int8 values.
+    Per block of 16 columns, ranges gives the ranks [begin, end) holding any adapter's
+    nonzero values there and where the block's quads start in b; b holds just those ranks of
+    each block, in block order, by quads ([quads, 16, 4]: the dot-product instruction's
+    operand; zero ranks complete the last quad; zeros past out). A block is so one
+    sequential read, and the zero blocks of a fused projection (q's ranks in k's columns)
+    are neither stored nor read."""
     g, r, out = b.shape
+    scale = b.abs().amax(1) / 127                                   # [G, out]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(b / scale[:, None]).to(torch.int8)
+    scales = torch.stack([scale, q.sum(1, dtype=torch.int32).float()], 1).contiguous()
     blocks = (out + 15) // 16
-    padded = torch.nn.functional.pad(b, (0, blocks * 16 - out, 0, 1))  # a zero rank: R + 1
-    blocked = padded.view(g, r + 1, blocks, 16).permute(0, 2, 1, 3)    # [G, blocks, R + 1, 16]
+    padded = torch.nn.functional.pad(q, (0, blocks * 16 - out, 0, 3))  # 3 zero ranks
+    blocked = padded.view(g, r + 3, blocks, 16).permute(0, 2, 1, 3)    # [G, blocks, R + 3, 16]
     nonzero = (blocked[:, :, :r] != 0).any(3).any(0)                  # [blocks, R]
     ranks = torch.arange(r)
     begin = torch.where(nonzero, ranks, r).min(1).values
@@ -219,13 +228,13 @@ def _column_blocks(b: Tensor) -> tuple[Tensor, Tensor]:
     begin = torch.minimum(begin, end)
     parts, offsets, offset = [], [], 0
     for c in range(blocks):
-        lo, pairs = int(begin[c]), (int(end[c] - begin[c]) + 1) // 2
-        rows = blocked[:, c, lo:lo + 2 * pairs]
-        if rows.shape[1] < 2 * pairs:  # the pair's second rank past R + 1: zeros
-            rows = torch.nn.functional.pad(rows, (0, 0, 0, 2 * pairs - rows.shape[1]))
-        # [G, 2 pairs, 16] -> [G, pairs, 16, 2] -> flat as [G, 2 pairs, 16]
-        parts.append(rows.reshape(g, pairs, 2, 16).transpose(2, 3).reshape(g, 2 * pairs, 16))
+        lo, quads = int(begin[c]), (int(end[c] - begin[c]) + 3) // 4
+        rows = blocked[:, c, lo:lo + 4 * quads]
+        if rows.shape[1] < 4 * quads:  # the last quad past R + 3: zeros
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, 4 * quads - rows.shape[1]))
+        # [G, 4 quads, 16] -> [G, quads, 16, 4] -> flat as [G, quads, 64]
+        parts.append(rows.reshape(g, quads, 4, 16).transpose(2, 3).reshape(g, quads, 64))
         offsets.append(offset)
-        offset += 2 * pairs
+        offset += quads
     ranges = torch.stack([begin, end, torch.tensor(offsets)], 1).to(torch.int32).contiguous()
-    return torch.cat(parts, 1).contiguous(), ranges
+    return torch.cat(parts, 1).contiguous(), scales, ranges

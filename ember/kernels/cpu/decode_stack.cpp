@@ -403,38 +403,45 @@ void DecodeStack::attend(const Plan& plan, const at::Tensor& q, const at::Tensor
 void DecodeStack::check_lora(const std::vector<at::Tensor>& lora, size_t layers, int64_t t,
                              const std::vector<int64_t>& outs) {
   if (lora.empty()) return;
-  TORCH_CHECK(lora.size() == 2 + 12 * layers,
-              "lora: rows, starts and (A, B, ranges) per projection of every layer");
+#ifdef EMBER_INT8_DOT
+  TORCH_CHECK(lora.size() == 2 + 16 * layers,
+              "lora: rows, starts and (A, B, B's scales, ranges) per projection of every layer");
   const auto& rows = lora[0];
-  for (size_t i = 2; i < lora.size(); i += 3) {
+  for (size_t i = 2; i < lora.size(); i += 4) {
     if (lora[i].numel() > 0) {
-      check_lora_factors(rows, lora[1], lora[i], lora[i + 1], lora[i + 2], outs[(i - 2) / 3 % 4]);
+      check_lora_factors(rows, lora[1], lora[i], lora[i + 1], lora[i + 2], lora[i + 3],
+                         outs[(i - 2) / 4 % 4]);
     }
   }
   const int64_t* r = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < rows.numel(); ++i) {
     TORCH_CHECK(r[i] >= 0 && r[i] < t, "lora: a row is outside the step");
   }
+#else
+  TORCH_CHECK(false, "LoRA adapters in the decode stack need the AVX-512 VNNI kernels");
+#endif
 }
 
 bool DecodeStack::has_lora(const Plan& plan, size_t l, int p) {
   return plan.lora != nullptr && !plan.lora->empty() &&
-         (*plan.lora)[2 + 12 * l + 3 * p].numel() > 0;
+         (*plan.lora)[2 + 16 * l + 4 * p].numel() > 0;
 }
 
 // What LoraLayer.add_ computes (ember/lora/batch.py): the same kernel
 void DecodeStack::add_lora(const Plan& plan, size_t l, int p, const at::Tensor& in,
                            at::Tensor& y) {
   if (!has_lora(plan, l, p)) return;
+#ifdef EMBER_INT8_DOT
   const auto& lora = *plan.lora;
-  const size_t first = 2 + 12 * l + 3 * p;
+  const size_t first = 2 + 16 * l + 4 * p;
   const auto& a = lora[first];
   lora_add_impl(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), y.stride(0),
                 reinterpret_cast<const uint16_t*>(in.data_ptr<at::BFloat16>()), in.stride(0),
                 lora[0].data_ptr<int64_t>(), lora[1].data_ptr<int64_t>(), lora[1].numel() - 1,
                 reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
-                reinterpret_cast<const uint16_t*>(lora[first + 1].data_ptr<at::BFloat16>()),
-                lora[first + 2].data_ptr<int32_t>(), a.size(1), a.size(2), y.size(1));
+                lora[first + 1].data_ptr<int8_t>(), lora[first + 2].data_ptr<float>(),
+                lora[first + 3].data_ptr<int32_t>(), a.size(1), a.size(2), y.size(1));
+#endif
 }
 
 // out = x w^T on int8 dot products (bfloat16), or with `swiglu` silu(gate) * up of it

@@ -53,8 +53,8 @@ class DecodeStack {
   // row t takes row positions[t] of each, instead of two torch index ops before the call (in a
   // batch-1 decode step, where the caches are cold: model.forward's glue 69-104 -> 44-67 us).
   // With lora (ember/lora/batch.py LoraStep.stack_tensors: the rows grouped per adapter
-  // [N] int64 and where each adapter's begin [G + 1], then per layer (A [G, R, in],
-  // B [G, P, 16], ranges: lora.cpp's layout) for qkv, o, gate_up and down; empty tensors where there is
+  // [N] int64 and where each adapter's begin [G + 1], then per layer A, B, B's scales and
+  // ranges (lora.cpp's layout) for qkv, o, gate_up and down; empty tensors where there is
   // none), each projection's output gets its rows' adapters added by lora_add (lora.cpp), as
   // the layers add them, and the step runs in run() (not run_decodes).
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
@@ -98,7 +98,7 @@ class DecodeStack {
   };
 
   // lora_add (lora.cpp) of projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l: the
-  // plan's lora is [rows, starts, then (A, B, ranges) per projection of every layer]
+  // plan's lora is [rows, starts, then A, B, B's scales, ranges per projection per layer]
   static void add_lora(const Plan& plan, size_t l, int p, const at::Tensor& in, at::Tensor& y);
   static bool has_lora(const Plan& plan, size_t l, int p);
   // outs: the output widths of qkv, o, gate_up and down
