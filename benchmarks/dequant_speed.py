@@ -10,6 +10,8 @@ on a shared machine the best round is the one least slowed by other processes):
   load     ember.quant.formats.dequantize into a new float32 tensor, as loading a model does
            (the first touch of the new tensor's pages is part of the cost: 4-12 bytes of
            float32 per byte of GGUF);
+  bf16     the same into a new bfloat16 tensor, each chunk rounded while in cache, as loading
+           a bfloat16 model does;
   kernels  the same chunks into one float32 buffer reused across rounds: the kernels alone.
 Beside them, the `gguf` package's numpy dequantizer on --reference-mb (0 skips it).
 """
@@ -62,6 +64,7 @@ def measure(qtype: Q, args: argparse.Namespace, rng: np.random.Generator) -> dic
     raw = random_blocks(qtype, args.mb * 10**6, rng)
     shape = (raw.shape[0] * values_per_block,)
     t, t_median = seconds(lambda: dequantize(raw, qtype, shape), args.rounds)
+    b, b_median = seconds(lambda: dequantize(raw, qtype, shape, torch.bfloat16), args.rounds)
     blocks, out = torch.from_numpy(raw), torch.zeros(raw.shape[0], values_per_block)
     step = max(1, CHUNK_VALUES // values_per_block)
 
@@ -74,6 +77,7 @@ def measure(qtype: Q, args: argparse.Namespace, rng: np.random.Generator) -> dic
     mb = raw.nbytes / 1e6
     row = {"type": qtype.name, "mb": mb, "seconds": t, "mb_per_s": mb / t,
            "median_mb_per_s": mb / t_median, "values_per_s": shape[0] / t,
+           "bf16_mb_per_s": mb / b, "bf16_median_mb_per_s": mb / b_median,
            "kernels_mb_per_s": mb / k, "kernels_median_mb_per_s": mb / k_median}
     if args.reference_mb:
         small = random_blocks(qtype, args.reference_mb * 10**6, rng)
@@ -100,7 +104,8 @@ def main() -> None:
         ref = f"  (gguf numpy {row['gguf_numpy_mb_per_s']:7.1f} MB/s)" \
             if "gguf_numpy_mb_per_s" in row else ""
         print(f"{row['type']:7s} load {row['mb_per_s']:7.1f} MB/s of GGUF "
-              f"({row['values_per_s'] / 1e6:5.1f} M values/s)  kernels "
+              f"({row['values_per_s'] / 1e6:5.1f} M values/s)  bf16 "
+              f"{row['bf16_mb_per_s']:7.1f} MB/s  kernels "
               f"{row['kernels_mb_per_s']:7.1f} MB/s{ref}", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

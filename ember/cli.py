@@ -1,8 +1,8 @@
-"""`ember serve | generate | chat`: argv and environment -> configs -> the engine.
+"""`ember serve | route | generate | chat`: argv and environment -> configs -> the engine.
 
 The only module that reads environment variables: EMBER_MODEL (the default for --model) and
 EMBER_API_KEY (the default for --api-key), and XDG_CACHE_HOME (where `ember bench` writes
-results without --out).
+results without --out, and the engine caches the loaded model's weights).
 """
 from __future__ import annotations
 
@@ -11,16 +11,20 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ember.bench.cli import add_bench_parser, results_dir
-from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, PREFILL_MATMULS,
-                          QUANTIZATIONS, SPECULATIVE, ApiKey, CacheConfig, EngineConfig,
-                          SchedulerConfig, ServerConfig, SpecConfig, parse_api_keys)
-from ember.engine.llm import LLM
+from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, POOLINGS,
+                          PREFILL_MATMULS, QUANTIZATIONS, SPECULATIVE, TASKS, ApiKey, CacheConfig,
+                          EngineConfig, SchedulerConfig, ServerConfig, SpecConfig, parse_api_keys)
 from ember.errors import ConfigError, EmberError, InvalidRequest
 from ember.request import SamplingParams
+from ember.router.cli import add_route_args
+
+if TYPE_CHECKING:  # the engine (and torch) load only for commands that run it
+    from ember.engine.llm import LLM
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +72,13 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    help="auto: int8 with int4 weights where the compiled attention kernels "
                         "read it in place (~2x the tokens of bfloat16, faster under load), "
                         "else the model's dtype; model: the model's dtype")
+    g.add_argument("--task", default=EngineConfig.task, choices=list(TASKS),
+                   help="generate: text, and embeddings too; embed: embeddings only (and the "
+                        "task of encoder models such as BERT)")
+    g.add_argument("--pooling", default=EngineConfig.pooling, choices=list(POOLINGS),
+                   help="how embeddings pool the prompt's hidden states; auto: the model "
+                        "folder's sentence-transformers pooling, else the last token (decoders) "
+                        "or CLS (encoders)")
     g.add_argument("--speculative", default=None, choices=list(SPECULATIVE),
                    help="speculative decoding (off by default): ngram proposes the tokens that "
                         "followed the latest repeat of the sequence's last tokens (prompt "
@@ -77,6 +88,16 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    help="tokens drafted per request and step, at most")
     g.add_argument("--fair-share", action="store_true",
                    help="admit waiting requests round-robin by their `user`")
+    g.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="a LoRA adapter (PEFT folder or LoRA .gguf) served as model NAME "
+                        "(repeatable)")
+    g.add_argument("--max-loras", type=int, default=8,
+                   help="LoRA adapters held in memory at once (least recently used out)")
+    g.add_argument("--max-lora-rank", type=int, default=64)
+    g.add_argument("--no-weight-cache", action="store_true",
+                   help="load and pack the weights afresh every start (by default the packed "
+                        "weights are cached under $XDG_CACHE_HOME/ember/weights and "
+                        "memory-mapped on the next start)")
     g.add_argument("-q", "--quiet", action="store_true",
                    help="do not report the model and KV cache on stderr at start")
 
@@ -93,12 +114,21 @@ def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
 
 
+def weight_cache_dir(environ: Mapping[str, str], home: Path) -> Path:
+    """Where loaded models are cached: the user's cache folder, as for bench results."""
+    return results_dir(environ, home).parent / "weights"
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization,
         prefill_matmul=args.prefill_matmul, kernels=args.kernels, device=args.device,
         max_model_len=args.max_model_len,
-        seed=args.engine_seed,
+        seed=args.engine_seed, task=args.task, pooling=args.pooling,
+        loras=tuple(parse_lora(spec) for spec in args.lora), max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        weight_cache_dir=None if getattr(args, "no_weight_cache", False) else
+        str(weight_cache_dir(os.environ, Path.home())),
         cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                           enable_prefix_caching=not args.no_prefix_caching,
                           eviction_policy=args.eviction_policy,
@@ -109,6 +139,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   fair_share=args.fair_share),
         spec=SpecConfig(speculative=args.speculative,
                         num_speculative_tokens=args.num_speculative_tokens))
+
+
+def parse_lora(spec: str) -> tuple[str, str]:
+    """'NAME=PATH' -> (name, path)."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name.strip() or not path:
+        raise ConfigError(f"--lora {spec!r}: write NAME=PATH (a PEFT adapter folder or a LoRA "
+                          ".gguf file)")
+    return name.strip(), path
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -126,6 +165,7 @@ def _print_stream(deltas: Iterator[str]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from ember.engine.llm import LLM
     params = sampling_params(args)  # bad values fail before the model loads
     llm = LLM(config=engine_config(args))
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat \
@@ -134,6 +174,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> None:
+    from ember.engine.llm import LLM
     params = sampling_params(args)
     llm = LLM(config=engine_config(args))
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -200,6 +241,8 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     g.add_argument("--max-n", type=int, default=d.max_n,
                    help="the most completions one request may ask for (n and best_of)")
+    g.add_argument("--max-embedding-inputs", type=int, default=d.max_embedding_inputs,
+                   help="the most inputs one /v1/embeddings request may send")
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="on SIGTERM, seconds for in-flight requests to finish")
 
@@ -221,7 +264,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_keys=read_api_keys(args.api_keys),
         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
         request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-        drain_timeout_s=args.drain_timeout, max_n=args.max_n)
+        drain_timeout_s=args.drain_timeout, max_n=args.max_n,
+        max_embedding_inputs=args.max_embedding_inputs)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -230,7 +274,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(engine_config(args), config)
 
 
+def cmd_route(args: argparse.Namespace) -> None:
+    from ember.router.main import cmd_route as route  # the gateway loads only when routing
+    route(args.route_parser, args, server_config(args))
+
+
 def cmd_perplexity(args: argparse.Namespace) -> None:
+    from ember.engine.llm import LLM
     from ember.bench.workloads import default_corpus
     from ember.engine.perplexity import perplexity
     llm = LLM(config=engine_config(args))
@@ -244,6 +294,7 @@ def cmd_perplexity(args: argparse.Namespace) -> None:
 
 
 def cmd_roofline(args: argparse.Namespace) -> None:
+    from ember.engine.llm import LLM
     from ember.engine.roofline import format_report, roofline_report
     report = roofline_report(LLM(config=engine_config(args)), args.batch, args.context)
     print(format_report(report))
@@ -285,6 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(serve)
     _server_args(serve)
     serve.set_defaults(func=cmd_serve)
+    route = sub.add_parser("route", help="a gateway over many `ember serve` replicas: "
+                           "cache-aware routing, failover, autoscaling, rollouts")
+    _engine_args(route)
+    _server_args(route)
+    add_route_args(route)
+    route.set_defaults(func=cmd_route, route_parser=route)
     add_bench_parser(sub, results_dir(os.environ, Path.home()))
     ppl = sub.add_parser("perplexity", help="perplexity of a text: the quality check for "
                          "weight and KV formats")

@@ -11,8 +11,13 @@ from dataclasses import dataclass, field, fields
 
 from ember.errors import ConfigError, UnsupportedModel
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_SCALING = ("linear", "llama3")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                           "Phi3ForCausalLM", "Olmo2ForCausalLM", "MixtralForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+SUPPORTED_ROPE_SCALING = ("linear", "llama3", "longrope")
+NORM_LAYOUTS = ("pre", "sandwich", "post")  # see ember/models/decoder.py
+QK_NORMS = ("head", "full")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu", "cost")
 KV_CACHE_DTYPES = ("auto", "model", "int8")  # auto: int8 with int4 weights on the kernels
@@ -20,6 +25,9 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats (ember/quant/
 PREFILL_MATMULS = ("auto", "bfloat16", "int8")  # dense matmuls over 8 rows (ember/quant/packed.py)
 KERNELS = ("auto", "torch")  # compiled CPU kernels where they build, or the torch path alone
 SPECULATIVE = ("ngram",)  # proposers of speculative decoding (ember/spec/)
+TASKS = ("generate", "embed")  # generate also serves embeddings; embed serves only them
+POOLINGS = ("auto", "last", "mean", "cls")  # auto: the model folder's sentence-transformers
+                                            # pooling, else the last token
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -31,13 +39,18 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: 'linear' (positions / factor) or 'llama3' (Llama 3.1 bands)."""
+    """RoPE frequency scaling: 'linear' (positions / factor), 'llama3' (Llama 3.1 bands) or
+    'longrope' (Phi-3: per-frequency divisors, short below the original context, long past
+    it, and cos/sin scaled by attention_factor)."""
 
     kind: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in SUPPORTED_ROPE_SCALING:
@@ -66,6 +79,24 @@ class ModelConfig:
     qkv_bias: bool = False
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
+    # what sets the variants apart from Llama (ember/models/decoder.py)
+    sliding_layers: tuple[bool, ...] | None = None  # per layer (None: all, with a window)
+    qk_norm: str | None = None          # RMSNorm on q and k: per "head", or over the "full" row
+    norm_layout: str = "pre"            # pre (Llama), sandwich (Gemma 2/3), post (OLMo 2)
+    hidden_act: str = "silu"            # silu (SwiGLU) or gelu_tanh (GeGLU)
+    norm_plus_one: bool = False         # Gemma: norms compute x * (1 + weight)
+    embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    attn_scale: float | None = None     # None: head_dim ** -0.5
+    attn_softcap: float | None = None   # Gemma 2: scores = cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base
+    # mixture of experts (ember/models/moe.py); num_experts 0: a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False        # renormalise the top-k router probabilities
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's expert every token takes
+    dense_mlp_layers: tuple[int, ...] = ()    # layers with a dense MLP in a MoE model
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -79,6 +110,18 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModel(f"num_heads={self.num_heads} is not a multiple of "
                                    f"num_kv_heads={self.num_kv_heads}; the model files are invalid")
+        check_choice("norm_layout", self.norm_layout, NORM_LAYOUTS)
+        if self.qk_norm is not None:
+            check_choice("qk_norm", self.qk_norm, QK_NORMS)
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise UnsupportedModel(f"activation {self.hidden_act!r} is not supported; ember "
+                                   "runs silu (SwiGLU) and gelu_tanh (GeGLU) MLPs")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModel(f"{self.num_experts_per_tok} experts per token of "
+                                   f"{self.num_experts}; the model config is invalid")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise UnsupportedModel(f"{len(self.sliding_layers)} layer types for "
+                                   f"{self.num_layers} layers; the model config is invalid")
 
     @property
     def q_size(self) -> int:
@@ -89,10 +132,29 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def context_limit(self) -> int:
-        """Longest sequence the model can attend over exactly (sliding windows included)."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence the model can attend over exactly: sliding windows are honoured
+        by masking, so they do not limit it."""
         return self.max_position_embeddings
+
+    def is_sliding(self, layer_idx: int) -> bool:
+        """Whether this layer attends only to the last sliding_window tokens."""
+        if self.sliding_window is None:
+            return False
+        return self.sliding_layers is None or self.sliding_layers[layer_idx]
+
+    def window_of_every_layer(self) -> int | None:
+        """The sliding window when every layer has it (KV blocks behind it can go), else
+        None."""
+        if self.sliding_window is None or not all(self.is_sliding(i)
+                                                   for i in range(self.num_layers)):
+            return None
+        return self.sliding_window
+
+    @property
+    def is_llama(self) -> bool:
+        """Whether LlamaForCausalLM runs it as it is (and its compiled decode stack may)."""
+        return (self.architecture in SUPPORTED_ARCHITECTURES[:3] and self.sliding_window is None
+                and (self.rope_scaling is None or self.rope_scaling.kind != "longrope"))
 
 
 @dataclass(frozen=True)
@@ -192,15 +254,29 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
+    task: str = "generate"         # embed: embeddings only (and the only task of encoders)
+    pooling: str = "auto"          # how embeddings pool the prompt's hidden states
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    loras: tuple[tuple[str, str], ...] = ()   # (name, path) of LoRA adapters loaded at start
+    max_loras: int = 8             # adapters resident in memory at once (least recently used out)
+    max_lora_rank: int = 64
+    # the model as the engine runs it is cached in this folder and memory-mapped on the next
+    # start (ember/weights/cache.py); None: no cache
+    weight_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("kernels", self.kernels, KERNELS)
         check_choice("prefill_matmul", self.prefill_matmul, PREFILL_MATMULS)
+        if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 256:
+            raise ConfigError(f"max_loras={self.max_loras} must be >= 1 and max_lora_rank="
+                              f"{self.max_lora_rank} in [1, 256]")
+        object.__setattr__(self, "loras", tuple((str(n), str(p)) for n, p in self.loras))
+        check_choice("task", self.task, TASKS)
+        check_choice("pooling", self.pooling, POOLINGS)
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len={self.max_model_len} must be positive, or None "
                               "for the model's own context length")
@@ -303,6 +379,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     max_json_depth: int = 32
     max_n: int = 16                       # completions one request may ask for (n, best_of)
+    max_embedding_inputs: int = 2048      # inputs one /v1/embeddings request may send (OpenAI's)
     drain_timeout_s: float = 30.0         # SIGTERM: time for in-flight requests to finish
     stall_timeout_s: float = 60.0         # /health/ready turns 503 if a busy engine stalls
 
@@ -313,7 +390,8 @@ class ServerConfig:
             raise ConfigError("api_key is empty; pass a non-empty key or none at all")
         if self.api_key is not None and any(k.key == self.api_key for k in self.api_keys):
             raise ConfigError("api_key is also in the API keys file; give each key once")
-        for name in ("max_waiting", "max_body_bytes", "max_json_depth", "max_n"):
+        for name in ("max_waiting", "max_body_bytes", "max_json_depth", "max_n",
+                     "max_embedding_inputs"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
         for name in ("request_timeout_s", "drain_timeout_s", "stall_timeout_s"):

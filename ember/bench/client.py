@@ -33,7 +33,7 @@ Clock = Callable[[], float]
 class LoadConfig:
     base_url: str
     model: str | None = None
-    endpoint: str = "completions"            # or "chat"
+    endpoint: str = "completions"            # or "chat", "embeddings"
     concurrency: int | None = 1              # None: use `rate`
     rate: float | None = None                # requests per second
     burstiness: float = 1.0                  # gamma shape of the gaps; 1.0 = Poisson
@@ -54,7 +54,8 @@ class LoadConfig:
 
     @property
     def url(self) -> str:
-        path = "/chat/completions" if self.endpoint == "chat" else "/completions"
+        path = {"chat": "/chat/completions", "embeddings": "/embeddings"}.get(self.endpoint,
+                                                                               "/completions")
         return self.base_url.rstrip("/") + path
 
 
@@ -73,10 +74,14 @@ def arrival_times(num: int, rate: float, burstiness: float, ramp_up_s: float,
 
 def payload(req: BenchRequest, messages: list[dict[str, Any]] | None, cfg: LoadConfig
             ) -> dict[str, Any]:
+    if req.inputs is not None:
+        return {"input": req.inputs} | ({"model": cfg.model} if cfg.model else {}) | \
+            cfg.extra_body
     body: dict[str, Any] = {"max_tokens": req.max_tokens, "temperature": cfg.temperature,
                             "stream": True, "stream_options": {"include_usage": True}}
-    if cfg.model:
-        body["model"] = cfg.model
+    if cfg.model:  # several, comma-separated (LoRA adapters): request i takes the i-th
+        models = cfg.model.split(",")
+        body["model"] = models[req.index % len(models)]
     if messages is not None:
         body["messages"] = messages
     else:
@@ -258,6 +263,9 @@ class Runner:
                 record.error = f"http_{response.status}"
                 record.error_message = (await response.text())[:500]
                 return
+            if req.inputs is not None:
+                _read_embeddings(json.loads(await response.text()), record, len(req.inputs))
+                return
             async with aclosing(lines_of(response.chunks())) as lines:
                 async for line in lines:
                     if not line.startswith(b"data:"):
@@ -286,6 +294,18 @@ class Runner:
                     if cancel and record.chunk_times:
                         record.cancelled = True
                         break
+
+
+def _read_embeddings(body: dict[str, Any], record: RequestRecord, num_inputs: int) -> None:
+    """A /v1/embeddings answer: one vector per input, and the usage."""
+    if len(body["data"]) != num_inputs:
+        record.error = "protocol"
+        record.error_message = f"{len(body['data'])} vectors for {num_inputs} inputs"
+        return
+    record.num_inputs = num_inputs
+    record.prompt_tokens = body["usage"]["prompt_tokens"]
+    record.output_tokens = 0
+    record.usage_reported = True
 
 
 def print_progress(total: int) -> Callable[[list[RequestRecord]], None]:

@@ -17,18 +17,20 @@ import httpx
 
 from ember.bench.client import LoadConfig, Runner, print_progress
 from ember.bench.metrics import (metric_deltas, parse_prometheus, parse_slo,
-                                spec_decode_summary, summarize)
-from ember.bench.workloads import (BenchRequest, LengthDist, PromptMaker, chat_sessions, grounded,
-                                   default_corpus, from_jsonl, local_tokenizer, server_tokenizer,
+                                 spec_decode_summary, summarize)
+from ember.bench.workloads import (BenchRequest, LengthDist, PromptMaker, chat_sessions,
+                                   default_corpus, embedding_batches, from_jsonl, grounded,
+                                   local_tokenizer, multi_tenant, server_tokenizer,
                                    shared_prefix, synthetic)
 
 
 def load_config(args: argparse.Namespace, base_url: str, model: str | None) -> LoadConfig:
     concurrency = args.concurrency if args.concurrency is not None else \
         (None if args.rate else 1)
+    endpoint = {"chat-sessions": "chat", "embeddings": "embeddings"}.get(args.workload,
+                                                                         args.endpoint)
     return LoadConfig(
-        base_url=base_url, model=model, endpoint="chat" if args.workload == "chat-sessions"
-        else args.endpoint, concurrency=concurrency, rate=args.rate,
+        base_url=base_url, model=model, endpoint=endpoint, concurrency=concurrency, rate=args.rate,
         burstiness=args.burstiness, ramp_up_s=args.ramp_up, duration_s=args.duration,
         timeout_s=args.timeout, cancel_fraction=args.cancel_fraction,
         force_output=not args.no_force_output, temperature=args.temperature,
@@ -57,7 +59,7 @@ def build_requests(args: argparse.Namespace, base_url: str, model: str | None
         return from_jsonl(Path(args.dataset), output_len, rng, chat)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     encode, decode = local_tokenizer(args.tokenizer) if args.tokenizer else \
-        server_tokenizer(base_url, model, headers)
+        server_tokenizer(base_url, model.split(",")[0] if model else None, headers)
     corpus = Path(args.corpus).read_text() if args.corpus else default_corpus()
     maker = PromptMaker(corpus, encode, decode, rng)
     if args.workload == "shared-prefix":
@@ -66,6 +68,12 @@ def build_requests(args: argparse.Namespace, base_url: str, model: str | None
     if args.workload == "grounded":
         return grounded(maker, args.num_requests, LengthDist.parse(args.input_len), output_len,
                         rng, chat)
+    if args.workload == "multi-tenant":
+        return multi_tenant(maker, args.tenants, args.num_requests, args.prefix_len,
+                            args.suffix_len, output_len, rng, chat)
+    if args.workload == "embeddings":
+        return embedding_batches(maker, args.num_requests, args.inputs_per_request,
+                                 LengthDist.parse(args.input_len), rng)
     if args.workload == "chat-sessions":
         return chat_sessions(maker, args.sessions, args.turns, LengthDist.parse(args.input_len),
                              output_len, rng)
@@ -108,5 +116,7 @@ def run_once(args: argparse.Namespace, base_url: str, requests: list[BenchReques
                          "rate": cfg.rate, "burstiness": cfg.burstiness,
                          "input_len": args.input_len, "output_len": args.output_len,
                          "seed": args.seed, "num_requests": len(records),
+                         "inputs_per_request": args.inputs_per_request
+                         if args.workload == "embeddings" else None,
                          "command": " ".join(sys.argv)}
     return summary, records

@@ -10,6 +10,7 @@ Definitions (times in seconds; "content chunk" = an SSE chunk that carries gener
   requests/s   completed requests / duration;  output tok/s = output tokens / duration;
   total tok/s  (prompt + output tokens) / duration
   goodput      completed requests that meet every SLO / duration
+  inputs/s     texts embedded / duration (the embeddings workload; its E2E is per request)
 Output and prompt tokens are the server's usage counts where it reports them. Each latency is
 summarised by mean, population std, min, max and percentiles with linear interpolation.
 Cancelled requests (cancelled on purpose) and failed ones count only in their own totals.
@@ -45,6 +46,7 @@ class RequestRecord:
     cancelled: bool = False
     session: int | None = None
     turn: int | None = None
+    num_inputs: int | None = None     # /v1/embeddings: texts embedded by this request
 
     @property
     def ok(self) -> bool:
@@ -131,6 +133,9 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None
         "chunk_gap_s": describe([g for r in ok for g in r.gaps]),
         "e2e_s": describe([r.e2e for r in ok if r.e2e is not None]),
     }
+    if any(r.num_inputs is not None for r in ok):
+        summary["embedded_inputs"] = sum(r.num_inputs or 0 for r in ok)
+        summary["inputs_per_s"] = rate(summary["embedded_inputs"])
     if slo:
         good = sum(meets(r, slo) for r in ok)
         summary["goodput"] = {"slo_s": slo, "requests_per_s": rate(good),

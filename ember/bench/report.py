@@ -29,6 +29,9 @@ def table(summary: dict[str, Any], title: str = "") -> str:
                  f"{summary['total_tok_per_s']:.1f} total tok/s"
                  + ("" if summary.get("usage_reported", True) is not False
                     else "  (tokens counted from chunks: the server sent no usage)"))
+    if "inputs_per_s" in summary:
+        lines.append(f"embeddings {summary['inputs_per_s']:.1f} inputs/s "
+                     f"({summary['embedded_inputs']} inputs)")
     if summary.get("cached_prompt_tokens"):
         share = summary["cached_prompt_tokens"] / max(summary["prompt_tokens"], 1)
         lines.append(f"cache      {summary['cached_prompt_tokens']} of "
@@ -64,6 +67,7 @@ def write_results(out: Path, summary: dict[str, Any], records: list[RequestRecor
 
 
 COMPARE_ROWS = (("output tok/s", ("output_tok_per_s",), True),
+                ("inputs/s", ("inputs_per_s",), True),
                 ("requests/s", ("requests_per_s",), True),
                 ("TTFT p50 ms", ("ttft_s", "p50"), False),
                 ("TTFT p99 ms", ("ttft_s", "p99"), False),

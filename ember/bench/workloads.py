@@ -65,6 +65,7 @@ class BenchRequest:
     session: int | None = None                      # chat sessions: turns run in order
     turn: int | None = None
     user_turns: list[str] = field(default_factory=list)  # later turns of a session
+    inputs: list[str] | None = None                 # /v1/embeddings: the texts to embed
 
 
 def default_corpus() -> str:
@@ -140,6 +141,26 @@ def grounded(maker: PromptMaker, num: int, input_len: LengthDist, output_len: Le
     return requests
 
 
+def multi_tenant(maker: PromptMaker, tenants: int, num: int, prefix_len: int, suffix_len: int,
+                 output_len: LengthDist, rng: random.Random, chat: bool) -> list[BenchRequest]:
+    """N requests, each from a tenant drawn at random among T; a tenant's requests share its
+    own P-token system prompt and add an S-token question (a fleet's cache-aware routing
+    test: more tenants than one replica's cache holds)."""
+    systems = [maker.make(prefix_len) for _ in range(tenants)]
+    requests = []
+    for i in range(num):
+        system, question = systems[rng.randrange(tenants)], maker.make(suffix_len)
+        max_tokens = output_len.sample(rng)
+        if chat:
+            requests.append(BenchRequest(i, max_tokens, messages=[
+                {"role": "system", "content": system}, {"role": "user", "content": question}],
+                target_prompt_tokens=prefix_len + suffix_len))
+        else:
+            requests.append(_request(i, system + question, max_tokens, prefix_len + suffix_len,
+                                     False))
+    return requests
+
+
 def chat_sessions(maker: PromptMaker, sessions: int, turns: int, user_len: LengthDist,
                   output_len: LengthDist, rng: random.Random) -> list[BenchRequest]:
     """S conversations of T turns; each turn's history holds the server's real replies."""
@@ -151,6 +172,14 @@ def chat_sessions(maker: PromptMaker, sessions: int, turns: int, user_len: Lengt
             messages=[{"role": "user", "content": user_turns[0]}], session=s, turn=0,
             user_turns=user_turns[1:]))
     return requests
+
+
+def embedding_batches(maker: PromptMaker, num: int, inputs_per_request: int,
+                      input_len: LengthDist, rng: random.Random) -> list[BenchRequest]:
+    """N /v1/embeddings requests of K texts each, every text's length drawn from input_len."""
+    return [BenchRequest(index=i, max_tokens=0, inputs=[
+        maker.make(input_len.sample(rng)) for _ in range(inputs_per_request)])
+        for i in range(num)]
 
 
 def from_jsonl(path: Path, output_len: LengthDist, rng: random.Random,

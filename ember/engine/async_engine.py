@@ -22,17 +22,20 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ember.config import EngineConfig
 from ember.constraint import Constraint
+from ember.engine.cold_start import process_age_s
 from ember.engine.core import EngineCore, StepFailed
+from ember.engine.embed import PooledSequence
 from ember.engine.memory import return_free_memory
 from ember.engine.output import SequenceText
 from ember.errors import EmberError, EngineDead, EngineLoading, Overloaded, RequestFailed
-from ember.request import CompletionOutput, FinishReason, RequestOptions, SamplingParams
+from ember.request import (CompletionOutput, FinishReason, PoolingParams, RequestOptions,
+                           SamplingParams)
 from ember.weights.loader import served_model_name
 
 log = logging.getLogger(__name__)
@@ -114,10 +117,11 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.stats = EngineStats()
         self.core: EngineCore | None = None
+        self.process_s: float | None = None  # the process's age when the engine began loading
         self._inbox: deque[tuple[str, Any]] = deque()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}      # by request id
-        self._texts: dict[str, tuple[str, SequenceText]] = {}  # by sequence id
+        self._texts: dict[str, tuple[str, SequenceText | PooledSequence]] = {}  # by seq id
         self._loaded = threading.Event()
         self.num_failed_requests = 0
         self._failures_in_a_row = 0
@@ -160,6 +164,15 @@ class AsyncEngine:
     def tokenizer(self):
         return self._core().tokenizer
 
+    def check_generates(self) -> None:
+        """Raise InvalidRequest if the engine only embeds (--task embed)."""
+        self._core().check_generates()
+
+    @property
+    def embedding_size(self) -> int:
+        """The length of the model's embeddings (its hidden size)."""
+        return self._core().model_config.hidden_size
+
     # -- requests --------------------------------------------------------------------------
 
     async def compile(self, constraint: Constraint) -> object:
@@ -192,11 +205,54 @@ class AsyncEngine:
             time.monotonic() + self.request_timeout_s
         return RequestStream(self, request_id, stream, deadline)
 
+    # -- LoRA adapters -----------------------------------------------------------------------
+
+    def lora_names(self) -> list[str]:
+        """The loaded adapters' names (requests name one as their model)."""
+        return [] if self.core is None else self.core.loras.names()
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Read and register an adapter in a worker thread; the engine keeps stepping."""
+        await asyncio.to_thread(self._core().loras.add, name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter; requests already running with it finish with it."""
+        self._core().loras.remove(name)
+
+    async def prepare_lora(self, name: str) -> None:
+        """Make an adapter resident before its request is queued: an evicted one is read from
+        its file again here, in a worker thread, not on the engine thread."""
+        await asyncio.to_thread(self._core().loras.acquire, name)
+    def submit_embedding(self, request_id: str, inputs: list[list[int]],
+                         pooling: PoolingParams = PoolingParams(),
+                         options: RequestOptions = RequestOptions()) -> "RequestStream":
+        """Queue one embedding per input (engine/embed.py), all on one stream: an
+        EmbeddingOutput per input as each is pooled, then one Finished. Raises at once,
+        queueing nothing, as submit() does. A request of more inputs than max_waiting is
+        let in only when nothing waits, so it is never refused for good."""
+        core = self._core()
+        for ids in inputs:
+            core.check_embedding(ids, pooling)
+        if request_id in self._streams:
+            raise RequestFailed(f"request id {request_id!r} is already running")
+        self.check_room(min(len(inputs), self.max_waiting))
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(),
+                         [f"{request_id}-{i}" for i in range(len(inputs))],
+                         sum(len(ids) for ids in inputs), time.monotonic())
+        self._streams[request_id] = stream
+        self._inbox.append(("embed", (request_id, inputs, pooling, options)))
+        self._wake.set()
+        deadline = None if self.request_timeout_s is None else \
+            time.monotonic() + self.request_timeout_s
+        return RequestStream(self, request_id, stream, deadline)
+
     def check_room(self, num_sequences: int) -> None:
         """Raise Overloaded unless `num_sequences` more can wait (each of a request's n
-        completions of each prompt is one sequence) without passing max_waiting."""
-        queued = self.stats.num_waiting + sum(len(p[2]) for kind, p in list(self._inbox)
-                                              if kind == "add")
+        completions of each prompt is one sequence, and each input to embed) without
+        passing max_waiting."""
+        queued = self.stats.num_waiting + sum(len(p[2]) if kind == "add" else len(p[1])
+                                              for kind, p in list(self._inbox)
+                                              if kind in ("add", "embed"))
         if queued + num_sequences > self.max_waiting:
             raise Overloaded(f"the server has {queued} sequences waiting and takes at most "
                              f"{self.max_waiting}; this request adds {num_sequences}; "
@@ -234,8 +290,10 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            self.process_s = process_age_s()   # the process's life before the engine loads
             self.core = EngineCore(self.config)
             self._warm_up()
+            self.core.load_phases.mark("warm_up")
             self.state = EngineState.READY
             self._publish_stats(stepped=False)
             self._loaded.set()
@@ -264,9 +322,13 @@ class AsyncEngine:
             self._loaded.set()
 
     def _warm_up(self) -> None:
-        """One short generation, so the first user does not pay for lazy initialisation."""
-        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        self.core.add_request("warmup", [0] * 16, params)
+        """One short generation (or embedding), so the first user does not pay for lazy
+        initialisation."""
+        if self.core.task == "embed":
+            self.core.add_embedding("warmup", [0] * 16)
+        else:
+            params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            self.core.add_request("warmup", [0] * 16, params)
         while self.core.has_unfinished():
             self.core.step()
 
@@ -280,6 +342,8 @@ class AsyncEngine:
                 return False
             if kind == "abort":
                 self._abort(payload)
+            elif kind == "embed":
+                self._add_embedding(*payload)
             else:
                 self._add(*payload)
         self._publish_stats(stepped=False)
@@ -288,16 +352,29 @@ class AsyncEngine:
     def _add(self, request_id: str, prompt_token_ids: list[int],
              children: list[SamplingParams], options: RequestOptions,
              grammar: object | None) -> None:
+        def add(seq_id: str, index: int) -> SequenceText:
+            request = self.core.add_request(seq_id, prompt_token_ids, children[index], options,
+                                            grammar)
+            return SequenceText(self.core.tokenizer, request, index)
+        self._add_sequences(request_id, add)
+
+    def _add_embedding(self, request_id: str, inputs: list[list[int]], pooling: PoolingParams,
+                       options: RequestOptions) -> None:
+        def add(seq_id: str, index: int) -> PooledSequence:
+            return PooledSequence(self.core.add_embedding(seq_id, inputs[index], pooling,
+                                                          options), index)
+        self._add_sequences(request_id, add)
+
+    def _add_sequences(self, request_id: str,
+                       add: Callable[[str, int], SequenceText | PooledSequence]) -> None:
+        """Queue a stream's sequences in the engine (`add` makes the one of each id and
+        index); if one is refused, none stays queued."""
         stream = self._streams.get(request_id)
         if stream is None:  # cancelled before it reached the engine
             return
         try:
-            for seq_id, child in zip(stream.sequences, children):
-                request = self.core.add_request(seq_id, prompt_token_ids, child, options,
-                                                grammar)
-                index = int(seq_id.rsplit("-", 1)[1])
-                self._texts[seq_id] = (request_id, SequenceText(self.core.tokenizer, request,
-                                                                index))
+            for index, seq_id in enumerate(stream.sequences):
+                self._texts[seq_id] = (request_id, add(seq_id, index))
                 stream.num_open += 1
         except EmberError as e:
             self._abort(request_id)

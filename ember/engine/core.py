@@ -6,25 +6,34 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
 
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.calibrate import prepare_int8_prefill, use_int8_prefill
+from ember.engine.cold_start import PhaseClock
+from ember.engine.embed import EMBED_PARAMS, check_embedding_input, resolve_pooling
+from ember.engine.encoder import build_encoder, is_encoder
 from ember.engine.memory import (huge_page_zeros, large_blocks_mapped_alone, move_to_huge_pages,
                                  return_free_memory)
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
-from ember.kernels import load_kernels
+from ember.kernels import CpuKernels, load_kernels
 from ember.kv.kv_manager import KVCacheManager
+from ember.lora.registry import LoraRegistry
 from ember.quant.packed import step_weights
-from ember.request import FinishReason, Request, RequestOptions, SamplingParams
+from ember.request import FinishReason, PoolingParams, Request, RequestOptions, SamplingParams
 from ember.runner.kv_tensors import (GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks,
                                     resolve_kv_cache_dtype)
 from ember.runner.runner import ModelRunner
 from ember.sampling.grammar import Grammars
 from ember.scheduler.scheduler import Scheduler
-from ember.tokenizer.tokenizer import Tokenizer
+from ember.weights.cache import SUMMARIES, WeightCache, cache_key
 from ember.weights.gguf import GGUFFile
-from ember.weights.loader import (ModelFiles, apply_quantization, load_model, open_model_files,
+from ember.weights.safetensors import SafetensorsFolder
+from ember.engine.files_summary import FilesSummary, load_tokenizer, open_summarized
+from ember.weights.loader import (apply_quantization, load_model, open_model_files,
                                   resolve_dtype, resolve_prefill_matmul,
                                   resolve_quantization)
 
@@ -40,12 +49,6 @@ class StepFailed(Exception):
         super().__init__(f"{type(error).__name__}: {error}")
         self.request_ids = request_ids
         self.error = error
-
-
-def load_tokenizer(files: ModelFiles) -> Tokenizer:
-    if isinstance(files, GGUFFile):
-        return Tokenizer.from_gguf_metadata(files.metadata)
-    return Tokenizer.from_hf_folder(files.path)
 
 
 def resolve_max_model_len(config: EngineConfig, model: ModelConfig,
@@ -85,27 +88,45 @@ class CacheInfo:
 
 
 class EngineCore:
+    task = "generate"  # config.task once loaded (the calibration run generates, whatever it is)
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        files = open_model_files(config.model)
+        self.load_phases = PhaseClock()
+        files = open_model_files(config.model) if config.weight_cache_dir is None else \
+            open_summarized(config.model, Path(config.weight_cache_dir) / SUMMARIES)
         self.model_path = files.path
+        if is_encoder(files):  # BERT-style: embeddings only, no KV cache (engine/encoder.py)
+            self._init_encoder(config, files)
+            return
         self.model_config = files.model_config()
         self.tokenizer = load_tokenizer(files)
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
+        gguf = isinstance(files, (GGUFFile, FilesSummary))   # (summaries are of GGUFs)
+        self.pooling = resolve_pooling(config.pooling, None if gguf else files.path,
+                                       encoder=False)
         self.quantization = resolve_quantization(config.quantization, files, self.model_config,
                                                  self.dtype, config.device)
+        self.load_phases.mark("files")
         kernels = load_kernels(config.kernels, config.device)
+        self.load_phases.mark("kernels")
         self.kernels = kernels   # compiled CPU kernels, or None (the torch path)
         self.prefill_matmul = resolve_prefill_matmul(config.prefill_matmul, self.quantization,
                                                      kernels)
+        weight_cache = self._weight_cache(kernels)
+        model = None if weight_cache is None else weight_cache.load(self.model_config, kernels)
+        self.weights_cached = model is not None   # final weights mapped: no calibration
         with large_blocks_mapped_alone():  # weights and load temporaries in separate mappings
-            model = apply_quantization(load_model(files, self.model_config, self.dtype,
-                                                  config.device), self.quantization, kernels)
+            if model is None:
+                model = apply_quantization(load_model(files, self.model_config, self.dtype,
+                                                      config.device), self.quantization, kernels)
             move_to_huge_pages(step_weights(model))
         model.use_kernels(kernels)  # (the decode stack takes the weights where they are now)
+        self.load_phases.mark("weights")
         model.cache_rope(self.max_model_len, self.dtype)
-        if self.prefill_matmul == "int8":  # bfloat16 copies out before the KV cache comes
+        if self.prefill_matmul == "int8" and not self.weights_cached:  # bfloat16 copies out
+            # before the KV cache comes
             prepare_int8_prefill(model)
         del files  # the file's metadata (~170 MB of Python objects for a GGUF) goes now,
         gc.collect()  # before the KV cache is allocated: loading peaks lower
@@ -128,15 +149,60 @@ class EngineCore:
         kv_caches = allocate_kv_caches(self.model_config, num_blocks, block_size, self.dtype,
                                        config.device, kv_dtype, zeros=huge_page_zeros)
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
-                            config.cache.eviction_policy)
+                            config.cache.eviction_policy,
+                            self.model_config.window_of_every_layer())
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, config.spec)
+        self.loras = LoraRegistry(self.model_config, config.max_loras, config.max_lora_rank)
+        self.loras.in_use = self._loras_in_use
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
-                                  kernels, config.spec)
+                                  kernels, self.loras, config.spec)
+        for name, path in config.loras:
+            self.loras.add(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
-        if self.prefill_matmul == "int8":  # SmoothQuant int8 from a calibration prompt
+        self.load_phases.mark("kv_cache")
+        if self.prefill_matmul == "int8" and self.weights_cached:
+            model.use_int8_decode()   # the cached int8 weights are calibrated already
+        elif self.prefill_matmul == "int8":  # SmoothQuant int8 from a calibration prompt
             use_int8_prefill(self, kernels)
             gc.collect()
             return_free_memory()
+        self.load_phases.mark("calibrate")
+        if weight_cache is not None and not self.weights_cached:
+            weight_cache.save(model, self.model_path)
+            return_free_memory()
+            self.load_phases.mark("cache_write")
+        self.task = config.task
+
+    def _init_encoder(self, config: EngineConfig, files: SafetensorsFolder) -> None:
+        encoder = build_encoder(config, files)
+        self.tokenizer = load_tokenizer(files)
+        self.model_config, self.dtype = encoder.model_config, encoder.dtype
+        self.max_model_len, self.pooling = encoder.max_model_len, encoder.pooling
+        self.quantization, self.kernels, self.prefill_matmul = "none", None, "none"
+        kv = encoder.scheduler.kv
+        self.cache_info = CacheInfo(kv.num_blocks, kv.block_size, 0, "none")
+        self.scheduler, self.runner = encoder.scheduler, encoder.runner
+        if config.loras:
+            raise ConfigError(f"{self.model_path.name} is an encoder; LoRA adapters are served "
+                              "on decoder models")
+        self.loras = LoraRegistry(self.model_config)  # none: an encoder runs no adapter
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.task = config.task
+        log.info("loaded %s (%s encoder, %s, on %s); embeddings pooled by %s, at most %d "
+                 "tokens", self.model_path.name, self.model_config.architecture,
+                 str(self.dtype).removeprefix("torch."), config.device, self.pooling,
+                 self.max_model_len)
+
+    def _weight_cache(self, kernels: CpuKernels | None) -> WeightCache | None:
+        """This model's cache on disk (ember/weights/cache.py), where one is configured and
+        the weights live on the CPU."""
+        if self.config.weight_cache_dir is None or \
+                torch.device(self.config.device).type != "cpu":
+            return None
+        choices = {"dtype": str(self.dtype), "quantization": self.quantization,
+                   "prefill_matmul": self.prefill_matmul}
+        return WeightCache(Path(self.config.weight_cache_dir),
+                           cache_key(self.model_path, self.config, choices, kernels))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     options: RequestOptions = RequestOptions(),
@@ -152,10 +218,45 @@ class EngineCore:
         request = Request(request_id, list(prompt_token_ids), params,
                           eos_token_ids=self.tokenizer.eos_token_ids, max_tokens=max_tokens,
                           priority=options.priority, user=options.user,
-                          cache_salt=options.cache_salt, prefix_cache=options.prefix_cache,
-                          grammar=grammar)
-        self.scheduler.add(request)
+                          cache_salt=self._salt(options), prefix_cache=options.prefix_cache,
+                          grammar=grammar, lora=options.lora)
+        self._queue(request)
         return request
+
+    def _salt(self, options: RequestOptions) -> str | None:
+        """The request's prefix-cache salt: an adapter's KV is its own, never shared with
+        another adapter or the base (its adapter is made resident here)."""
+        if options.lora is None:
+            return options.cache_salt
+        adapter = self.loras.acquire(options.lora)
+        return f"lora:{adapter.uid}" + ("" if options.cache_salt is None
+                                        else f"\n{options.cache_salt}")
+
+    def _queue(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def add_embedding(self, request_id: str, prompt_token_ids: list[int],
+                      pooling: PoolingParams = PoolingParams(),
+                      options: RequestOptions = RequestOptions()) -> Request:
+        """Queue one prompt to embed (engine/embed.py). Raises InvalidRequest at once."""
+        pooling = self.check_embedding(prompt_token_ids, pooling)
+        if pooling.method != "last":  # every row is pooled: none may come from the cache
+            options = replace(options, prefix_cache=False)
+        request = Request(request_id, list(prompt_token_ids), EMBED_PARAMS,
+                          eos_token_ids=frozenset(), max_tokens=0, priority=options.priority,
+                          user=options.user, cache_salt=self._salt(options),
+                          prefix_cache=options.prefix_cache, pooling=pooling, lora=options.lora)
+        self._queue(request)
+        return request
+
+    def check_embedding(self, prompt_token_ids: list[int], pooling: PoolingParams
+                        ) -> PoolingParams:
+        """Raise if the prompt cannot be embedded; else the pooling, its method resolved.
+        Reads only what never changes after start-up, so any thread may call it."""
+        limit = min(self.max_model_len, self.cache_info.num_tokens)
+        check_embedding_input(prompt_token_ids, pooling, limit, self.model_config.hidden_size)
+        self._check_token_ids(prompt_token_ids, EMBED_PARAMS)
+        return pooling if pooling.method is not None else replace(pooling, method=self.pooling)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise if the request can never run; else return its resolved max_tokens: what it
@@ -164,6 +265,7 @@ class EngineCore:
 
         Reads only what never changes after start-up, so any thread may call it.
         """
+        self.check_generates()
         self._check_token_ids(prompt_token_ids, params)
         num_prompt = len(prompt_token_ids)
         asked = params.max_tokens if params.max_tokens is not None else 1
@@ -174,6 +276,13 @@ class EngineCore:
                                  what="the whole KV cache")
         room = min(self.max_model_len, self.cache_info.num_tokens) - num_prompt
         return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def check_generates(self) -> None:
+        """Raise unless this engine generates text (its task is not embed)."""
+        if self.task == "embed":
+            raise InvalidRequest("this engine runs the embed task: it computes embeddings "
+                                 "(/v1/embeddings) and generates no text; start it with "
+                                 "--task generate to generate")
 
     def _check_token_ids(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
@@ -212,3 +321,9 @@ class EngineCore:
         except Exception as e:
             self.scheduler.unschedule(plan)
             raise StepFailed([s.request.request_id for s in plan.scheduled], e) from e
+
+    def _loras_in_use(self) -> frozenset[str]:
+        """The adapters of queued and running requests (any thread: the list is copied in
+        one C call, under the GIL)."""
+        return frozenset(r.lora for r in list(self.scheduler.requests.values())
+                         if r.lora is not None)

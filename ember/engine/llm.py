@@ -7,9 +7,11 @@ from typing import Any
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore
+from ember.engine.embed import EmbeddingOutput, PooledSequence
 from ember.engine.output import SequenceText
 from ember.errors import InvalidRequest
-from ember.request import FinishReason, RequestOptions, RequestOutput, SamplingParams
+from ember.request import (FinishReason, PoolingParams, RequestOptions, RequestOutput,
+                           SamplingParams)
 from ember.tokenizer.chat import ChatTemplate, Message
 
 Prompt = str | list[int]
@@ -76,6 +78,25 @@ class LLM:
         for output, seqs in zip(outputs, sequences):
             output.outputs = [s.output() for s in seqs]
         return outputs
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams | None = None,
+              options: RequestOptions | None = None) -> list[EmbeddingOutput]:
+        """One L2-normalised vector per prompt, in prompt order, all batched together (and
+        with any other work of the engine)."""
+        pooling = pooling or PoolingParams()
+        seqs: list[PooledSequence] = []
+        try:
+            for index, prompt in enumerate(_as_prompt_list(prompts)):
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                request = self.engine.add_embedding(f"{next(self._ids)}-0", ids, pooling,
+                                                    options or RequestOptions())
+                seqs.append(PooledSequence(request, index))
+            while any(s.finish_reason is None for s in seqs):
+                self._step()
+        finally:
+            for s in seqs:  # after an error, nothing of this call stays queued
+                self.engine.finish(s.request.request_id)
+        return [s.take_delta() for s in seqs]
 
     def chat(self, messages: list[Message] | list[list[Message]],
              params: SamplingParams | None = None, add_generation_prompt: bool = True

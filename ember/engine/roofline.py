@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ember.engine.memory import huge_page_zeros
+from ember.models.moe import SparseMoE
 from ember.quant.packed import PACKED_MAX_ROWS, KernelInt8Linear, PackedLinear
 from ember.request import RequestOptions, SamplingParams
 
@@ -186,20 +187,25 @@ class ModelCost:
 
 
 def model_cost(model: torch.nn.Module, kv_bytes_per_token: int) -> ModelCost:
+    """Per token: a mixture of experts' token reads and multiplies k of its E experts, so
+    their weights count k / E (active parameters, not total); prefill reads them all."""
     decode = dense = params = int8_params = 0
+    share = _expert_shares(model)
     for module in model.modules():
+        part = share.get(id(module), 1.0)
         if isinstance(module, PackedLinear):
-            decode += module.packed_bytes()
+            decode += int(part * module.packed_bytes())
             dense += module.dense_bytes() or module.packed_bytes()
-            params += module.in_features * module.out_features
+            params += int(part * module.in_features * module.out_features)
             if module.w8a8 is not None:
-                int8_params += module.in_features * module.out_features
+                int8_params += int(part * module.in_features * module.out_features)
         elif isinstance(module, KernelInt8Linear):  # int8 at every batch size
             decode, dense = decode + module.packed_bytes(), dense + module.packed_bytes()
             params += module.in_features * module.out_features
         elif isinstance(module, torch.nn.Linear):
             size = module.weight.numel() * module.weight.element_size()
-            decode, dense, params = decode + size, dense + size, params + module.weight.numel()
+            decode, dense = decode + int(part * size), dense + size
+            params += int(part * module.weight.numel())
     config = model.config
     # the decode stack runs every batch on the packed weights, unless it has the int8 ones
     stacked = getattr(model, "decode_stack", None) is not None and \
@@ -208,6 +214,16 @@ def model_cost(model: torch.nn.Module, kv_bytes_per_token: int) -> ModelCost:
                      4 * config.q_size * config.num_layers,
                      packed_max_rows=1 << 30 if stacked else PACKED_MAX_ROWS,
                      int8_prefill_params=int8_params)
+
+
+def _expert_shares(model: torch.nn.Module) -> dict[int, float]:
+    """id of each linear inside a mixture's experts -> top-k / number of experts."""
+    shares = {}
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            share = module.top_k / len(module.experts)
+            shares |= {id(m): share for expert in module.experts for m in expert.modules()}
+    return shares
 
 
 def decode_limit(cost: ModelCost, bandwidth_gb_s: float, batch: int, context: int,

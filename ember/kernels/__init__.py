@@ -5,7 +5,8 @@ residual add fused in, RoPE fused with the KV-cache write, SwiGLU's activation, 
 argmax), `decode_attention.cpp` (one new token per request, read in place from the paged KV
 cache, no gathered copy), `prefill_attention.cpp` (flash attention of a prompt chunk over its
 paged context), `int4_matmul.cpp` and `int8_matmul.cpp` (linears on int4 and int8 weights,
-and on int8 activations), `decode_stack.cpp` (every decoder layer of a step in one call), the
+and on int8 activations), `lora.cpp` (the LoRA adapters of a mixed batch, each adapter's
+rows at once), `decode_stack.cpp` (every decoder layer of a step in one call), the
 inline helpers they share (`vec.h` SIMD, `kv_cache.h` the cache's rows, `common.h` what one
 file calls in another) and `bindings.cpp` (the Python bindings only). Most need a CPU with
 AVX-512 BF16 (and VNNI, for the int8 activations); the rest run anywhere. They are built as
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +134,16 @@ class CpuKernels:
         result bit for bit. AVX-512 BF16 only."""
         return self.ops.w8a8_linear(x, q, scales, smooth, swiglu, group)
 
+    def lora_add(self, y: Tensor, x: Tensor, rows: Tensor, starts: Tensor, a: Tensor,
+                 b: Tensor, b_scales: Tensor, ranges: Tensor) -> None:
+        """In place, y[rows_g] += (x[rows_g] @ A[g].T) @ B[g] for each adapter g: rows [N]
+        int64 grouped by adapter, starts [G + 1] where each begins, a = A [G, R, in]
+        bfloat16, b, b_scales and ranges B in int8 column blocks (ember/lora/batch.py
+        _column_blocks); x [T, in] and y [T, out] bfloat16. x A on bfloat16 dot products,
+        then t B on int8 ones (t rounded per row). AVX-512 BF16 and VNNI only
+        (ember/kernels/cpu/lora.cpp)."""
+        self.ops.lora_add(y, x, rows, starts, a, b, b_scales, ranges)
+
     def decode_stack(self, weights: list[Tensor], final_norm: Tensor, heads: int,
                      kv_heads: int, head_dim: int, eps: float, scale: float):
         """Every decoder layer of a decode step in one call (AVX-512 BF16 only): `weights`
@@ -224,19 +237,59 @@ def kernel_sources(source: Path) -> list[Path]:
     return [source]
 
 
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+STAMP = "ember_sources.sha256"   # beside the build: the sources it was built from
+
+
 def build_cpu_ops(verbose: bool = False, source: Path = SOURCE, name: str | None = None
                   ) -> ModuleType:
     """Compile (or load the cached build of) the kernels, or another `source` of them (a
     folder like cpu/, or one .cpp file) as extension `name` (benchmarks/kernel_ab.py builds
-    two). Raises on a failed build."""
-    from torch.utils.cpp_extension import load
-    _put_ninja_on_path()
+    two). A build whose stamp matches the sources is imported as it is (torch's own check
+    runs ninja and takes ~0.7 s of a start); anything else goes through torch's build.
+    Raises on a failed build."""
+    from torch.utils.cpp_extension import _get_build_directory, load
     name = name or f"ember_cpu_ops_{_cpu_key()}"
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    stamp = source_stamp(source)
+    built = import_built(name, build_dir, stamp)
+    if built is not None:
+        return built
+    _put_ninja_on_path()
     clear_stale_build_lock(name)
-    return load(name=name,
-                sources=[str(path) for path in kernel_sources(source)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=verbose)
+    ops = load(name=name, sources=[str(path) for path in kernel_sources(source)],
+               extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=verbose)
+    (build_dir / STAMP).write_text(stamp)
+    return ops
+
+
+def source_stamp(source: Path) -> str:
+    """A hash of every file of `source` (headers too), the flags and torch's version."""
+    files = sorted(p for p in source.iterdir() if p.is_file()) if source.is_dir() else [source]
+    digest = hashlib.sha256(f"{CFLAGS} {torch.__version__}".encode())
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def import_built(name: str, build_dir: Path, stamp: str) -> ModuleType | None:
+    """The extension built in `build_dir` from the sources `stamp` names, imported; None if
+    there is none, it is another build, or a build is under way."""
+    library = build_dir / f"{name}.so"
+    try:
+        if (build_dir / "lock").exists() or (build_dir / STAMP).read_text() != stamp:
+            return None
+    except OSError:
+        return None
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None or not library.is_file():
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
 
 
 STALE_LOCK_S = 900.0  # a build takes a minute or two; a lock this old outlived its builder

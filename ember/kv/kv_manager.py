@@ -49,13 +49,18 @@ class BlockCopy:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 policy: str = "lru") -> None:
+                 policy: str = "lru", window: int | None = None) -> None:
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        # tokens every layer attends back over (sliding-window models), None: all of them.
+        # With a window, the blocks behind it go back to the pool instead of being cached:
+        # the pool evicts cached chains from their ends, never from their starts.
+        self.window = window
+        self.enable_prefix_caching = enable_prefix_caching and window is None
         self.pool = BlockPool(num_blocks, policy)
         self._tables: dict[str, list[int]] = {}
         self._keys: dict[str, list[int]] = {}       # chained keys of each request's full blocks
         self._num_cached: dict[str, int] = {}       # how many of its blocks are in the cache
+        self._num_released: dict[str, int] = {}     # its first blocks, out of every window
         self._copies: list[BlockCopy] = []          # for the step being planned
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -199,6 +204,21 @@ class KVCacheManager:
         del table[keep:]
         self.pool.free(extra[::-1])
 
+    def release_outside_window(self, request: Request) -> None:
+        """Give back the request's blocks that no later token can attend to: with a window w,
+        a token at position p >= num_computed_tokens sees keys after p - w. Their ids stay in
+        the table (attention masks them out), so that positions keep their blocks' places."""
+        if self.window is None:
+            return
+        rid = request.request_id
+        table = self._tables.get(rid, [])
+        first_needed = request.num_computed_tokens - self.window + 1
+        num_out = min(max(0, first_needed) // self.block_size, len(table))
+        start = self._num_released.get(rid, 0)
+        if num_out > start:
+            self.pool.free(table[start:num_out][::-1])
+            self._num_released[rid] = num_out
+
     def free(self, request: Request) -> None:
         """Return all of a request's blocks (finished or preempted). Its last, partly filled
         block stays cached as a partial block when the blocks before it are cached, so the
@@ -206,11 +226,12 @@ class KVCacheManager:
         blocks does nothing."""
         rid = request.request_id
         table = self._tables.pop(rid, None)
+        released = self._num_released.pop(rid, 0)
         if table:
             self._cache_tail(request, table)
             # Tail first: a prompt's last blocks are the least likely to be shared, so under
             # LRU they are evicted before the blocks that start it.
-            self.pool.free(table[::-1])
+            self.pool.free(table[released:][::-1])
         self._keys.pop(rid, None)
         self._num_cached.pop(rid, None)
 

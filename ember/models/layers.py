@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from ember.config import RopeScaling
 from ember.kernels import CpuKernels
+from ember.lora.batch import LoraLayer
 from ember.quant.packed import PackedLinear
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled CPU kernels take
@@ -39,7 +40,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> Tensor:
-    """Inverse frequencies [head_dim / 2] float32, with linear or Llama 3.1 scaling."""
+    """Inverse frequencies [head_dim / 2] float32, with linear or Llama 3.1 scaling (longrope:
+    its short factors, for positions within the original context)."""
     # on the CPU even under a meta-device context (meta ops import torch._dynamo)
     steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
     inv_freq = 1.0 / theta ** (steps / head_dim)
@@ -47,7 +49,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> T
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "longrope":
+        return longrope_inv_freq(head_dim, theta, scaling.short_factor)
     return _llama3_inv_freq(inv_freq, scaling)
+
+
+def longrope_inv_freq(head_dim: int, theta: float, factors: tuple[float, ...]) -> Tensor:
+    """Phi-3's LongRoPE: each frequency divided by its own factor [head_dim / 2]."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    factors_t = torch.tensor(factors, dtype=torch.float32, device="cpu")
+    return 1.0 / (factors_t * theta ** (steps / head_dim))
 
 
 def _llama3_inv_freq(inv_freq: Tensor, s: RopeScaling) -> Tensor:
@@ -92,13 +103,19 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.kernels: CpuKernels | None = None  # compiled CPU kernels, if the engine has them
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, lora: LoraLayer | None = None) -> Tensor:
+        """`lora`: the rows' adapters on gate/up and down, if any."""
         proj = self.gate_up_proj
-        if isinstance(proj, PackedLinear) and proj.takes_swiglu(x):
+        if lora is None and isinstance(proj, PackedLinear) and proj.takes_swiglu(x):
             return self.down_proj(proj.swiglu(x))  # from the int32 sums, one pass
         gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            gate_up = lora.add_("gate_up", gate_up, x)
         if self.kernels is not None and gate_up.dtype in KERNEL_DTYPES \
                 and gate_up.is_contiguous():
-            return self.down_proj(self.kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            act = self.kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        out = self.down_proj(act)
+        return out if lora is None else lora.add_("down", out, act)

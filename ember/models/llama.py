@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from ember.config import ModelConfig
 from ember.kernels import CpuKernels
+from ember.lora.batch import LoraLayer, LoraStep
 from ember.models.attention import (AttentionMetadata, DecodeBatch, PagedKV, PromptStep,
                                     attend_cached, cache_in_kernels, paged_attention,
                                     prefill_in_kernel)
@@ -31,10 +32,12 @@ class LlamaAttention(nn.Module):
         self.kernels: CpuKernels | None = None  # compiled CPU kernels, if the engine has them
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: PagedKV,
-                meta: AttentionMetadata) -> Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+                meta: AttentionMetadata, lora: LoraLayer | None = None) -> Tensor:
+        """x [T, hidden] -> [T, hidden]; `lora`: the rows' adapters, if any."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if lora is not None:
+            qkv = lora.add_("qkv", qkv, x)
         if self._fused_path(qkv, kv_cache, meta):  # decodes: rotate and write in one kernel
             # a fresh prompt chunk attends over its own k and v as computed, not their int8
             # rounding (attend_cached): the kernel hands the rotated k back
@@ -45,13 +48,17 @@ class LlamaAttention(nn.Module):
                                         new_k)
             new_kv = None if new_k is None else (new_k, self._v(qkv))
             out = attend_cached(q, kv_cache, meta, self.scale, self.kernels, new_kv)
-            return self.o_proj(out.reshape(num_tokens, self.q_size))
+            return self._out(out.reshape(num_tokens, self.q_size), lora)
         # q and k rotate together: one pass over [T, heads + kv_heads, head_dim]
         qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, self._v(qkv), kv_cache, meta, self.scale, self.kernels)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self._out(out.reshape(num_tokens, self.q_size), lora)
+
+    def _out(self, attended: Tensor, lora: LoraLayer | None) -> Tensor:
+        out = self.o_proj(attended)
+        return out if lora is None else lora.add_("o", out, attended)
 
     def _v(self, qkv: Tensor) -> Tensor:
         """v's columns of qkv as [T, kv_heads, head_dim] (a view)."""
@@ -78,7 +85,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor,
-                kv_cache: PagedKV, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+                kv_cache: PagedKV, meta: AttentionMetadata,
+                lora: LoraLayer | None = None) -> tuple[Tensor, Tensor]:
         """(x, residual) -> (this layer's output, the residual stream before it). The stream
         is x + residual, kept apart so that each add fuses into the norm that follows it;
         the first layer gets residual None."""
@@ -86,9 +94,9 @@ class LlamaDecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h = self.self_attn(h, cos, sin, kv_cache, meta, lora)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -128,11 +136,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[PagedKV],
-                meta: AttentionMetadata) -> Tensor:
-        """input_ids, positions [T] long -> final hidden states [T, hidden]."""
+                meta: AttentionMetadata, lora: LoraStep | None = None) -> Tensor:
+        """input_ids, positions [T] long -> final hidden states [T, hidden]. `lora`: the
+        step's adapters, where a row has one (the decode stack adds them as the layers do)."""
         x = self.model.embed_tokens(input_ids)
         step = self._stack_step(kv_caches, meta)
-        if step is not None:  # every layer in one compiled call
+        if step is not None:  # every layer in one compiled call (with the rows' adapters)
+            adapters = [] if lora is None else lora.stack_tensors()
             caches = [c.data for c in kv_caches]
             scales = [c.scale for c in kv_caches] if kv_caches[0].scale is not None else []
             if self.rope_cache is not None:   # the stack looks each row up in the tables
@@ -141,15 +151,18 @@ class LlamaForCausalLM(nn.Module):
                 (cos, sin), rows = self._rope_rows(positions, x.dtype), None
             if isinstance(step, DecodeBatch):
                 return self.decode_stack.forward(x, cos, sin, caches, scales, meta.slot_mapping,
-                                                 step.block_tables, step.seq_lens, rows)
+                                                 step.block_tables, step.seq_lens, rows,
+                                                 adapters)
             return self.decode_stack.forward_mixed(x, cos, sin, caches, scales,
                                                    meta.slot_mapping, step.decode_first,
                                                    step.block_tables, step.seq_lens,
-                                                   step.chunk_info, step.chunk_tables, rows)
+                                                   step.chunk_info, step.chunk_tables, rows,
+                                                   adapters)
         cos, sin = self._rope_rows(positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta,
+                                None if lora is None else lora.layer(i))
         return self.model.norm(x, residual)[0]
 
     def _rope_rows(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

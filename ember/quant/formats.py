@@ -142,24 +142,35 @@ def as_tensor(data: np.ndarray) -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(data))
 
 
-def dequantize_blocks(raw: Tensor, qtype: QType) -> Tensor:
-    """raw uint8 bytes of whole blocks of a type in KERNELS -> [num_values] float32, a chunk
-    of blocks at a time (the unpacked intermediates of a whole tensor would not fit in cache).
-    """
+def dequantize_blocks(raw: Tensor, qtype: QType, dtype: torch.dtype = torch.float32
+                      ) -> Tensor:
+    """raw uint8 bytes of whole blocks of a type in KERNELS -> [num_values] in `dtype`, a
+    chunk of blocks at a time (the unpacked intermediates of a whole tensor would not fit in
+    cache). Another dtype than float32 is rounded from each chunk's float32 values while they
+    are in cache, so the whole tensor is never written, nor read back, in float32."""
     values_per_block, bytes_per_block = GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(-1, bytes_per_block)
-    out = torch.empty(blocks.shape[0], values_per_block, dtype=torch.float32)
+    out = torch.empty(blocks.shape[0], values_per_block, dtype=dtype)
     step = max(1, CHUNK_VALUES // values_per_block)
+    scratch = None if dtype == torch.float32 else \
+        torch.empty(min(step, blocks.shape[0]), values_per_block, dtype=torch.float32)
     for start in range(0, blocks.shape[0], step):
-        KERNELS[qtype](blocks[start:start + step], out[start:start + step])
+        chunk = blocks[start:start + step]
+        if scratch is None:
+            KERNELS[qtype](chunk, out[start:start + step])
+        else:
+            KERNELS[qtype](chunk, scratch[:len(chunk)])
+            out[start:start + step].copy_(scratch[:len(chunk)])
     return out.view(-1)
 
 
-def dequantize(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Tensor:
+def dequantize(data: np.ndarray, qtype: QType, shape: tuple[int, ...],
+               dtype: torch.dtype = torch.float32) -> Tensor:
     """GGUF tensor bytes -> float tensor of `shape` (rows first, as torch orders them).
 
     `data` is what gguf.GGUFReader gives: the raw block bytes for quantized types, or the values
-    for plain ones. Plain types keep their dtype; the others come back as float32.
+    for plain ones. Plain types keep their dtype; the others come back as `dtype` (float32's
+    values rounded: a model loading in bfloat16 asks for it here).
     """
     if qtype in PLAIN:
         tensor = as_tensor(data)
@@ -167,6 +178,7 @@ def dequantize(data: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> Tensor
             tensor = tensor.view(torch.uint8).view(torch.bfloat16)
         return tensor.reshape(shape)
     if qtype in KERNELS:
-        return dequantize_blocks(as_tensor(data).view(torch.uint8), qtype).reshape(shape)
+        return dequantize_blocks(as_tensor(data).view(torch.uint8), qtype,
+                                 dtype).reshape(shape)
     values = gguf_quants.dequantize(np.ascontiguousarray(data), qtype)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)

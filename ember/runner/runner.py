@@ -6,10 +6,13 @@ from torch import Tensor
 
 from ember.config import SpecConfig
 from ember.kernels import CpuKernels
+from ember.lora.batch import LoraStep, LoraStepBuilder
+from ember.lora.registry import LoraRegistry
 from ember.models.attention import PagedKV
 from ember.models.llama import LlamaForCausalLM
 from ember.request import Request
 from ember.runner.inputs import ModelInputs, prepare_inputs, rows_per_request
+from ember.runner.pooling import Pooler
 from ember.sampling.sampler import Sampler
 from ember.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from ember.spec.ngram import propose_ngram
@@ -19,26 +22,41 @@ from ember.spec.verify import verify
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKV], block_size: int,
                  device: str, seed: int, kernels: CpuKernels | None = None,
-                 spec: SpecConfig = SpecConfig()) -> None:
+                 loras: LoraRegistry | None = None, spec: SpecConfig = SpecConfig()) -> None:
         self.model = model
         self.spec = spec
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(seed, self.device, kernels)
+        self.loras = loras
+        # the activations' dtype: the norms are never quantized
+        self.lora_steps = LoraStepBuilder(model.model.norm.weight.dtype, self.device,
+                                          kernels)
+        if loras is not None:
+            loras.on_evict = self.lora_steps.forget
+        self.pooler = Pooler()
 
     @torch.inference_mode()
-    def forward(self, plan: SchedulerOutput) -> tuple[list[Request], Tensor]:
+    def forward(self, plan: SchedulerOutput, pooled: dict[str, list[float]] | None = None
+                ) -> tuple[list[Request], Tensor]:
         """Run the model over the plan's tokens, writing their K/V into the cache.
 
         Returns the requests that sample this step and the logits of their rows [R, vocab]
         float32: a row each, or 1 + its drafts for a request verifying drafts
-        (rows_per_request).
+        (rows_per_request); `pooled`, if given, gets the vectors of the embedding requests
+        whose prompt ended.
         """
         self._copy_blocks(plan)
         inputs = prepare_inputs(plan, self.block_size, self.device,
                                 self.model.stack_runs_decodes(self.kv_caches))
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
+                            self._lora_step(plan))
+        if pooled is not None:
+            pooled.update(self.pooler.pool(plan, hidden))
+        return self._logits(inputs, hidden)
+
+    def _logits(self, inputs: ModelInputs, hidden: Tensor) -> tuple[list[Request], Tensor]:
         if not inputs.sampling_requests:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         if inputs.logits_indices is not None:
@@ -51,8 +69,17 @@ class ModelRunner:
         scoring text); rows follow the flat batch of `prepare_inputs`."""
         self._copy_blocks(plan)
         inputs = prepare_inputs(plan, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
+                            self._lora_step(plan))
         return inputs, self.model.compute_logits(hidden)
+
+    def _lora_step(self, plan: SchedulerOutput) -> LoraStep | None:
+        """The step's adapters, row by row (rows follow plan.scheduled), or None."""
+        if self.loras is None or all(s.request.lora is None for s in plan.scheduled):
+            return None
+        return self.lora_steps.build([
+            (None if s.request.lora is None else self.loras.acquire(s.request.lora),
+             s.num_new_tokens) for s in plan.scheduled])
 
     def _copy_blocks(self, plan: SchedulerOutput) -> None:
         """Partial prefix-cache hits: copy cached slots into the requests' own blocks."""
@@ -63,11 +90,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         self.sampler.forget(plan.finished_request_ids)
+        self.pooler.forget(plan.finished_request_ids)
         if not plan.scheduled:
             return RunnerOutput()
-        requests, logits = self.forward(plan)
+        output = RunnerOutput()
+        requests, logits = self.forward(plan, output.pooled)
         if not requests:
-            return RunnerOutput()
+            return output
         counts = rows_per_request(plan.scheduled)
         if counts is None:
             token_ids, logprobs = self.sampler.sample(logits, requests)
@@ -75,7 +104,6 @@ class ModelRunner:
             logprob_lists = [None if lp is None else [lp] for lp in logprobs]
         else:
             tokens, logprob_lists = self._verify(plan, requests, counts, logits)
-        output = RunnerOutput()
         for request, emitted, logprob in zip(requests, tokens, logprob_lists):
             output.sampled_token_ids[request.request_id] = emitted
             if logprob is not None:

@@ -16,7 +16,7 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]     # the request's block table (covers start + num_new_tokens)
     samples: bool            # reaches the newest token, so a new one is sampled (False for
-                             # the leading chunks of a chunked prefill)
+                             # the leading chunks of a chunked prefill, and for embeddings)
     # speculative decoding: guesses of the tokens after the newest one, computed after it in
     # this step (they are the last len(draft_token_ids) of the num_new_tokens)
     draft_token_ids: tuple[int, ...] = ()
@@ -45,9 +45,10 @@ class SchedulerOutput:
 @dataclass
 class RunnerOutput:
     """Tokens sampled this step, per request (a list: speculative decoding may add several:
-    the accepted drafts, then the target model's own token), and the drafts proposed for
-    the next step."""
+    the accepted drafts, then the target model's own token), the drafts proposed for the
+    next step, and the vectors of the embedding requests whose last prompt chunk ran."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[SampledLogprob]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)

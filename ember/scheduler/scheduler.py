@@ -50,10 +50,11 @@ def rank(request: Request) -> tuple[int, float, str]:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 spec: SpecConfig = SpecConfig()) -> None:
+                 spec: SpecConfig = SpecConfig(), whole_prompts: bool = False) -> None:
         self.config = config
         self.spec = spec
         self.spec_stats = SpecStats()
+        self.whole_prompts = whole_prompts  # never split a prompt across steps (encoders)
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []
@@ -122,6 +123,8 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.whole_prompts and num_new < request.num_tokens - request.num_computed_tokens:
+                break
             drafts = self._drafts(request, num_new, budget, spec_room)
             num_new += len(drafts)
             if not self._allocate_or_preempt(request, num_new):
@@ -190,6 +193,8 @@ class Scheduler:
                 else PrefixHit()
             num_hit = hit.num_tokens
             num_new = min(request.num_tokens - num_hit, budget)
+            if self.whole_prompts and num_new < request.num_tokens - num_hit:
+                return  # it waits for a step with room for all of it
             if not self.kv.allocate_slots(request, num_hit + num_new, hit):
                 return
             self.waiting.remove(request)
@@ -244,7 +249,8 @@ class Scheduler:
         start = request.num_computed_tokens
         return ScheduledRequest(request, start, num_new,
                                 list(self.kv.block_table(request.request_id)),
-                                samples=start + num_new - len(drafts) == request.num_tokens,
+                                samples=start + num_new - len(drafts) == request.num_tokens
+                                and request.pooling is None,
                                 draft_token_ids=drafts)
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[Request]:
@@ -263,14 +269,19 @@ class Scheduler:
             request.num_computed_tokens = min(item.end - num_drafts + num_accepted,
                                               request.num_tokens)
             self.kv.cache_full_blocks(request)
+            self.kv.release_outside_window(request)
             if num_drafts:
                 self._count_drafts(request, num_drafts, num_accepted)
                 self.kv.trim(request, request.num_tokens)   # rejected drafts' blocks
+            embedding = result.pooled.get(request.request_id)
+            if embedding is not None:  # an embedding request ends with its prompt
+                request.embedding = embedding
+                reason = FinishReason.STOP
             if reason is not None:
                 self.finish(request.request_id, reason)
             else:
                 self._take_drafts(request, result.draft_token_ids.get(request.request_id))
-            if new_token_ids:
+            if new_token_ids or embedding is not None:
                 advanced.append(request)
         return advanced
 

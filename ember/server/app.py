@@ -14,7 +14,7 @@ from fastapi.responses import HTMLResponse, Response
 
 from ember.config import ServerConfig
 from ember.engine.async_engine import AsyncEngine
-from ember.server import health, kv_events, openai
+from ember.server import adapters, embeddings, health, kv_events, openai
 from ember.server.errors import ClientDisconnected, install_error_handlers
 from ember.server.metrics import ServerMetrics
 from ember.server.state import ArrivalTime, ServerState, guard
@@ -44,6 +44,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     app.include_router(openai.router, dependencies=[Depends(guard)])
     app.include_router(kv_events.router, dependencies=[Depends(guard)])
+    app.include_router(adapters.router, dependencies=[Depends(guard)])
+    app.include_router(embeddings.router, dependencies=[Depends(guard)])
     app.include_router(health.router)
 
     page = resources.files("ember.server").joinpath("static/index.html").read_text()

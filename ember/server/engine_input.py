@@ -19,6 +19,7 @@ from ember.request import RequestOptions, SamplingParams
 from ember.server.errors import Forbidden
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from ember.server.state import ServerState
+from ember.server.tenants import tenant_salt
 from ember.server.tools import check_tools, render_for_plain_template, tool_constraint
 from ember.tokenizer.tokenizer import Tokenizer
 
@@ -39,7 +40,8 @@ async def completion_input(state: ServerState, body: CompletionRequest,
                            tenant: ApiKey | None) -> EngineInput:
     constraint = body.constraint()
     params = body.sampling_params(body.max_tokens, body.logprobs, constraint)
-    options = tenant_options(body, tenant, state.tenant_salts)
+    options = await adapter_options(state, body, tenant_options(body, tenant,
+                                                                state.tenant_salts))
     texts, prompts = await anyio.to_thread.run_sync(
         encode_prompts, body.prompt_list(), state.engine.tokenizer, body.echo)
     return EngineInput(prompts, params, options, await compile_grammar(state, constraint),
@@ -57,7 +59,8 @@ async def chat_input(state: ServerState, body: ChatCompletionRequest,
         constraint = tool_constraint(functions, body.tool_choice or "auto",
                                      body.parallel_tool_calls)
     params = body.sampling_params(body.max_new_tokens(), body.num_logprobs(), constraint)
-    options = tenant_options(body, tenant, state.tenant_salts)
+    options = await adapter_options(state, body, tenant_options(body, tenant,
+                                                                state.tenant_salts))
     prompt = await anyio.to_thread.run_sync(partial(
         chat_prompt, state, body.messages, body.add_generation_prompt,
         body.tools if functions else None, functions))
@@ -116,7 +119,12 @@ def tenant_options(body: SamplingFields, tenant: ApiKey | None, salts: dict[str,
                    cache_salt=tenant_salt(salts[tenant.tenant], options.cache_salt))
 
 
-def tenant_salt(secret: str, cache_salt: str | None) -> str:
-    """A salt no other tenant can send: the tenant's secret is hex of a fixed length, so it
-    ends where the request's own salt begins."""
-    return secret if cache_salt is None else f"{secret}\n{cache_salt}"
+async def adapter_options(state: ServerState, body: SamplingFields,
+                          options: RequestOptions) -> RequestOptions:
+    """The LoRA adapter that the body's model names, made resident, in the options."""
+    lora = state.check_model(body.model)
+    if lora is None:
+        return options
+    await state.engine.prepare_lora(lora)
+    return replace(options, lora=lora)
+

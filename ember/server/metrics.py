@@ -57,6 +57,7 @@ class EngineCollector(Collector):
                           stats.num_cached_blocks)
         yield from self._spec_metrics(stats)
         if core is not None:
+            yield self._load_phases(core.load_phases.seconds)
             info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration",
                                      labels=["block_size", "num_gpu_blocks", "model_name"])
             info.add_metric([str(core.cache_info.block_size), str(core.cache_info.num_blocks),
@@ -79,6 +80,16 @@ class EngineCollector(Collector):
         yield self._gauge("ember_spec_decode_mean_accepted_length", "Tokens a verification "
                           "emits on average: accepted drafts + 1 (0 before any draft)",
                           1 + stats.spec_num_accepted_tokens / drafts if drafts else 0.0)
+
+    def _load_phases(self, seconds: dict[str, float]) -> GaugeMetricFamily:
+        """Start-up time by phase (engine/cold_start.py), the process's own first."""
+        gauge = GaugeMetricFamily("ember_load_phase_seconds", "Seconds the server's start "
+                                  "took, by phase", labels=["phase"])
+        if self.engine.process_s is not None:
+            gauge.add_metric(["process"], self.engine.process_s)
+        for phase, value in seconds.items():
+            gauge.add_metric([phase], value)
+        return gauge
 
     def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
         counter = CounterMetricFamily(name, doc, labels=["model_name"])
@@ -125,6 +136,12 @@ class ServerMetrics:
                                      registry=r)
         self.generation_tokens = Counter("ember_generation_tokens", "Tokens generated", t,
                                          registry=r)
+        self.lora_requests = Counter("ember_lora_requests", "Requests finished per LoRA "
+                                     "adapter", ("adapter",), registry=r)
+        self.lora_prompt_tokens = Counter("ember_lora_prompt_tokens", "Prompt tokens processed "
+                                          "per LoRA adapter", ("adapter",), registry=r)
+        self.lora_generation_tokens = Counter("ember_lora_generation_tokens", "Tokens generated "
+                                              "per LoRA adapter", ("adapter",), registry=r)
         self.tenants = frozenset(tenants)
         for tenant in tenants:  # every tenant's series exists from the start, at zero
             for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prompt_len,
@@ -161,6 +178,7 @@ class RequestTracker:
         self.first: float | None = None
         self.choices: dict[int, ChoiceTimes] = {}
         self.done = False
+        self.adapter: str | None = None   # the LoRA adapter the request runs with
 
     def _of(self, metric: MetricWrapperBase, **labels: str) -> MetricWrapperBase:
         labels |= self.labels
@@ -186,6 +204,8 @@ class RequestTracker:
             choice.last = now
             choice.num_tokens += num_tokens
         self._of(self.metrics.generation_tokens).inc(num_tokens)  # as it streams: rate() is live
+        if self.adapter is not None:
+            self.metrics.lora_generation_tokens.labels(self.adapter).inc(num_tokens)
 
     def on_finish(self, finish_reasons: list[str], num_prompt_tokens: int,
                   queue_times: list[float]) -> None:
@@ -201,6 +221,9 @@ class RequestTracker:
         self._of(m.prompt_len).observe(num_prompt_tokens)
         self._of(m.gen_len).observe(self.num_output_tokens)
         self._of(m.prompt_tokens).inc(num_prompt_tokens)
+        if self.adapter is not None:
+            m.lora_requests.labels(self.adapter).inc()
+            m.lora_prompt_tokens.labels(self.adapter).inc(num_prompt_tokens)
 
     def on_abort(self, reason: str) -> None:
         if not self.done:

@@ -69,7 +69,8 @@ async def parse_request(request: Request, model: type[M]
     tenant = request_tenant(request)
     tracker = state.metrics.tracker(arrival_time(request), tenant.tenant if tenant else None)
     body = await read_json_body(request, model)
-    state.check_model(body.model)
+    tracker.adapter = state.check_model(body.model)
+    state.engine.check_generates()  # before templating: an embedding model may have no template
     body.check_supported()
     return state, body, tracker
 
@@ -83,7 +84,7 @@ async def create_completion(request: Request) -> Response:
     echo = [text for text in work.texts for _ in range(work.params.n)] if body.echo \
         else [""] * len(gen.choices)
     base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": state.model_name}
+            "model": body.model or state.model_name}
     tokenizer = state.engine.tokenizer
     if body.stream:
         return event_stream(gen, completion_chunks(base, echo, tokenizer, body.include_usage),
@@ -180,7 +181,7 @@ async def create_chat_completion(request: Request) -> Response:
     gen = Generation(state, request_id, work, tracker,
                      answers=None if work.functions else state.answers())
     base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": state.model_name}
+            "model": body.model or state.model_name}
     views = [ChatChoice(ToolCallParser() if work.functions else None)
              for _ in range(work.params.n)]
     tokenizer = state.engine.tokenizer
@@ -242,21 +243,25 @@ def chat_choices(gen: Generation, views: list[ChatChoice], tokenizer: Tokenizer,
 
 # -- models, tokenize, detokenize ----------------------------------------------------------------
 
-def _model_card(state: ServerState) -> dict[str, Any]:
-    return {"id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "ember", "max_model_len": state.max_model_len()}
+def _model_card(state: ServerState, adapter: str | None = None) -> dict[str, Any]:
+    """The base model's card, or a LoRA adapter's (its base as `parent`)."""
+    card = {"id": adapter or state.model_name, "object": "model", "created": state.created,
+            "owned_by": "ember", "root": state.model_name, "parent": None,
+            "max_model_len": state.max_model_len()}
+    return card if adapter is None else card | {"parent": state.model_name}
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(server_state(request))]})
+    state = server_state(request)
+    cards = [_model_card(state)] + [_model_card(state, a) for a in state.engine.lora_names()]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> JSONResponse:
     state = server_state(request)
-    state.check_model(model_id)
-    return JSONResponse(_model_card(state))
+    return JSONResponse(_model_card(state, state.check_model(model_id)))
 
 
 @router.post("/tokenize")

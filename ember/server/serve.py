@@ -1,20 +1,16 @@
 """Run the app under uvicorn, draining on SIGTERM."""
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from types import FrameType
 
 import uvicorn
 
 from ember.config import EngineConfig, ServerConfig
 from ember.engine.async_engine import AsyncEngine, EngineState
 from ember.server.app import create_app
+from ember.server.exit import GracefulServer
 from ember.server.state import ServerState
 
 
@@ -25,13 +21,13 @@ log = logging.getLogger(__name__)
 DEAD_EXIT_AFTER_S = 2.0
 
 
-class DrainingServer(uvicorn.Server):
+class DrainingServer(GracefulServer):
     """On SIGTERM or SIGINT, mark the app draining (readiness and new requests answer 503)
     before uvicorn stops accepting connections and lets in-flight requests finish within
     `timeout_graceful_shutdown`; then the engine stops and the process exits 0."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
-        super().__init__(config)
+        super().__init__(config, lambda: setattr(state, "draining", True))
         self.ember_state = state
         self.engine_died_at: float | None = None
 
@@ -47,25 +43,6 @@ class DrainingServer(uvicorn.Server):
                 self.ember_state.draining = True
                 return True
         return await super().on_tick(counter)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.ember_state.draining = True
-        super().handle_exit(sig, frame)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        """uvicorn re-raises the signal after shutting down, so the process dies of it; a
-        drained SIGTERM is a clean stop, so ember exits 0 instead."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        original = {sig: signal.signal(sig, self.handle_exit)
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> None:

@@ -2,8 +2,6 @@
 (its key's tenant) and when it arrived. Held on `app.state`."""
 from __future__ import annotations
 
-import hashlib
-import hmac
 import time
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -14,9 +12,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ember.config import ApiKey, ServerConfig
 from ember.engine.async_engine import AsyncEngine
-from ember.server.errors import NotFound, PayloadTooLarge, Unauthorized, Unavailable
+from ember.server.errors import NotFound, PayloadTooLarge, Unavailable
 from ember.server.metrics import ServerMetrics
 from ember.server.protocol import parse_body
+from ember.server.tenants import match_key, tenant_salts
 from ember.tokenizer.answers import AnswerTokens
 from ember.tokenizer.chat import ChatTemplate
 
@@ -40,11 +39,17 @@ class ServerState:
         self.keys = self.config.tenant_keys()
         self.tenant_salts = tenant_salts(self.keys)
 
-    def check_model(self, model: str | None) -> None:
-        """`model` is a served name, never a path; None means the one model served."""
-        if model is not None and model != self.model_name:
-            raise NotFound(f"model {model!r} does not exist; this server serves "
-                           f"{self.model_name!r} (see /v1/models)", param="model")
+    def check_model(self, model: str | None) -> str | None:
+        """`model` is a served name, never a path; None means the one model served. Returns
+        the LoRA adapter it names, or None for the base model."""
+        if model is None or model == self.model_name:
+            return None
+        adapters = self.engine.lora_names()
+        if model in adapters:
+            return model
+        served = ", ".join(repr(n) for n in [self.model_name, *adapters])
+        raise NotFound(f"model {model!r} does not exist; this server serves {served} (see "
+                       "/v1/models)", param="model")
 
     def chat_template(self) -> ChatTemplate:
         if self._chat_template is None:
@@ -63,19 +68,6 @@ class ServerState:
         return core.max_model_len if core is not None else None
 
 
-def tenant_salts(keys: tuple[ApiKey, ...]) -> dict[str, str]:
-    """Each tenant's cache salt: a digest of its keys. Every replica reading the same file
-    salts alike (routers match prefixes across replicas), and no one without the tenant's keys
-    can work it out, so the block hashes /kv/events publishes cannot be probed by tenant name
-    (which /metrics shows)."""
-    by_tenant: dict[str, list[str]] = {}
-    for key in keys:
-        by_tenant.setdefault(key.tenant, []).append(key.key)
-    return {tenant: hashlib.sha256("\n".join(["ember tenant salt", *sorted(secrets)])
-                                   .encode()).hexdigest()
-            for tenant, secrets in by_tenant.items()}
-
-
 def server_state(request: Request) -> ServerState:
     return request.app.state.ember
 
@@ -85,24 +77,13 @@ async def guard(request: Request) -> None:
     With tenants, the key's tenant is kept on the request (see `request_tenant`)."""
     state = server_state(request)
     if state.keys:
-        request.state.tenant = _match_key(request, state.keys)
+        request.state.tenant = match_key(request.headers.get("authorization", ""),
+                                         state.keys)
     elif state.config.api_key is not None:
-        _match_key(request, (ApiKey(state.config.api_key, "default"),))
+        match_key(request.headers.get("authorization", ""),
+                  (ApiKey(state.config.api_key, "default"),))
     if state.draining:
         raise Unavailable("the server is shutting down; send the request to another replica")
-
-
-def _match_key(request: Request, keys: tuple[ApiKey, ...]) -> ApiKey:
-    """The key the request's bearer token names. Every key is compared, each in constant
-    time, so the time taken does not tell which key came close."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    found = None
-    for key in keys:
-        if hmac.compare_digest(token.encode(), key.key.encode()):
-            found = key
-    if scheme.lower() != "bearer" or found is None:
-        raise Unauthorized("missing or wrong API key; send 'Authorization: Bearer <key>'")
-    return found
 
 
 def request_tenant(request: Request) -> ApiKey | None:

@@ -1,13 +1,15 @@
 """Tokenizers from the model files, built on the `tokenizers` library.
 
-A GGUF file carries a byte-level BPE vocabulary, its merges and the name of its pre-tokenizer;
-a Hugging Face folder carries tokenizer.json. Both become one `tokenizers.Tokenizer`, so encoding,
+A GGUF file carries a byte-level BPE vocabulary, its merges and the name of its pre-tokenizer,
+or a SentencePiece vocabulary with scores (sentencepiece.py); a Hugging Face folder carries
+tokenizer.json. Both become one `tokenizers.Tokenizer`, so encoding,
 decoding and streaming work the same way whichever the source.
 """
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors
 from tokenizers.decoders import DecodeStream
 
 from ember.errors import ModelLoadError, UnsupportedModel
+from ember.tokenizer.sentencepiece import sentencepiece_backend
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +29,24 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+# Mistral's Tekken (Nemo, Pixtral) and GPT-4o's (Llama 4, MiniMax): case-aware words
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                + _CONTRACTION
+                + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                + _CONTRACTION
+                + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {**dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3",
+                            "falcon-h1", "dbrx", "pixtral"), _LLAMA3_SPLIT),
+           **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+           "tekken": _TEKKEN_SPLIT,
+           **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _GPT4O_SPLIT)}
 _GPT2_STYLE = ("default", "gpt2", "smollm", "starcoder", "refact")
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 # GGUF token types (llama.cpp's llama_token_type)
 CONTROL, USER_DEFINED = 3, 4
@@ -66,6 +84,33 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     return byte_level
 
 
+def _byte_level(metadata: dict[str, Any]) -> HFTokenizer:
+    """A gpt2-style vocabulary: byte-level BPE with the file's merges and pre-tokenizer."""
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
+    alphabet = _bytes_to_unicode()
+    spelled = set(alphabet.values())
+    # a token outside the byte alphabet (a raw added token) is re-spelled in it
+    vocab = {tok if set(tok) <= spelled else "".join(alphabet[b] for b in tok.encode()): i
+             for i, tok in enumerate(tokens)}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _bos_eos(bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None
+             ) -> processors.PostProcessor | None:
+    """The post-processor adding a BOS before and/or an EOS after each text (None: neither)."""
+    if bos is None and eos is None:
+        return None
+    head, tail = (f"{bos} " if bos else ""), (f" {eos}" if eos else "")
+    specials = [(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if t is not None]
+    return processors.TemplateProcessing(single=f"{head}$A{tail}",
+                                         pair=f"{head}$A{tail} {head}$B{tail}",
+                                         special_tokens=list(dict.fromkeys(specials)))
+
+
 def _special_token(value: Any) -> str | None:
     """tokenizer_config.json writes special tokens as strings or as {"content": ...}."""
     if isinstance(value, dict):
@@ -86,24 +131,17 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
-        """Build from a GGUF file's `tokenizer.*` metadata (gpt2-style BPE vocabularies)."""
+        """Build from a GGUF file's `tokenizer.*` metadata: byte-level BPE ("gpt2") or
+        SentencePiece ("llama") vocabularies."""
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise UnsupportedModel(f"GGUF tokenizer model {kind!r} is not supported; ember reads "
-                                   "gpt2-style (byte-level BPE) vocabularies from GGUF files. "
-                                   "Use the model's Hugging Face folder, whose tokenizer.json "
-                                   "ember reads whatever its kind")
+                                   "gpt2 (byte-level BPE) and llama (SentencePiece) "
+                                   "vocabularies from GGUF files. Use the model's Hugging Face "
+                                   "folder, whose tokenizer.json ember reads whatever its kind")
         tokens: list[str] = metadata["tokenizer.ggml.tokens"]
         types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
-        alphabet = _bytes_to_unicode()
-        spelled = set(alphabet.values())
-        # a token outside the byte alphabet (a raw added token) is re-spelled in it
-        vocab = {tok if set(tok) <= spelled else "".join(alphabet[b] for b in tok.encode()): i
-                 for i, tok in enumerate(tokens)}
-        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
-        backend.decoder = decoders.ByteLevel()
+        backend = sentencepiece_backend(metadata) if kind == "llama" else _byte_level(metadata)
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                     for t, k in zip(tokens, types) if k == CONTROL])
         backend.add_tokens([AddedToken(t, normalized=False, special=False)
@@ -111,9 +149,12 @@ class Tokenizer:
         bos_id = metadata.get("tokenizer.ggml.bos_token_id")
         eos_id = metadata.get("tokenizer.ggml.eos_token_id")
         bos = tokens[bos_id] if bos_id is not None else None
-        if metadata.get("tokenizer.ggml.add_bos_token") and bos is not None:
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+        # llama.cpp adds a BOS to a SentencePiece vocabulary that does not say otherwise
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
+        add_eos = metadata.get("tokenizer.ggml.add_eos_token", False)
+        backend.post_processor = _bos_eos(bos if add_bos else None, bos_id,
+                                          tokens[eos_id] if add_eos and eos_id is not None
+                                          else None, eos_id)
         eos_ids = [i for i in (eos_id, metadata.get("tokenizer.ggml.eot_token_id"),
                                metadata.get("tokenizer.ggml.eom_token_id")) if i is not None]
         return cls(backend, bos_token=bos, eos_token=tokens[eos_id] if eos_id is not None else None,
@@ -127,6 +168,10 @@ class Tokenizer:
             raise ModelLoadError(f"{path} has no tokenizer.json; ember needs the fast-tokenizer "
                                  "file (save it with transformers' save_pretrained)")
         backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        # some files (sentence-transformers') pad and cut every text to a fixed length; a
+        # prompt is its own tokens, and one past the context is refused, never cut
+        backend.no_truncation()
+        backend.no_padding()
         config = _read_optional_json(path / "tokenizer_config.json")
         generation = _read_optional_json(path / "generation_config.json")
         bos = _special_token(config.get("bos_token"))
@@ -163,6 +208,8 @@ class Tokenizer:
         if isinstance(self.backend.decoder, decoders.ByteLevel) and \
                 set(piece) <= _BYTE_LEVEL_CHARS:
             return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        if _BYTE_PIECE.fullmatch(piece):  # a SentencePiece byte-fallback piece, <0xAB>
+            return bytes([int(piece[3:5], 16)])
         return self.token_text(token_id).encode("utf-8")
 
     def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":

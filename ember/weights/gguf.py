@@ -7,6 +7,7 @@ as Hugging Face does, so those rows are permuted back here.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,31 +18,25 @@ from gguf import ReaderTensor
 from ember.config import ModelConfig, RopeScaling
 from ember.errors import ModelLoadError, UnsupportedModel
 from ember.quant.formats import dequantize, quant_bits
+from ember.weights.gguf_archs import (ARCHITECTURES, MIXTRAL, ROPE_FACTORS, layer_names,
+                                      moe_fields, variant_fields)
 from ember.weights.gguf_metadata import metadata_of, open_reader
 
-# GGUF architecture -> (HF architecture, q/k rows permuted by the converter)
-ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
-
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 ROPE_FREQS = "rope_freqs.weight"  # per-dimension RoPE divisors (Llama 3.1 scaling)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if unknown."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
+    names = layer_names(arch)
+    if match and match.group(2) in names:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     return None
 
 
@@ -90,24 +85,33 @@ class GGUFFile:
         vocab = self.metadata.get(f"{self.arch}.vocab_size") or \
             len(self.metadata.get("tokenizer.ggml.tokens") or [])
         tensor_names = {t.name for t in self._reader.tensors}
+        num_layers = int(self._get("block_count"))
+        head_dim = int(self._get("attention.key_length", hidden // num_heads))
+        experts = moe_fields(self.arch, self.metadata, tensor_names, num_layers)
         return ModelConfig(
-            architecture=ARCHITECTURES[self.arch][0],
+            architecture=MIXTRAL if experts and self.arch == "llama" else
+            ARCHITECTURES[self.arch][0],
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(self._get("feed_forward_length")),
-            num_layers=int(self._get("block_count")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(self._get("attention.head_count_kv", num_heads)),
-            head_dim=int(self._get("attention.key_length", hidden // num_heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(self._get("attention.layer_norm_rms_epsilon")),
             rope_theta=float(self._get("rope.freq_base", 10000.0)),
             max_position_embeddings=int(self._get("context_length")),
             tie_word_embeddings="output.weight" not in tensor_names,
             qkv_bias="blk.0.attn_q.bias" in tensor_names,
             rope_scaling=self._rope_scaling(),
+            **variant_fields(self.arch, self.metadata, hidden, num_heads, head_dim, num_layers),
+            **experts,
         )
 
     def _rope_scaling(self) -> RopeScaling | None:
+        factors = {t.name: t for t in self._reader.tensors if t.name in ROPE_FACTORS}
+        if factors:
+            return self._longrope(factors)
         kind = self.metadata.get(f"{self.arch}.rope.scaling.type")
         if kind in (None, "none"):
             return None  # Llama 3.1 style scaling ships as the rope_freqs tensor instead
@@ -116,27 +120,45 @@ class GGUFFile:
                            original_max_position_embeddings=int(self.metadata.get(
                                f"{self.arch}.rope.scaling.original_context_length", 0) or 0))
 
+    def _longrope(self, factors: dict[str, ReaderTensor]) -> RopeScaling:
+        """Phi-3's LongRoPE, from its factor tensors and rope.scaling metadata."""
+        original = int(self._get("rope.scaling.original_context_length"))
+        long, short = (tuple(float(x) for x in factors[name].data) for name in ROPE_FACTORS)
+        return RopeScaling(kind="longrope", factor=int(self._get("context_length")) / original,
+                           original_max_position_embeddings=original, short_factor=short,
+                           long_factor=long, attention_factor=float(self.metadata.get(
+                               f"{self.arch}.rope.scaling.attn_factor", 1.0)))
+
     def linear_bits(self) -> int | None:
         """Bits per weight of the decoder's linear layers as stored (2-8, QUANT_BITS), None if
-        unquantized: the largest over them, so a Q4_K_M file (Q4_K with some Q6_K) counts 6."""
-        bits = [quant_bits(t.tensor_type) for t in self._reader.tensors
-                if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2]
-        return max((b for b in bits if b is not None), default=None)
+        unquantized: those of the type holding most of their weights, so a Q4_K_M file (Q4_K
+        with some Q6_K) counts 4, as its maker meant it to run."""
+        weights: Counter[int] = Counter()
+        for t in self._reader.tensors:
+            if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2:
+                bits = quant_bits(t.tensor_type)
+                if bits is not None:
+                    weights[bits] += int(t.n_elements)
+        return weights.most_common(1)[0][0] if weights else None
 
-    def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, tensor) pairs, dequantized; rope_freqs keeps its GGUF name."""
+    def tensors(self, config: ModelConfig, dtype: torch.dtype = torch.float32
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, tensor) pairs, quantized types dequantized to `dtype`; rope_freqs keeps
+        its GGUF name."""
         permuted = ARCHITECTURES[self.arch][1]
         for t in self._reader.tensors:
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
             try:
-                tensor = dequantize(t.data, t.tensor_type, shape)
+                tensor = dequantize(t.data, t.tensor_type, shape, dtype)
             except NotImplementedError as e:
                 raise UnsupportedModel(f"tensor {t.name} uses ggml type {t.tensor_type.name}, "
                                        f"which cannot be dequantized ({e})") from e
             if t.name == ROPE_FREQS:
                 yield ROPE_FREQS, tensor
                 continue
-            name = hf_name(t.name)
+            if t.name in ROPE_FACTORS:  # in the config (_longrope)
+                continue
+            name = hf_name(t.name, self.arch)
             if name is None:
                 raise UnsupportedModel(f"{self.path} has tensor {t.name!r}, which ember does not "
                                        f"know for the {self.arch} architecture")
@@ -144,4 +166,10 @@ class GGUFFile:
                 tensor = unpermute_rows(tensor, config.num_heads)
             elif permuted and ".k_proj." in name:
                 tensor = unpermute_rows(tensor, config.num_kv_heads)
+            if "*" in name:  # stacked experts
+                for expert, weight in enumerate(tensor):
+                    yield name.replace("*", str(expert)), weight
+                continue
+            if name.endswith("shared_expert_gate.weight"):
+                tensor = tensor.reshape(1, -1)  # stored as a vector
             yield name, tensor

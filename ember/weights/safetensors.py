@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ember.config import ModelConfig, RopeScaling
+from ember.config import ModelConfig
 from ember.errors import ModelLoadError, UnsupportedModel
+from ember.weights.hf_variants import GEMMAS, variant_fields
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -23,30 +24,13 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{path} is not valid JSON ({e}); re-download it") from e
 
 
-def _rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """transformers 4 writes rope_theta + rope_scaling; transformers 5 writes rope_parameters."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
-    kind = params.get("rope_type") or params.get("type") or "default"
-    if kind == "default":
-        return theta, None
-    return theta, RopeScaling(
-        kind=kind, factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)))
-
-
 def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
     """A transformers config.json (as a dict) -> ModelConfig."""
     architectures = config.get("architectures") or ["<missing>"]
     if config.get("mlp_bias"):
         raise UnsupportedModel("mlp_bias=true is not supported; ember runs bias-free MLPs")
     num_heads = int(config["num_attention_heads"])
-    theta, scaling = _rope(config)
-    is_qwen2 = architectures[0] == "Qwen2ForCausalLM"
-    sliding = config.get("sliding_window") if config.get("use_sliding_window", not is_qwen2) \
-        else None
+    is_qwen2 = architectures[0] in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
     try:
         return ModelConfig(
             architecture=architectures[0],
@@ -58,12 +42,11 @@ def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
             num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
             head_dim=int(config.get("head_dim") or config["hidden_size"] // num_heads),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings",
+                                                architectures[0] in GEMMAS)),
             qkv_bias=is_qwen2 or bool(config.get("attention_bias", False)),
-            rope_scaling=scaling,
-            sliding_window=int(sliding) if sliding else None,
+            **variant_fields(config, architectures[0]),
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json has no {e.args[0]!r}; it is not a complete "
@@ -88,13 +71,20 @@ class SafetensorsFolder:
         """Floating-point weights: nothing to match with packed integer formats."""
         return None
 
-    def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, tensor) pairs, memory-mapped from the files."""
+    def tensors(self, config: ModelConfig | None, dtype: torch.dtype = torch.float32
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, tensor) pairs, memory-mapped from the files, as stored (`dtype`: the
+        loader casts them; `config` None: an encoder's, as stored). Gemma's norms compute
+        x * (1 + weight): their weights come out with the 1 added (as llama.cpp stores them)."""
         for file in self.files:
             try:
                 with safe_open(str(file), framework="pt") as f:
                     for name in f.keys():
-                        yield name, f.get_tensor(name)
+                        tensor = f.get_tensor(name)
+                        if config is not None and config.norm_plus_one \
+                                and name.endswith("norm.weight"):
+                            tensor = tensor.float() + 1.0
+                        yield name, tensor
             except SafetensorError as e:
                 raise ModelLoadError(f"{file} is not a readable safetensors file ({e}); "
                                      "re-download it") from e

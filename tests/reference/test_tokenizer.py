@@ -128,8 +128,8 @@ def test_hf_folder_without_tokenizer_json_is_a_clear_error(tmp_path):
 
 
 def test_unsupported_gguf_vocabulary_is_a_clear_error():
-    with pytest.raises(UnsupportedModel, match="'llama' is not supported.*Hugging Face folder"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+    with pytest.raises(UnsupportedModel, match="'t5' is not supported.*Hugging Face folder"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "t5"})
 
 
 def test_chat_answers_keep_the_ids_the_model_generated(ember_tokenizer):

@@ -1,4 +1,4 @@
-"""Generated request bodies against the four POST endpoints: no input makes the server fail.
+"""Generated request bodies against the five POST endpoints: no input makes the server fail.
 
 Hypothesis draws bodies that mix valid requests with hostile field values (ints past 64 bits,
 NaN and Infinity as raw JSON, wrong types, nested junk, lone surrogates, long stop lists, odd
@@ -17,7 +17,7 @@ mostly produce bodies the schema already rejects. A strategy per field says what
 
 Each number-taking field is also tried alone at every extreme, as explicit examples run every
 time. The default run is otherwise small and derandomized (the same examples every time, so
-CI is stable); `pytest -m fuzz tests/server/test_fuzz.py` runs 2000 examples from a fresh seed.
+CI is stable); `pytest -m fuzz tests/server/test_fuzz.py` runs 2500 examples from a fresh seed.
 """
 from __future__ import annotations
 
@@ -121,6 +121,10 @@ TOKENIZE_PROMPT = {"prompt": (TEXT, ANY_TEXT | HOSTILE), "add_special_tokens": (
 TOKENIZE_CHAT = {"messages": MESSAGES, "add_special_tokens": (BOOL, HOSTILE),
                  "add_generation_prompt": (BOOL, HOSTILE)}
 DETOKENIZE = {"tokens": (TOKEN_IDS, BAD_TOKEN_IDS | HOSTILE), "model": (TEXT, HOSTILE)}
+EMBEDDINGS = {"input": (PROMPT, BAD_PROMPT | HOSTILE), "model": SAMPLING["model"],
+              "encoding_format": (st.sampled_from(["float", "base64"]), ANY_TEXT | HOSTILE),
+              "dimensions": (st.integers(1, 64), st.sampled_from([0, 65, 2**31]) | HOSTILE),
+              **{k: SAMPLING[k] for k in ("user", "priority", "cache_salt")}}
 
 
 def with_one_hostile(valid: dict, fields: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]]
@@ -150,6 +154,7 @@ ENDPOINTS = {
     "/v1/chat/completions": body(CHAT, ("messages", "max_tokens")),
     "/tokenize": body(TOKENIZE_PROMPT, ("prompt",)) | body(TOKENIZE_CHAT, ("messages",)),
     "/detokenize": body(DETOKENIZE, ("tokens",)),
+    "/v1/embeddings": body(EMBEDDINGS, ("input",)),
 }
 # Every number-taking field of a valid body, alone, at each extreme: always run (Hypothesis
 # would draw one field at one extreme rarely), as explicit examples before the generated ones.
@@ -167,9 +172,11 @@ EXPLICIT = {
                              if field != "logprobs" for value in EXTREMES],
     "/tokenize": [{"prompt": "Hi", "add_special_tokens": value} for value in EXTREMES],
     "/detokenize": [{"tokens": [value]} for value in EXTREMES],
+    "/v1/embeddings": [{"input": "Hi", field: value} for field in ("dimensions", "priority")
+                       for value in EXTREMES] + [{"input": [[value]]} for value in EXTREMES],
 }
-DEFAULT_EXAMPLES = 25   # per endpoint: 100 in all
-FUZZ_EXAMPLES = 500     # per endpoint under -m fuzz: 2000 in all
+DEFAULT_EXAMPLES = 25   # per endpoint: 125 in all
+FUZZ_EXAMPLES = 500     # per endpoint under -m fuzz: 2500 in all
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,15 @@ FORBIDDEN = {
     "ember.weights": {"ember.runner", "ember.engine", "ember.scheduler", "ember.tokenizer"},
     "ember.sampling": {"ember.runner", "ember.engine", "ember.models", "ember.scheduler"},
     "ember.runner": {"ember.engine"},
+    "ember.lora": {"ember.runner", "ember.engine", "ember.scheduler", "ember.server"},
     "ember.engine": {"ember.server", "ember.cli"},
     # the server speaks HTTP and the AsyncEngine API; it never touches tensors
     "ember.server": {"torch", "ember.runner", "ember.models", "ember.sampling", "ember.kv",
                      "ember.scheduler", "ember.quant", "ember.weights"},
+    # the fleet talks HTTP to replicas: no tensors, no engine (ray only as a launcher)
+    "ember.router": {"torch", "ember.engine", "ember.runner", "ember.models", "ember.sampling",
+                     "ember.scheduler", "ember.quant", "ember.weights.loader",
+                     "ember.weights.gguf", "ember.server.state", "ember.server.app"},
     "ember": {"transformers", "accelerate"},  # the runtime never needs the test oracle
     # the benchmark speaks HTTP to any server; only bench/offline.py runs the engine itself
     "ember.bench": {"torch", "ember.runner", "ember.models", "ember.server", "ember.scheduler",
@@ -70,6 +75,17 @@ def test_bench_runs_the_engine_only_offline():
         if module in ENGINE_ALLOWED_IN_BENCH:
             continue
         assert not any(n.startswith("ember.engine") for n in module_imports(path)), module
+
+
+def test_router_runs_without_torch():
+    """`ember route` imports neither torch nor the engine, through any import chain."""
+    code = ("import sys, ember.cli, ember.router.main, ember.router.ray_replicas; "
+            "print(sorted(m for m in ('torch', 'ember.engine', 'ember.server.state') "
+            "if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"
 
 
 def test_walk_sees_real_imports():

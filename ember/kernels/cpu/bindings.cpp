@@ -41,6 +41,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_rows", &int8_rows, "rows of an int8 weight in 16-row VNNI panels", no_gil);
   m.def("int4_linear", &int4_linear, "x w^T with w int4 (groups of 32) in 16-row panels",
         no_gil);
+  m.def("lora_add", &lora_add, "each adapter's low-rank update added to its rows of y",
+        py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("starts"), py::arg("a"),
+        py::arg("b"), py::arg("b_scales"), py::arg("ranges"), no_gil);
 #ifdef EMBER_BF16_DOT
   // module_local: two builds may share a process (an A/B of two sources loads both)
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
@@ -49,13 +52,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecodeStack::forward, "a decode step through every layer",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv"), py::arg("kv_scales"),
            py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
-           py::arg("positions") = py::none(), no_gil)
+           py::arg("positions") = py::none(), py::arg("lora") = std::vector<at::Tensor>(),
+           no_gil)
       .def("forward_mixed", &DecodeStack::forward_mixed,
            "a step with prompt chunks through every layer", py::arg("x"), py::arg("cos"),
            py::arg("sin"), py::arg("kv"), py::arg("kv_scales"), py::arg("slots"),
            py::arg("decode_first"), py::arg("block_tables"), py::arg("seq_lens"),
            py::arg("chunk_info"), py::arg("chunk_tables"), py::arg("positions") = py::none(),
-           no_gil)
+           py::arg("lora") = std::vector<at::Tensor>(), no_gil)
       .def("use_int8", &DecodeStack::use_int8, "steps above max_packed_rows on int8 quads");
 #endif
 }

@@ -9,6 +9,7 @@
 // (tests/reference/test_cpu_kernels.py, tests/reference/test_smollm_gguf.py).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/bmm.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -96,12 +97,15 @@ at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                                 const std::vector<at::Tensor>& kv,
                                 const std::vector<at::Tensor>& kv_scales, at::Tensor slots,
                                 at::Tensor block_tables, at::Tensor seq_lens,
-                                c10::optional<at::Tensor> positions) const {
+                                c10::optional<at::Tensor> positions,
+                                const std::vector<at::Tensor>& lora) const {
   std::tie(cos, sin) = rope_rows(cos, sin, positions, x.size(0));
   check_inputs(x, cos, sin, kv, kv_scales, slots);
   check_decodes(block_tables, seq_lens, x.size(0), kv[0].size(3));
+  check_lora(lora, layers_.size(), x.size(0),
+             {layers_[0].qkv.n, hidden_, 2 * layers_[0].down.k, hidden_});
   Plan plan{0, x.size(0), block_tables.data_ptr<int64_t>(), block_tables.size(1),
-            seq_lens.data_ptr<int64_t>(), {}};
+            seq_lens.data_ptr<int64_t>(), {}, &lora};
   plan.rows_read_each_other = rows_read_each_other(plan, slots, kv[0].size(3));
   return run(x, cos, sin, kv, kv_scales, slots, plan);
 }
@@ -131,9 +135,12 @@ at::Tensor DecodeStack::forward_mixed(at::Tensor x, at::Tensor cos, at::Tensor s
                                       int64_t decode_first, at::Tensor block_tables,
                                       at::Tensor seq_lens, at::Tensor chunk_info,
                                       const std::vector<at::Tensor>& chunk_tables,
-                                      c10::optional<at::Tensor> positions) const {
+                                      c10::optional<at::Tensor> positions,
+                                      const std::vector<at::Tensor>& lora) const {
   std::tie(cos, sin) = rope_rows(cos, sin, positions, x.size(0));
   check_inputs(x, cos, sin, kv, kv_scales, slots);
+  check_lora(lora, layers_.size(), x.size(0),
+             {layers_[0].qkv.n, hidden_, 2 * layers_[0].down.k, hidden_});
   const int64_t t = x.size(0), decodes = seq_lens.numel(), block_size = kv[0].size(3);
   check_decodes(block_tables, seq_lens, decodes, block_size);
   TORCH_CHECK(chunk_info.scalar_type() == at::kLong && chunk_info.is_contiguous() &&
@@ -145,7 +152,7 @@ at::Tensor DecodeStack::forward_mixed(at::Tensor x, at::Tensor cos, at::Tensor s
               "the decode rows must lie in the step");
   for (int64_t i = decode_first; i < decode_first + decodes; ++i) covered[i] += 1;
   Plan plan{decode_first, decodes, block_tables.data_ptr<int64_t>(), block_tables.size(1),
-            seq_lens.data_ptr<int64_t>(), {}};
+            seq_lens.data_ptr<int64_t>(), {}, &lora};
   const int64_t* info = chunk_info.data_ptr<int64_t>();
   const int64_t num_blocks = kv[0].size(2);
   for (size_t c = 0; c < chunk_tables.size(); ++c) {
@@ -177,8 +184,9 @@ at::Tensor DecodeStack::run(const at::Tensor& x, const at::Tensor& cos, const at
                             const Plan& plan) const {
   const bool int8 = !kv_scales.empty();
   const int64_t t = x.size(0), qkv_n = layers_[0].qkv.n, inter = layers_[0].down.k;
+  const bool lora = plan.lora != nullptr && !plan.lora->empty();
   if (plan.chunks.empty() && t <= kOneRegionRows && !(int8_ && t > max_packed_rows_) &&
-      !plan.rows_read_each_other) {
+      !lora && !plan.rows_read_each_other) {
     return run_decodes(x, cos, sin, kv, kv_scales, slots, plan);
   }
   const auto opts = x.options();
@@ -214,6 +222,7 @@ at::Tensor DecodeStack::run(const at::Tensor& x, const at::Tensor& cos, const at
     } else {
       linear(layer.qkv, h, qkv, &layer.o);
     }
+    if (lora) add_lora(plan, l, 0, h, qkv);
     const auto& cache = kv[l];
     const int64_t blocks = cache.size(2), block_size = cache.size(3);
     at::Half* kv_scale = int8 ? kv_scales[l].data_ptr<at::Half>() : nullptr;
@@ -238,18 +247,32 @@ at::Tensor DecodeStack::run(const at::Tensor& x, const at::Tensor& cos, const at
                                  omp_get_thread_num());
     };
     attend(plan, q, qkv, k_out, own_kv, cache, kv_scale, att, a8 ? nullptr : &fetch_o);
+    const auto attended = att.view({t, heads_ * d_});
     if (a8) {
-      linear8(layer.o8, att.view({t, heads_ * d_}), out, scratch);
+      linear8(layer.o8, attended, out, scratch);
+      if (lora) add_lora(plan, l, 1, attended, out);
       rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
-      linear8(layer.gate_up8, h, act, scratch, true);
+      if (has_lora(plan, l, 2)) {   // the adapter adds to gate | up before the activation
+        if (!gate_up.defined()) gate_up = at::empty({t, 2 * inter}, opts);
+        linear8(layer.gate_up8, h, gate_up, scratch);
+        add_lora(plan, l, 2, h, gate_up);
+        silu_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), act.data_ptr<at::BFloat16>(), t,
+                          inter);
+      } else {
+        linear8(layer.gate_up8, h, act, scratch, true);
+      }
       linear8(layer.down8, act, out, scratch);
+      if (lora) add_lora(plan, l, 3, act, out);
       continue;
     }
-    linear(layer.o, att.view({t, heads_ * d_}), out, &layer.gate_up);
+    linear(layer.o, attended, out, &layer.gate_up);
+    if (lora) add_lora(plan, l, 1, attended, out);
     rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
     linear(layer.gate_up, h, gate_up, &layer.down);
+    if (lora) add_lora(plan, l, 2, h, gate_up);
     silu_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), act.data_ptr<at::BFloat16>(), t, inter);
     linear(layer.down, act, out, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
+    if (lora) add_lora(plan, l, 3, act, out);
   }
   rms_norm_rows(op, r, final_norm_.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
   return h;
@@ -395,6 +418,50 @@ void DecodeStack::attend(const Plan& plan, const at::Tensor& q, const at::Tensor
     prefill(qc, row, own_kv.data(), nullptr, kOneBlock, c.n, oc, c.n, heads_, kv_heads_, 1,
             c.n, scale_);
   }
+}
+
+void DecodeStack::check_lora(const std::vector<at::Tensor>& lora, size_t layers, int64_t t,
+                             const std::vector<int64_t>& outs) {
+  if (lora.empty()) return;
+#ifdef EMBER_INT8_DOT
+  TORCH_CHECK(lora.size() == 2 + 16 * layers,
+              "lora: rows, starts and (A, B, B's scales, ranges) per projection of every layer");
+  const auto& rows = lora[0];
+  for (size_t i = 2; i < lora.size(); i += 4) {
+    if (lora[i].numel() > 0) {
+      check_lora_factors(rows, lora[1], lora[i], lora[i + 1], lora[i + 2], lora[i + 3],
+                         outs[(i - 2) / 4 % 4]);
+    }
+  }
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < t, "lora: a row is outside the step");
+  }
+#else
+  TORCH_CHECK(false, "LoRA adapters in the decode stack need the AVX-512 VNNI kernels");
+#endif
+}
+
+bool DecodeStack::has_lora(const Plan& plan, size_t l, int p) {
+  return plan.lora != nullptr && !plan.lora->empty() &&
+         (*plan.lora)[2 + 16 * l + 4 * p].numel() > 0;
+}
+
+// What LoraLayer.add_ computes (ember/lora/batch.py): the same kernel
+void DecodeStack::add_lora(const Plan& plan, size_t l, int p, const at::Tensor& in,
+                           at::Tensor& y) {
+  if (!has_lora(plan, l, p)) return;
+#ifdef EMBER_INT8_DOT
+  const auto& lora = *plan.lora;
+  const size_t first = 2 + 16 * l + 4 * p;
+  const auto& a = lora[first];
+  lora_add_impl(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), y.stride(0),
+                reinterpret_cast<const uint16_t*>(in.data_ptr<at::BFloat16>()), in.stride(0),
+                lora[0].data_ptr<int64_t>(), lora[1].data_ptr<int64_t>(), lora[1].numel() - 1,
+                reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
+                lora[first + 1].data_ptr<int8_t>(), lora[first + 2].data_ptr<float>(),
+                lora[first + 3].data_ptr<int32_t>(), a.size(1), a.size(2), y.size(1));
+#endif
 }
 
 // out = x w^T on int8 dot products (bfloat16), or with `swiglu` silu(gate) * up of it

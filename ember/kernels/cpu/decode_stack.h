@@ -52,11 +52,17 @@ class DecodeStack {
   // With positions [T] (int64), cos and sin are tables [P, 1, d] (every position below P) and
   // row t takes row positions[t] of each, instead of two torch index ops before the call (in a
   // batch-1 decode step, where the caches are cold: model.forward's glue 69-104 -> 44-67 us).
+  // With lora (ember/lora/batch.py LoraStep.stack_tensors: the rows grouped per adapter
+  // [N] int64 and where each adapter's begin [G + 1], then per layer A, B, B's scales and
+  // ranges (lora.cpp's layout) for qkv, o, gate_up and down; empty tensors where there is
+  // none), each projection's output gets its rows' adapters added by lora_add (lora.cpp), as
+  // the layers add them, and the step runs in run() (not run_decodes).
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                      const std::vector<at::Tensor>& kv,
                      const std::vector<at::Tensor>& kv_scales, at::Tensor slots,
                      at::Tensor block_tables, at::Tensor seq_lens,
-                     c10::optional<at::Tensor> positions) const;
+                     c10::optional<at::Tensor> positions,
+                     const std::vector<at::Tensor>& lora) const;
 
   // A step with prompt chunks: the same arguments as forward, but the decodes are rows
   // decode_first .. decode_first + D - 1 (block_tables [D, max_blocks], seq_lens [D]; D may be
@@ -71,7 +77,8 @@ class DecodeStack {
                            int64_t decode_first, at::Tensor block_tables,
                            at::Tensor seq_lens, at::Tensor chunk_info,
                            const std::vector<at::Tensor>& chunk_tables,
-                           c10::optional<at::Tensor> positions) const;
+                           c10::optional<at::Tensor> positions,
+                           const std::vector<at::Tensor>& lora) const;
 
  private:
   // A prompt chunk: rows first .. first + n - 1 of the step
@@ -87,6 +94,7 @@ class DecodeStack {
     int64_t max_blocks;
     const int64_t* seq_lens;
     std::vector<Chunk> chunks;
+    const std::vector<at::Tensor>* lora = nullptr;   // empty: no adapters this step
     // some decode row reads a slot another row of the step writes (a request verifying
     // drafts, one row per position): the step must write every row's key and value before
     // any row attends, so it cannot run in run_decodes' one region
@@ -95,6 +103,14 @@ class DecodeStack {
 
   static bool rows_read_each_other(const Plan& plan, const at::Tensor& slots,
                                    int64_t block_size);
+  // lora_add (lora.cpp) of projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l: the
+  // plan's lora is [rows, starts, then A, B, B's scales, ranges per projection per layer]
+  static void add_lora(const Plan& plan, size_t l, int p, const at::Tensor& in, at::Tensor& y);
+  static bool has_lora(const Plan& plan, size_t l, int p);
+  // outs: the output widths of qkv, o, gate_up and down
+  static void check_lora(const std::vector<at::Tensor>& lora, size_t layers, int64_t t,
+                         const std::vector<int64_t>& outs);
+
   at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                  const std::vector<at::Tensor>& kv,
                  const std::vector<at::Tensor>& kv_scales, const at::Tensor& slots,

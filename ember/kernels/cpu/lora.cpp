@@ -1,0 +1,286 @@
+// LoRA adapters of a mixed batch, in place: for each adapter g of the step and its rows
+//   y[rows_g] += (x[rows_g] @ A[g]^T) @ B[g]
+// the gathered low-rank matmuls of punica / S-LoRA, with no padding rows and no copy of x;
+// rows of the base model are not touched. x and y bfloat16. The shrink, t = x A^T, runs on
+// bfloat16 dot products with A [G, R, in] bfloat16 (each rank's row contiguous), sums in
+// float32; the expand, t B, on int8 dot products: t rounded to int8 per row, B to int8 per
+// column, so that B's bytes (read from memory each step: a few adapters' factors do not
+// stay in cache beside the weights) and its multiply-adds both halve.
+// Layout: rows [N] lists the rows of adapter 0, then of adapter 1, ...; starts [G + 1] is
+// where each adapter's rows begin in it. B is kept in blocks of 16 columns, and of each
+// block only the ranks that may be nonzero there (qkv's q ranks only write q's columns):
+// ranges [ceil(out / 16), 3] int32 gives per block its ranks [begin, end) and where its
+// quads start in b [G, Q, 64] int8; a block's data is its ranks by quads, [quads, 16, 4]
+// (the dot-product instruction's operand; zero ranks complete the last quad; zeros past
+// out). b_scales [G, 2, out] float32: per column its scale and the sum of its int8 values.
+// A fused projection so costs its modules' sizes, and a block is one sequential read.
+// Reference: y + (x A^T) B in float64, rounded to bfloat16, within one unit of its last
+// place plus the roundings of B and t to int8 (half a step of each's scale, times the other's
+// magnitudes); ember/lora/batch.py LoraLayer.add_'s torch form (gathered bmm in float32)
+// within the same bound (tests/reference/test_lora.py).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "vec.h"
+
+namespace ember {
+
+#ifdef EMBER_INT8_DOT
+namespace {
+
+constexpr int64_t kShrinkRows = 4;   // rows x ranks of one shrink tile: 16 dot products
+constexpr int64_t kShrinkRanks = 4;
+constexpr int64_t kExpandRows = 8;   // rows of one expand tile (a B row read once for them)
+constexpr int64_t kExpandAhead = 8;   // spans of blocks fetched ahead of their use
+
+// t[i * ld + j] = x_i . a_j over n on bfloat16 pairs, for NR rows and NK ranks
+template <int NR, int NK>
+void shrink_tile(const uint16_t* const* xs, const uint16_t* a, int64_t a_stride, int64_t n,
+                 float* t, int64_t ld) {
+  __m512 acc[16];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  for (int64_t k = 0; k < n; k += 32) {
+    const __mmask32 m = n - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (n - k)) - 1;
+    __m512i av[NK];
+    for (int j = 0; j < NK; ++j) {
+      // the next tile's ranks (the next adapter's, past the last): factors come from DRAM,
+      // and a call's streams are too short for the hardware prefetcher to ramp up
+      _mm_prefetch(reinterpret_cast<const char*>(a + (j + 2 * NK) * a_stride + k), _MM_HINT_T0);
+      av[j] = _mm512_maskz_loadu_epi16(m, a + j * a_stride + k);
+    }
+    for (int i = 0; i < NR; ++i) {
+      const __m512i xv = _mm512_maskz_loadu_epi16(m, xs[i] + k);
+      for (int j = 0; j < NK; ++j) {
+        acc[i * NK + j] = _mm512_dpbf16_ps(acc[i * NK + j], simd::as_bh(xv), simd::as_bh(av[j]));
+      }
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, simd::sum16(acc));
+  for (int i = 0; i < NR; ++i) {
+    for (int j = 0; j < NK; ++j) t[i * ld + j] = sums[i * NK + j];
+  }
+}
+
+// y_i[c0, c0 + 16 NB) += sum_r t_i[r] B[r, c0 ..] for NR rows and NB blocks that share
+// their ranks, over `quads` quads of them, on int8 dot products: tq [NR rows, ld] is t_i
+// rounded to int8 (scale ts[i]) plus 128, from the blocks' first rank; bc the blocks' rows
+// by quads, NB x [quads, 16, 4] int8 one after the other; bs [2, out] the columns' scales
+// and their int8 sums (128 times the sum is what the + 128 added). Two blocks per tile:
+// each broadcast of t feeds two dot products.
+template <int NR, int NB>
+void expand_tile(uint16_t* const* ys, const uint8_t* tq, int64_t ld, const float* ts,
+                 const int8_t* bc, int64_t quads, const float* bs, int64_t c0, int64_t out) {
+  __m512i acc[NR][NB];
+  for (auto& row : acc) {
+    for (auto& v : row) v = _mm512_setzero_si512();
+  }
+  for (int64_t k = 0; k < quads; ++k) {
+    __m512i bv[NB];
+    for (int j = 0; j < NB; ++j) bv[j] = _mm512_loadu_si512(bc + (j * quads + k) * 64);
+    for (int i = 0; i < NR; ++i) {
+      int32_t quad;
+      std::memcpy(&quad, tq + i * ld + 4 * k, sizeof(quad));
+      const __m512i tk = _mm512_set1_epi32(quad);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], tk, bv[j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t c = c0 + 16 * j;
+    const __mmask16 m = simd::first_lanes(out - c);
+    const __m512 scale = _mm512_maskz_loadu_ps(m, bs + c);
+    const __m512 offset = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, bs + out + c),
+                                        _mm512_set1_ps(128.f));
+    for (int i = 0; i < NR; ++i) {
+      const __m512 dot = _mm512_sub_ps(_mm512_cvtepi32_ps(acc[i][j]), offset);
+      const __m512 delta = _mm512_mul_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(ts[i])));
+      uint16_t* p = ys[i] + c;
+      const __m256i old = _mm256_maskz_loadu_epi16(m, p);
+      const __m512 sum = _mm512_add_ps(
+          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), delta);
+      _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
+    }
+  }
+}
+
+// Row i of t [n, ld] (float, its first `ranks`) rounded to int8 with one scale per row,
+// plus 128: tq [n, ld] (128 past ranks: zero), ts [n]
+void quantize_t(const float* t, int64_t ld, int64_t ranks, int64_t i, uint8_t* tq, float* ts) {
+  const float* row = t + i * ld;
+  float top = 0.f;
+  for (int64_t r = 0; r < ranks; ++r) top = std::max(top, std::abs(row[r]));
+  const float scale = top > 0.f ? top / 127.f : 1.f;
+  ts[i] = scale;
+  for (int64_t r = 0; r < ld; ++r) {
+    const float v = r < ranks ? std::nearbyint(row[r] / scale) : 0.f;
+    tq[i * ld + r] = static_cast<uint8_t>(static_cast<int32_t>(v) + 128);
+  }
+}
+
+// One or two column blocks that share their ranks [r0, r0 + 4 quads), at quad `offset` of b
+struct Span {
+  int64_t c0, blocks, r0, quads, offset;
+};
+
+std::vector<Span> spans_of(const int32_t* ranges, int64_t blocks) {
+  std::vector<Span> spans;
+  for (int64_t c = 0; c < blocks; ++c) {
+    const int32_t* r = ranges + 3 * c;
+    if (r[0] >= r[1]) continue;
+    const bool pair = c + 1 < blocks && r[3] == r[0] && r[4] == r[1];
+    spans.push_back({16 * c, pair ? 2 : 1, r[0], (r[1] - r[0] + 3) / 4, r[2]});
+    if (pair) ++c;
+  }
+  return spans;
+}
+
+struct Tile {
+  int64_t g, first, n;   // adapter, first of its entries in rows, rows in the tile
+};
+
+std::vector<Tile> tiles_of(const int64_t* starts, int64_t groups, int64_t size) {
+  std::vector<Tile> tiles;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t i = starts[g]; i < starts[g + 1]; i += size) {
+      tiles.push_back({g, i, std::min(size, starts[g + 1] - i)});
+    }
+  }
+  return tiles;
+}
+
+}  // namespace
+
+void lora_add_impl(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_stride,
+                   const int64_t* rows, const int64_t* starts, int64_t groups,
+                   const uint16_t* a, const int8_t* b, const float* b_scales,
+                   const int32_t* ranges, int64_t ranks, int64_t in, int64_t out) {
+  const int64_t n = starts[groups];
+  if (n == 0 || ranks == 0) return;
+  // t [n, ld] in float, then rounded to int8 + 128 for the expand: ld >= ranks + 3, so that a
+  // block's last quad may reach past the ranks (its B is zero there)
+  const int64_t ld = ranks + 4;
+  std::vector<float> t(n * ld);
+  std::vector<uint8_t> tq(n * ld);
+  std::vector<float> ts(n);
+  const auto shrink = tiles_of(starts, groups, kShrinkRows);
+  const auto expand = tiles_of(starts, groups, kExpandRows);
+  const int64_t rank_tiles = (ranks + kShrinkRanks - 1) / kShrinkRanks;
+  const int64_t blocks = (out + 15) / 16;
+  const int64_t per_adapter = ranges[3 * blocks - 1] +
+                              (ranges[3 * blocks - 2] - ranges[3 * blocks - 3] + 3) / 4;
+  const int64_t shrink_items = static_cast<int64_t>(shrink.size()) * rank_tiles;
+  const auto spans = spans_of(ranges, blocks);
+  const int64_t nspans = static_cast<int64_t>(spans.size());
+  const int64_t expand_items = static_cast<int64_t>(expand.size()) * nspans;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < shrink_items; ++w) {
+      const Tile& tile = shrink[w / rank_tiles];
+      const int64_t r0 = (w % rank_tiles) * kShrinkRanks;
+      const uint16_t* xs[kShrinkRows];
+      for (int64_t i = 0; i < tile.n; ++i) xs[i] = x + rows[tile.first + i] * x_stride;
+      const uint16_t* ag = a + (tile.g * ranks + r0) * in;
+      float* tt = t.data() + tile.first * ld + r0;
+      with_rows<kShrinkRows>(tile.n, [&](auto nr) {
+        with_rows<kShrinkRanks>(ranks - r0, [&](auto nk) {
+          shrink_tile<decltype(nr)::value, decltype(nk)::value>(xs, ag, in, in, tt, ld);
+        });
+      });
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) quantize_t(t.data(), ld, ranks, i, tq.data(), ts.data());
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < expand_items; ++w) {
+      const Tile& tile = expand[w / nspans];
+      const Span& span = spans[w % nspans];
+      if (w + kExpandAhead < expand_items) {
+        const Span& next = spans[(w + kExpandAhead) % nspans];
+        const int64_t g = expand[(w + kExpandAhead) / nspans].g;
+        simd::prefetch_bytes(b + (g * per_adapter + next.offset) * 64,
+                             next.blocks * next.quads * 64);
+      }
+      uint16_t* ys[kExpandRows];
+      for (int64_t i = 0; i < tile.n; ++i) ys[i] = y + rows[tile.first + i] * y_stride;
+      const uint8_t* tt = tq.data() + tile.first * ld + span.r0;
+      const float* tscale = ts.data() + tile.first;
+      const int8_t* bc = b + (tile.g * per_adapter + span.offset) * 64;
+      const float* bs = b_scales + tile.g * 2 * out;
+      with_rows<kExpandRows>(tile.n, [&](auto nr) {
+        constexpr int NR = decltype(nr)::value;
+        if (span.blocks == 2) {
+          expand_tile<NR, 2>(ys, tt, ld, tscale, bc, span.quads, bs, span.c0, out);
+        } else {
+          expand_tile<NR, 1>(ys, tt, ld, tscale, bc, span.quads, bs, span.c0, out);
+        }
+      });
+    }
+  }
+}
+
+void check_lora_factors(const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& a,
+                        const at::Tensor& b, const at::Tensor& b_scales,
+                        const at::Tensor& ranges, int64_t out) {
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+              "lora: rows must be contiguous 1-D int64");
+  TORCH_CHECK(starts.scalar_type() == at::kLong && starts.dim() == 1 && starts.is_contiguous()
+                  && starts.numel() >= 1,
+              "lora: starts must be contiguous 1-D int64 [adapters + 1]");
+  const int64_t groups = starts.numel() - 1;
+  TORCH_CHECK(starts.data_ptr<int64_t>()[groups] == rows.numel(),
+              "lora: starts must end at the number of rows");
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && a.dim() == 3 && a.is_contiguous() &&
+                  a.size(0) == groups,
+              "lora: A must be contiguous [adapters, R, in] bfloat16");
+  const int64_t blocks = (out + 15) / 16;
+  TORCH_CHECK(ranges.scalar_type() == at::kInt && ranges.is_contiguous() &&
+                  ranges.numel() == 3 * blocks,
+              "lora: ranges must be contiguous [ceil(out / 16), 3] int32");
+  const int32_t* r = ranges.data_ptr<int32_t>();
+  int64_t quads = 0;
+  for (int64_t c = 0; c < blocks; ++c) {
+    TORCH_CHECK(0 <= r[3 * c] && r[3 * c] <= r[3 * c + 1] && r[3 * c + 1] <= a.size(1) &&
+                    r[3 * c + 2] == quads,
+                "lora: block ", c, "'s ranks must lie in R and its quads follow the last's");
+    quads += (r[3 * c + 1] - r[3 * c] + 3) / 4;
+  }
+  TORCH_CHECK(b.scalar_type() == at::kChar && b.dim() == 3 && b.is_contiguous() &&
+                  b.size(0) == groups && b.size(1) == quads && b.size(2) == 64,
+              "lora: B must be contiguous [adapters, Q, 64] int8, Q the blocks' quads of ranks");
+  TORCH_CHECK(b_scales.scalar_type() == at::kFloat && b_scales.is_contiguous() &&
+                  b_scales.numel() == groups * 2 * out,
+              "lora: B's scales must be contiguous [adapters, 2, out] float32");
+}
+#endif  // EMBER_INT8_DOT
+
+void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
+              const at::Tensor& starts, const at::Tensor& a, const at::Tensor& b,
+              const at::Tensor& b_scales, const at::Tensor& ranges) {
+#ifdef EMBER_INT8_DOT
+  check_bf16_rows(x);
+  check_bf16_rows(y);
+  check_lora_factors(rows, starts, a, b, b_scales, ranges, y.size(1));
+  TORCH_CHECK(x.size(1) == a.size(2) && x.size(0) == y.size(0),
+              "lora: x [T, in] and y [T, out] must fit A [G, R, in]");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < x.size(0), "lora: a row is outside x");
+  }
+  lora_add_impl(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), y.stride(0),
+                reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), r,
+                starts.data_ptr<int64_t>(), starts.numel() - 1,
+                reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
+                b.data_ptr<int8_t>(), b_scales.data_ptr<float>(), ranges.data_ptr<int32_t>(),
+                a.size(1), a.size(2), y.size(1));
+#else
+  TORCH_CHECK(false, "lora_add needs the AVX-512 BF16 and VNNI kernels; use the torch path");
+#endif
+}
+
+}  // namespace ember

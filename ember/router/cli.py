@@ -1,0 +1,100 @@
+"""`ember route`'s options (light imports: the parser is built for every ember command).
+
+Every `ember serve` option given to `ember route` (engine and server options other than
+--host and --port) is passed on to each local replica; --api-key and --api-keys also guard
+the gateway itself.
+"""
+from __future__ import annotations
+
+import argparse
+
+from ember.config import ServerConfig
+from ember.router.config import POLICIES, AutoscaleConfig, RouterConfig
+
+GATEWAY_ONLY = {"host", "port", "help"}
+
+
+def add_route_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("fleet")
+    g.add_argument("--replicas", type=int, default=1,
+                   help="local `ember serve` replicas to start (on free ports)")
+    g.add_argument("--replica-url", action="append", default=[], metavar="URL",
+                   help="route over a server started elsewhere (repeatable); no local ones")
+    g.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                   help="run replicas as Ray actors on the cluster at ADDRESS (default: "
+                        "the one `ray start` set up, else a local one)")
+    g.add_argument("--policy", default="prefix", choices=list(POLICIES))
+    g.add_argument("--session-header", default=RouterConfig.session_header,
+                   help="the session policy's key (else the body's `user`)")
+    g.add_argument("--max-tries", type=int, default=RouterConfig.max_tries,
+                   help="replicas one request may be tried on before its first byte")
+    g.add_argument("--max-queue", type=int, default=RouterConfig.max_queue,
+                   help="requests held while no replica is ready, then 503")
+    g.add_argument("--hold-timeout", type=float, default=RouterConfig.hold_timeout_s,
+                   help="seconds a held request waits for a replica, then 503")
+    a = parser.add_argument_group("autoscaling")
+    a.add_argument("--min-replicas", type=int, default=None, help="default: --replicas")
+    a.add_argument("--max-replicas", type=int, default=None, help="default: --replicas")
+    a.add_argument("--target-ongoing", type=float, default=AutoscaleConfig.target_ongoing,
+                   help="in-flight + queued requests per replica to aim for")
+    a.add_argument("--scale-up-delay", type=float, default=AutoscaleConfig.scale_up_delay_s)
+    a.add_argument("--scale-down-delay", type=float,
+                   default=AutoscaleConfig.scale_down_delay_s)
+    a.add_argument("--look-back", type=float, default=AutoscaleConfig.look_back_s,
+                   help="seconds of load the autoscaler averages")
+    a.add_argument("--scale-to-zero-after", type=float, default=None, metavar="S",
+                   help="with --min-replicas 0: stop every replica after S idle seconds")
+    a.add_argument("--ttft-slo", type=float, default=None, metavar="S",
+                   help="add a replica while the median time to first byte is above S")
+    r = parser.add_argument_group("rollouts")
+    r.add_argument("--canary", default=None, metavar="SPEC:PERCENT",
+                   help="send PERCENT of requests to a replica of SPEC (a model path, or a "
+                        "replica URL); POST /fleet/promote or /fleet/rollback ends it")
+    r.add_argument("--shadow", default=None, metavar="SPEC:PERCENT",
+                   help="mirror PERCENT of requests to SPEC; its answers are discarded, "
+                        "its latency and greedy agreement are recorded in /metrics")
+
+
+def serve_argv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The `ember serve` options the user changed, to pass on to each replica."""
+    argv: list[str] = []
+    for group in parser._action_groups:
+        if group.title not in ("engine", "server"):
+            continue
+        for action in group._group_actions:
+            value = getattr(args, action.dest)
+            if action.dest in GATEWAY_ONLY or value == action.default:
+                continue
+            flag = action.option_strings[-1]
+            if isinstance(action, argparse._StoreTrueAction):
+                argv.append(flag)
+            else:
+                argv += [flag, str(value)]
+    return argv
+
+
+def router_config(args: argparse.Namespace, server: ServerConfig) -> RouterConfig:
+    n = args.replicas
+    low = n if args.min_replicas is None else args.min_replicas
+    high = max(n, low) if args.max_replicas is None else args.max_replicas
+    scale = AutoscaleConfig(min_replicas=low, max_replicas=high,
+                            target_ongoing=args.target_ongoing, look_back_s=args.look_back,
+                            scale_up_delay_s=args.scale_up_delay,
+                            scale_down_delay_s=args.scale_down_delay,
+                            scale_to_zero_after_s=args.scale_to_zero_after,
+                            ttft_slo_s=args.ttft_slo)
+    return RouterConfig(policy=args.policy, session_header=args.session_header.lower(),
+                        max_tries=args.max_tries, max_queue=args.max_queue,
+                        hold_timeout_s=args.hold_timeout, server=server, autoscale=scale)
+
+
+def with_model(argv: list[str], model: str) -> list[str]:
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--model":
+            skip = True
+        else:
+            out.append(item)
+    return out + ["--model", model]

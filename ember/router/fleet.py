@@ -1,0 +1,350 @@
+"""The fleet: every replica, what the gateway knows of it, and the loops that keep it so.
+
+* probes: `/health/ready` and `/metrics` of each replica every `probe_interval_s`; a replica
+  that answers becomes ready, one that stops answering is ejected.
+* KV events: each ready replica's `/kv/events` is polled with its cursor (kv_index.py).
+* supervision: a local or Ray replica whose process died is marked dead and restarted with
+  exponential backoff.
+* choose/release: the decision and the in-flight count it raises, in one synchronous step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from ember.router.config import RouterConfig
+from ember.router.kv_index import BlockIndex, TextIndex
+from ember.router.metrics import RouterMetrics
+from ember.router.policies import Candidate, Decision, Picker
+from ember.router.replicas import Launcher, Replica, ReplicaState
+
+log = logging.getLogger(__name__)
+
+MAX_RESTART_BACKOFF_S = 30.0
+PROBE_TIMEOUT_S = 2.0
+STARTING_PROBE_S = 0.1
+REPLICA_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+                  "vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+@dataclass(frozen=True)
+class RouteKeys:
+    """What the prefix policy knows of one request: its block keys (if the gateway has the
+    tokenizer) and its text's chunk keys (for replicas without KV events)."""
+
+    block_keys: dict[int, list[int]]   # block size -> keys of the prompt's full blocks
+    text_keys: list[int]
+    session_key: str | None = None
+    counted: bool = True    # False: not a generation (/tokenize...), kept out of the stats
+
+
+class Fleet:
+    def __init__(self, config: RouterConfig, launchers: dict[str, Launcher]) -> None:
+        self.config = config
+        self.launchers = launchers              # group -> launcher
+        self.replicas: dict[str, Replica] = {}
+        self.blocks: dict[str, BlockIndex] = {}
+        self.texts: dict[str, TextIndex] = {}
+        self.picker = Picker(config.policy, config.prefix)
+        self.metrics = RouterMetrics(self.snapshot)
+        self.ready_event = asyncio.Event()
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._restart_at: dict[str, float] = {}
+        self._drains: set[asyncio.Task] = set()
+        self._serial = 0
+
+    # -- membership -------------------------------------------------------------------------
+
+    def snapshot(self) -> list[dict]:
+        return [r.view() for r in self.replicas.values()]
+
+    def add(self, replica: Replica) -> Replica:
+        self.replicas[replica.id] = replica
+        self.blocks[replica.id] = BlockIndex()
+        self.texts[replica.id] = TextIndex(self.config.prefix.max_text_chunks)
+        return replica
+
+    def start_replica(self, group: str = "primary") -> Replica | None:
+        launcher = self.launchers.get(group)
+        if launcher is None:
+            return None
+        self._serial += 1
+        replica_id = f"{group[0]}{self._serial}"
+        handle = launcher.start(replica_id)
+        if handle is None:
+            return None
+        log.info("replica %s starting at %s", replica_id, handle.url)
+        return self.add(Replica(replica_id, handle, group))
+
+    def remove(self, replica_id: str) -> None:
+        self.replicas.pop(replica_id, None)
+        self.blocks.pop(replica_id, None)
+        self.texts.pop(replica_id, None)
+
+    def group(self, name: str, states: tuple[ReplicaState, ...] | None = None
+              ) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.group == name
+                and (states is None or r.state in states)]
+
+    def can_serve_soon(self, group: str = "primary") -> bool:
+        """A replica of `group` is ready, starting, or can be started."""
+        live = (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.DEAD)
+        return bool(self.group(group, live)) or group in self.launchers
+
+    # -- routing ----------------------------------------------------------------------------
+
+    def candidates(self, group: str, keys: RouteKeys, exclude: set[str], now: float
+                   ) -> list[tuple[Replica, Candidate]]:
+        out = []
+        for r in self.replicas.values():
+            if r.group != group or r.id in exclude or not r.routable(now):
+                continue
+            out.append((r, Candidate(r.id, r.in_flight, r.waiting, r.kv_usage,
+                                     self._matched(r, keys, now))))
+        return out
+
+    def _matched(self, r: Replica, keys: RouteKeys, now: float) -> int:
+        if self.config.policy != "prefix":
+            return 0
+        index = self.blocks[r.id]
+        if r.supports_events and index.block_size in keys.block_keys:
+            return index.matched(keys.block_keys[index.block_size], now)
+        return self.texts[r.id].matched(keys.text_keys)
+
+    def choose(self, group: str, keys: RouteKeys, exclude: set[str]
+               ) -> tuple[Replica, Decision] | None:
+        """Pick a replica and count the request on it at once (no await in between)."""
+        now = time.monotonic()
+        pairs = self.candidates(group, keys, exclude, now)
+        if not pairs:
+            return None
+        by_id = {r.id: r for r, _ in pairs}
+        num_blocks = max((len(k) for k in keys.block_keys.values()), default=0)
+        decision = self.picker.pick([c for _, c in pairs], num_blocks, keys.session_key)
+        replica = by_id[decision.replica_id]
+        replica.in_flight += 1
+        self._note_routed(replica, keys, now)
+        if not keys.counted:
+            return replica, decision
+        self.metrics.decisions.labels(replica.id, decision.reason).inc()
+        total = self._total_units(replica, keys)
+        if total:
+            self.metrics.overlap.labels(replica.id).observe(decision.matched_blocks / total)
+        return replica, decision
+
+    def _total_units(self, r: Replica, keys: RouteKeys) -> int:
+        size = self.blocks[r.id].block_size
+        if r.supports_events and size in keys.block_keys:
+            return len(keys.block_keys[size])
+        return len(keys.text_keys)
+
+    def _note_routed(self, r: Replica, keys: RouteKeys, now: float) -> None:
+        index = self.blocks[r.id]
+        if index.block_size in keys.block_keys:
+            index.note_routed(keys.block_keys[index.block_size],
+                              now + self.config.prefix.routed_ttl_s)
+        self.texts[r.id].insert(keys.text_keys)
+
+    def release(self, replica: Replica) -> None:
+        replica.in_flight = max(0, replica.in_flight - 1)
+
+    def eject(self, replica: Replica, reason: str) -> None:
+        """No new request goes to `replica` until a probe finds it ready again."""
+        if replica.state is not ReplicaState.READY:
+            return
+        now = time.monotonic()
+        if now >= replica.ejected_until:
+            self.metrics.ejections.labels(replica.id, reason).inc()
+            log.warning("replica %s ejected (%s)", replica.id, reason)
+        replica.ejected_until = now + self.config.eject_s
+
+    def needs_text_keys(self) -> bool:
+        """Whether some replica is routed on text (no KV events, or none polled yet)."""
+        return any(not r.supports_events or self.blocks[r.id].block_size is None
+                   for r in self.replicas.values())
+
+    def block_sizes(self) -> set[int]:
+        return {i.block_size for i in self.blocks.values() if i.block_size}
+
+    # -- background loops -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            connector=aiohttp.TCPConnector(limit=0))
+        self._tasks = [asyncio.create_task(self._every(self.probe_interval, self.probe_all)),
+                       asyncio.create_task(self._every(lambda: self.config.events_interval_s,
+                                                       self.poll_events))]
+
+    def probe_interval(self) -> float:
+        """Faster while a replica starts: held requests wait on its first ready probe."""
+        starting = any(r.state is ReplicaState.STARTING for r in self.replicas.values())
+        return min(STARTING_PROBE_S, self.config.probe_interval_s) if starting \
+            else self.config.probe_interval_s
+
+    async def close(self, stop_replicas: bool = True) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if stop_replicas:
+            for r in list(self.replicas.values()):
+                r.handle.stop()
+            await asyncio.gather(*(_wait_or_kill(r) for r in list(self.replicas.values())))
+        if self.session is not None:
+            await self.session.close()
+
+    async def _every(self, seconds: Callable[[], float], work: Callable) -> None:
+        while True:
+            try:
+                await work()
+            except Exception:  # a loop must outlive one bad round
+                log.exception("fleet loop failed")
+            await asyncio.sleep(seconds())
+
+    async def probe_all(self) -> None:
+        self.supervise()
+        replicas = [r for r in self.replicas.values()
+                    if r.state not in (ReplicaState.STOPPED, ReplicaState.DEAD)]
+        await asyncio.gather(*(self.probe(r) for r in replicas))
+        if any(r.routable(time.monotonic()) for r in self.replicas.values()):
+            self.ready_event.set()
+        else:
+            self.ready_event.clear()
+
+    async def probe(self, r: Replica) -> None:
+        ok = await self._get_ok(r.url + "/health/ready")
+        if r.state is ReplicaState.DRAINING:
+            return
+        if ok and r.state is not ReplicaState.READY:
+            self.mark_ready(r)
+        elif not ok and r.state is ReplicaState.READY:
+            # an ejection runs its course even if the replica answers probes again: one
+            # that fails requests while it looks healthy must not take new ones at once
+            self.eject(r, "probe")
+            self.blocks[r.id].reset()   # it may come back as a new process
+        if ok:
+            await self._read_gauges(r)
+
+    def mark_ready(self, r: Replica) -> None:
+        if r.state is ReplicaState.STARTING:
+            r.ready_at = time.monotonic()
+            self.metrics.cold_start.observe(r.ready_at - r.started_at)
+            log.info("replica %s ready after %.1f s", r.id, r.ready_at - r.started_at)
+        r.state, r.ejected_until = ReplicaState.READY, 0.0
+        self.ready_event.set()
+
+    async def _get_ok(self, url: str) -> bool:
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(
+                    total=PROBE_TIMEOUT_S)) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def _read_gauges(self, r: Replica) -> None:
+        try:
+            async with self.session.get(r.url + "/metrics", timeout=aiohttp.ClientTimeout(
+                    total=PROBE_TIMEOUT_S)) as resp:
+                text = await resp.text() if resp.status == 200 else ""
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "ember_load_phase_seconds":
+                    r.load_phases[sample.labels["phase"]] = sample.value
+                attr = REPLICA_GAUGES.get(sample.name)
+                if attr is not None:
+                    setattr(r, attr, int(sample.value) if attr != "kv_usage" else sample.value)
+
+    async def poll_events(self) -> None:
+        if self.config.policy != "prefix":
+            return
+        ready = [r for r in self.replicas.values()
+                 if r.state is ReplicaState.READY and r.supports_events]
+        await asyncio.gather(*(self._poll(r) for r in ready))
+        now = time.monotonic()
+        for index in self.blocks.values():
+            index.expire(now)
+
+    async def _poll(self, r: Replica) -> None:
+        index = self.blocks[r.id]
+        for _ in range(4):  # a resync, or a long backlog, takes a few rounds
+            try:
+                async with self.session.get(f"{r.url}/kv/events?after={index.cursor}",
+                                            timeout=aiohttp.ClientTimeout(
+                                                total=PROBE_TIMEOUT_S)) as resp:
+                    if resp.status == 404:
+                        r.supports_events = False
+                        return
+                    if resp.status != 200:
+                        return
+                    payload = await resp.json()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+                return
+            if index.apply(payload) and not payload.get("events"):
+                return
+
+    def supervise(self) -> None:
+        """Mark replicas whose process died, and restart them with backoff."""
+        now = time.monotonic()
+        for r in list(self.replicas.values()):
+            if r.state in (ReplicaState.STOPPED, ReplicaState.DRAINING):
+                continue
+            if r.state is not ReplicaState.DEAD and not r.handle.alive():
+                r.state = ReplicaState.DEAD
+                delay = min(MAX_RESTART_BACKOFF_S,
+                            self.config.restart_backoff_s * 2 ** r.restarts)
+                self._restart_at[r.id] = now + delay
+                log.warning("replica %s died; restarting in %.1f s", r.id, delay)
+            elif r.state is ReplicaState.DEAD and now >= self._restart_at.get(r.id, 0.0):
+                self._restart(r)
+
+    def _restart(self, r: Replica) -> None:
+        launcher = self.launchers.get(r.group)
+        if launcher is None:
+            return
+        r.handle.kill()   # whatever is left of it (a Ray actor outlives its server)
+        handle = launcher.start(r.id)
+        if handle is None:
+            return
+        r.handle, r.state, r.restarts = handle, ReplicaState.STARTING, r.restarts + 1
+        r.started_at, r.in_flight, r.ejected_until = time.monotonic(), 0, 0.0
+        r.ready_at, r.first_byte_at, r.load_phases = None, None, {}
+        self.blocks[r.id] = BlockIndex()
+        self.texts[r.id] = TextIndex(self.config.prefix.max_text_chunks)
+        self.metrics.restarts.inc()
+
+    def drain_soon(self, r: Replica) -> asyncio.Task:
+        """Take `r` out of routing now, and drain and stop it in the background."""
+        r.state = ReplicaState.DRAINING
+        task = asyncio.create_task(self.drain(r))
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
+        return task
+
+    async def drain(self, r: Replica, timeout_s: float = 600.0) -> None:
+        """No new requests; the in-flight ones finish; then the replica stops."""
+        r.state = ReplicaState.DRAINING
+        deadline = time.monotonic() + timeout_s
+        while r.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        r.handle.stop()
+        await _wait_or_kill(r)
+        r.state = ReplicaState.STOPPED
+        self.remove(r.id)
+
+
+async def _wait_or_kill(r: Replica, timeout_s: float = 30.0) -> None:
+    """Give a stopped replica `timeout_s` to drain and exit, then kill it."""
+    deadline = time.monotonic() + timeout_s
+    while r.handle.alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    r.handle.kill()

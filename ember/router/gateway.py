@@ -1,0 +1,194 @@
+"""create_gateway(...): the OpenAI API in front of the fleet, plus its probes and admin.
+
+    POST /v1/completions, /v1/chat/completions   validated as `ember serve` validates them
+                                                  (same errors), then routed and forwarded
+    GET  /v1/models, POST /tokenize, /detokenize  forwarded to a ready replica
+    GET  /health/live, /health/ready, /metrics
+    GET  /fleet; POST /fleet/promote, /fleet/rollback (behind the API key, if any)
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ember.config import ApiKey
+from ember.errors import Overloaded
+from ember.router.autoscale import Autoscaler
+from ember.router.fleet import Fleet, RouteKeys
+from ember.router.prompts import PromptKeys
+from ember.router.proxy import HOP_HEADERS, Proxy
+from ember.router.replicas import ReplicaState
+from ember.router.rollout import Capture, Rollout
+from ember.server.errors import PayloadTooLarge, install_error_handlers
+from ember.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from ember.server.tenants import match_key
+
+NO_KEYS = RouteKeys({}, [], counted=False)
+
+
+@dataclass
+class Gateway:
+    fleet: Fleet
+    proxy: Proxy
+    prompts: PromptKeys
+    rollout: Rollout
+    autoscaler: Autoscaler | None
+    keys: tuple[ApiKey, ...]           # every accepted key (none: no auth)
+    tenants: bool = False              # keys name tenants, whose prefixes are salted
+    in_flight: int = 0
+    stop_replicas: bool = True
+    draining: bool = False             # stopping: not ready, in-flight requests finish
+
+    def check_key(self, request: Request) -> ApiKey | None:
+        if not self.keys:
+            return None
+        key = match_key(request.headers.get("authorization", ""), self.keys)
+        return key if self.tenants else None
+
+    def left(self) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+
+    def ready(self) -> bool:
+        if self.draining:
+            return False
+        now = time.monotonic()
+        primaries = self.fleet.group("primary")
+        if any(r.routable(now) for r in primaries):
+            return True
+        live = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DEAD)
+        return not any(r.state in live for r in primaries) and "primary" in self.fleet.launchers
+
+
+def create_gateway(gw: Gateway) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await gw.fleet.start()
+        if gw.autoscaler is not None:
+            gw.autoscaler.start()
+        yield
+        if gw.autoscaler is not None:
+            await gw.autoscaler.stop()
+        await gw.fleet.close(stop_replicas=gw.stop_replicas)
+
+    app = FastAPI(title="ember route", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    async def guard(request: Request) -> None:
+        request.state.tenant = gw.check_key(request)
+
+    @app.post("/v1/completions", dependencies=[Depends(guard)])
+    async def completions(request: Request) -> Response:
+        return await route(gw, request, CompletionRequest, "/v1/completions")
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(guard)])
+    async def chat(request: Request) -> Response:
+        return await route(gw, request, ChatCompletionRequest, "/v1/chat/completions")
+
+    @app.post("/tokenize", dependencies=[Depends(guard)])
+    @app.post("/detokenize", dependencies=[Depends(guard)])
+    async def passthrough(request: Request) -> Response:
+        raw = await read_body(request, gw.fleet.config.server.max_body_bytes)
+        return await gw.proxy.forward(request.url.path, raw, forwarded(request), NO_KEYS,
+                                      "primary", False, time.monotonic())
+
+    @app.get("/v1/models", dependencies=[Depends(guard)])
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(guard)])
+    async def models(request: Request) -> Response:
+        return await gw.proxy.forward(request.url.path, b"", forwarded(request), NO_KEYS,
+                                      "primary", False, time.monotonic(), method="GET")
+
+    _add_probes(app, gw)
+    _add_admin(app, gw, guard)
+    return app
+
+
+def _add_probes(app: FastAPI, gw: Gateway) -> None:
+    @app.get("/health/live")
+    async def live() -> JSONResponse:
+        return JSONResponse({"status": "live"})
+
+    @app.get("/health/ready")
+    @app.get("/health")
+    async def ready() -> JSONResponse:
+        if gw.ready():
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "no replica ready"}, status_code=503,
+                            headers={"Retry-After": "1"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.fleet.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_admin(app: FastAPI, gw: Gateway, guard: Callable[[Request], Awaitable[None]]
+               ) -> None:
+    @app.get("/fleet", dependencies=[Depends(guard)])
+    async def fleet() -> JSONResponse:
+        return JSONResponse({"policy": gw.fleet.config.policy,
+                             "replicas": gw.fleet.snapshot(),
+                             "canary_percent": gw.rollout.canary_percent,
+                             "shadow_percent": gw.rollout.shadow_percent,
+                             "held": gw.proxy.held})
+
+    @app.post("/fleet/promote", dependencies=[Depends(guard)])
+    async def promote() -> JSONResponse:
+        return JSONResponse(await gw.rollout.promote(gw.fleet))
+
+    @app.post("/fleet/rollback", dependencies=[Depends(guard)])
+    async def rollback() -> JSONResponse:
+        return JSONResponse(await gw.rollout.rollback(gw.fleet))
+
+
+def forwarded(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() in HOP_HEADERS}
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the body has {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def route(gw: Gateway, request: Request, model: type, path: str) -> Response:
+    """Validate (as the replica would), hash, pick, forward."""
+    arrival = time.monotonic()
+    server = gw.fleet.config.server
+    raw = await read_body(request, server.max_body_bytes)
+    body = parse_body(raw, model, server.max_json_depth, server.max_n)
+    body.check_supported()
+    if gw.in_flight >= gw.fleet.config.max_in_flight:
+        gw.fleet.metrics.rejected.labels("gateway_full").inc()
+        raise Overloaded(f"the gateway has {gw.in_flight} requests in flight, its limit; "
+                         "retry later")
+    keys = gw.prompts.route_keys(body, request.state.tenant, gw.fleet.block_sizes(),
+                                 request.headers, gw.fleet.config.policy == "prefix",
+                                 gw.fleet.needs_text_keys())
+    headers = forwarded(request)
+    capture = None
+    if gw.rollout.shadow_wanted(gw.fleet):
+        capture = Capture()
+        asyncio.create_task(gw.rollout.mirror(gw.fleet, path, raw, headers, capture))
+    if gw.autoscaler is not None:
+        gw.autoscaler.note_request()
+    gw.in_flight += 1
+    try:
+        return await gw.proxy.forward(path, raw, headers, keys, gw.rollout.group_for(gw.fleet),
+                                      body.stream, arrival, capture, on_done=gw.left)
+    except BaseException:
+        gw.left()
+        raise

@@ -1,0 +1,99 @@
+"""`ember route`: build the fleet the options describe, and serve the gateway."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import uvicorn
+
+from ember.config import ApiKey, ServerConfig
+from ember.errors import ConfigError
+from ember.router.autoscale import Autoscaler
+from ember.router.cli import router_config, serve_argv, with_model
+from ember.router.config import RouterConfig
+from ember.router.fleet import Fleet
+from ember.router.gateway import Gateway, create_gateway
+from ember.router.prompts import PromptKeys, load_tokenizer
+from ember.router.proxy import Proxy
+from ember.router.replicas import Launcher, LocalLauncher, RemoteHandle, Replica
+from ember.router.rollout import Rollout, parse_spec
+from ember.server.exit import GracefulServer
+from ember.tokenizer.tokenizer import Tokenizer
+
+
+def make_launcher(args: argparse.Namespace, argv: list[str]) -> Launcher:
+    if args.ray is not None:
+        from ember.router.ray_replicas import RayLauncher  # ray loads only when asked for
+        return RayLauncher(argv, None if args.ray == "auto" else args.ray)
+    return LocalLauncher(argv)
+
+
+def build_fleet(args: argparse.Namespace, argv: list[str], config: RouterConfig
+                ) -> tuple[Fleet, Rollout]:
+    launchers: dict[str, Launcher] = {}
+    if not args.replica_url:
+        launchers["primary"] = make_launcher(args, argv)
+    fleet = Fleet(config, launchers)
+    for i, url in enumerate(args.replica_url):
+        fleet.add(Replica(f"r{i + 1}", RemoteHandle(url.rstrip("/"))))
+    rollout = Rollout()
+    for option, group in ((args.canary, "canary"), (args.shadow, "shadow")):
+        if option is None:
+            continue
+        spec, percent = parse_spec(option, f"--{group}")
+        if spec.startswith(("http://", "https://")):
+            fleet.add(Replica(f"{group}1", RemoteHandle(spec.rstrip("/")), group))
+        else:
+            launchers[group] = LocalLauncher(with_model(argv, spec))
+        setattr(rollout, f"{group}_percent", percent)
+    return fleet, rollout
+
+
+def cmd_route(parser: argparse.ArgumentParser, args: argparse.Namespace,
+              server: ServerConfig) -> None:
+    if args.replicas < 0 or (args.replicas == 0 and not args.scale_to_zero_after):
+        raise ConfigError("--replicas must be at least 1 (0 needs --scale-to-zero-after)")
+    argv = serve_argv(parser, args)
+    config = router_config(args, server)
+    fleet, rollout = build_fleet(args, argv, config)
+    initial = 0 if args.replica_url else args.replicas
+    for _ in range(initial):
+        fleet.start_replica("primary")
+    for group in ("canary", "shadow"):
+        if group in fleet.launchers:
+            fleet.start_replica(group)
+    gateway = assemble(fleet, rollout, config, load_tokenizer(args.model))
+    app = create_gateway(gateway)
+    print(f"ember: routing on http://{server.host}:{server.port} over "
+          f"{len(fleet.replicas)} replicas ({config.policy}); see /fleet", file=sys.stderr,
+          flush=True)
+    uv_config = uvicorn.Config(app, host=server.host, port=server.port, log_level="warning",
+                               timeout_graceful_shutdown=server.drain_timeout_s,
+                               access_log=False)
+    # on SIGTERM: not ready, in-flight requests finish, replicas stop, exit 0
+    GracefulServer(uv_config, lambda: setattr(gateway, "draining", True)).run()
+
+
+def assemble(fleet: Fleet, rollout: Rollout, config: RouterConfig,
+             tokenizer: Tokenizer | None) -> Gateway:
+    """The gateway over `fleet`: its proxy, autoscaler (if the bounds allow scaling) and
+    prompt hashing."""
+    autoscaler: Autoscaler | None = None
+    proxy = Proxy(fleet, lambda group: None)
+    if config.autoscale.enabled and "primary" in fleet.launchers:
+        autoscaler = Autoscaler(fleet, config.autoscale, lambda: proxy.held)
+        proxy.on_demand = autoscaler.on_demand
+        proxy.on_first_byte = autoscaler.note_request
+    else:
+        proxy.on_demand = lambda group: _start_missing(fleet, group)
+    keys = config.server.tenant_keys() or (
+        (ApiKey(config.server.api_key, "default"),) if config.server.api_key else ())
+    prompts = PromptKeys(tokenizer, config.server.tenant_keys(), config.prefix.text_chunk_chars,
+                         config.session_header)
+    return Gateway(fleet, proxy, prompts, rollout, autoscaler, keys,
+                   tenants=bool(config.server.api_keys))
+
+
+def _start_missing(fleet: Fleet, group: str) -> None:
+    if group in fleet.launchers and not fleet.group(group):
+        fleet.start_replica(group)

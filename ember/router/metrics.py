@@ -1,0 +1,75 @@
+"""The gateway's Prometheus metrics, in a registry of its own (no global state)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+COLD_START_BUCKETS = (0.5, 1, 2, 3, 5, 8, 12, 20, 30, 60, 120)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class FleetCollector(Collector):
+    """Replicas by state and each replica's load, read from the fleet at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], list[dict]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        replicas = self.snapshot()
+        by_state = GaugeMetricFamily("ember_router_replicas", "Replicas by state",
+                                     labels=["state"])
+        for state in ("starting", "ready", "draining", "stopped", "dead"):
+            by_state.add_metric([state], sum(r["state"] == state for r in replicas))
+        yield by_state
+        for name, key, doc in (("in_flight", "in_flight", "Gateway requests on the replica"),
+                               ("running", "running", "Requests running in the replica"),
+                               ("waiting", "waiting", "Requests waiting in the replica"),
+                               ("kv_usage", "kv_usage", "The replica's KV cache in use")):
+            gauge = GaugeMetricFamily(f"ember_router_replica_{name}", doc, labels=["replica"])
+            for r in replicas:
+                gauge.add_metric([r["id"]], r[key])
+            yield gauge
+
+
+class RouterMetrics:
+    def __init__(self, snapshot: Callable[[], list[dict]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ember_router_requests", "Requests answered, by replica and "
+                                "HTTP status", ["replica", "status"], registry=r)
+        self.decisions = Counter("ember_router_routing_decisions", "Routing decisions, by "
+                                 "replica and reason", ["replica", "reason"], registry=r)
+        self.retries = Counter("ember_router_retries", "Requests sent again to another "
+                               "replica before their first byte, by reason", ["reason"],
+                               registry=r)
+        self.ejections = Counter("ember_router_ejections", "Replicas taken out of routing "
+                                 "after a failure, by reason", ["replica", "reason"], registry=r)
+        self.overlap = Histogram("ember_router_prefix_overlap_ratio", "Share of the prompt's "
+                                 "blocks the chosen replica holds", ["replica"],
+                                 buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
+        self.overhead = Histogram("ember_router_overhead_seconds", "Time from a request's "
+                                  "arrival to its forwarding (parse, hash, pick)",
+                                  buckets=OVERHEAD_BUCKETS, registry=r)
+        self.scale_events = Counter("ember_router_scale_events", "Replicas started or stopped "
+                                    "by the autoscaler", ["direction"], registry=r)
+        self.restarts = Counter("ember_router_replica_restarts", "Dead replicas restarted",
+                                registry=r)
+        self.cold_start = Histogram("ember_router_cold_start_seconds", "From a replica's start "
+                                    "to its first ready probe", buckets=COLD_START_BUCKETS,
+                                    registry=r)
+        self.held = Gauge("ember_router_held_requests", "Requests waiting for a ready replica",
+                          registry=r)
+        self.rejected = Counter("ember_router_rejected", "Requests refused by the gateway "
+                                "itself, by reason", ["reason"], registry=r)
+        self.stream_errors = Counter("ember_router_stream_errors", "Streams ended with an "
+                                     "error event after bytes had been sent", registry=r)
+        self.shadow = Counter("ember_router_shadow_requests", "Mirrored requests, by whether "
+                              "the shadow's greedy output matched", ["outcome"], registry=r)
+        self.shadow_latency = Histogram("ember_router_shadow_latency_seconds", "Mirrored "
+                                        "requests' latency on the shadow",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        r.register(FleetCollector(snapshot))

@@ -1,0 +1,166 @@
+"""Replicas: what the gateway knows of each, and how one is started and stopped.
+
+A replica is one HTTP entry point that serves the OpenAI API (an `ember serve`, or any
+compatible server). The gateway only ever talks to `handle.url`; how the replica runs is the
+handle's business: a local process, a Ray actor, or a server started elsewhere. A later
+prefill/decode pair is one more handle whose url fronts both halves.
+
+    states:  starting -> ready <-> (ejected while failing) -> draining -> stopped
+                  \\-> dead (exited; a local or Ray replica is restarted with backoff)
+"""
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class ReplicaState(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    DEAD = "dead"
+
+
+class ReplicaHandle(Protocol):
+    """A running replica: where it answers, and how to end it."""
+
+    url: str
+    pid: int | None
+
+    def alive(self) -> bool: ...
+
+    def stop(self) -> None:
+        """Ask it to drain and exit (SIGTERM for a process)."""
+
+    def kill(self) -> None: ...
+
+
+class Launcher(Protocol):
+    """Starts replicas; `None` from `start` means this launcher cannot add any."""
+
+    def start(self, replica_id: str) -> ReplicaHandle | None: ...
+
+
+@dataclass
+class Replica:
+    id: str
+    handle: ReplicaHandle
+    group: str = "primary"          # primary | canary | shadow
+    state: ReplicaState = ReplicaState.STARTING
+    started_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+    running: int = 0                # the replica's own gauges, from its /metrics
+    waiting: int = 0
+    kv_usage: float = 0.0
+    in_flight: int = 0              # the gateway's requests on it, raised at decision time
+    ejected_until: float = 0.0      # passive ejection: no new request before this
+    restarts: int = 0
+    supports_events: bool = True    # False once /kv/events answered 404: text tree instead
+    first_byte_at: float | None = None  # the first answer's first byte since (re)start
+    load_phases: dict[str, float] = field(default_factory=dict)  # its own start-up report
+
+    @property
+    def url(self) -> str:
+        return self.handle.url
+
+    def routable(self, now: float) -> bool:
+        return self.state is ReplicaState.READY and now >= self.ejected_until
+
+    def view(self) -> dict:
+        """This replica in GET /fleet."""
+        return {"id": self.id, "url": self.url, "pid": self.handle.pid, "group": self.group,
+                "state": self.state.value, "running": self.running, "waiting": self.waiting,
+                "kv_usage": self.kv_usage, "in_flight": self.in_flight,
+                "restarts": self.restarts, "cold_start": self.cold_start()}
+
+    def cold_start(self) -> dict:
+        """Seconds from the launch to ready and to the first byte, and the replica's own
+        phases (process, files, kernels, weights, kv_cache, warm_up)."""
+        def since(t: float | None) -> float | None:
+            return round(t - self.started_at, 3) if t is not None else None
+        return {"ready_s": since(self.ready_at), "first_byte_s": since(self.first_byte_at),
+                "phases": {k: round(v, 3) for k, v in self.load_phases.items()}}
+
+
+@dataclass
+class RemoteHandle:
+    """A server started elsewhere (--replica-url): the gateway neither starts nor stops it."""
+
+    url: str
+    pid: int | None = None
+    stopped: bool = False   # the gateway stopped using it; the server itself runs on
+
+    def alive(self) -> bool:
+        return not self.stopped
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def kill(self) -> None:
+        pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ProcessHandle:
+    """A local `ember serve` subprocess in its own process group."""
+
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class LocalLauncher:
+    """`ember serve` subprocesses on free ports of `host`, each with `serve_args`. Their
+    output goes to a log file per replica in `log_dir`."""
+
+    def __init__(self, serve_args: list[str], host: str = "127.0.0.1",
+                 log_dir: str | None = None) -> None:
+        self.serve_args = list(serve_args)
+        self.host = host
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="ember-fleet-")
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "ember.cli", "serve", "--host", self.host,
+                "--port", str(port), *self.serve_args]
+
+    def start(self, replica_id: str) -> ProcessHandle:
+        port = free_port(self.host)
+        log_path = os.path.join(self.log_dir, f"{replica_id}.log")
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        return ProcessHandle(proc, f"http://{self.host}:{port}", log_path)

@@ -1,0 +1,77 @@
+"""A gateway in this process (uvicorn in a thread) over replicas given by URL."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from ember.router.config import RouterConfig
+from ember.router.fleet import Fleet
+from ember.router.gateway import create_gateway
+from ember.router.main import assemble
+from ember.router.prompts import load_tokenizer
+from ember.router.replicas import Launcher, RemoteHandle, Replica
+from ember.router.rollout import Rollout
+from tests.server.conftest import LiveServer
+
+FAST = dict(probe_interval_s=0.1, events_interval_s=0.05, backoff_s=0.01)
+
+
+class LiveGateway:
+    def __init__(self, urls: dict[str, str], model: str | None = None,
+                 launchers: dict[str, Launcher] | None = None, rollout: Rollout | None = None,
+                 **options) -> None:
+        self.config = RouterConfig(**(FAST | options))
+        self.fleet = Fleet(self.config, launchers or {})
+        for replica_id, url in urls.items():
+            group = "primary" if replica_id.startswith("r") else replica_id.rstrip("0123456789")
+            self.fleet.add(Replica(replica_id, RemoteHandle(url), group))
+        self.gateway = assemble(self.fleet, rollout or Rollout(), self.config,
+                                load_tokenizer(model) if model else None)
+        self.app = create_gateway(self.gateway)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
+                                                    log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive()
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def wait_ready(self, count: int | None = None, timeout_s: float = 60) -> None:
+        """Until `count` replicas (default: all) are ready and routable."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready = [r for r in httpx.get(self.url + "/fleet").json()["replicas"]
+                     if r["state"] == "ready"]
+            if len(ready) >= (count or len(self.fleet.replicas)):
+                return
+            assert time.monotonic() < deadline, httpx.get(self.url + "/fleet").json()
+            time.sleep(0.05)
+
+    def metric(self, name: str) -> float:
+        """The sum of every exposition line of `name` whose labels include `labels`."""
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_llama_dir):
+    """Two in-process `ember serve` apps over the tiny model: the fleet's replicas."""
+    folder, _ = tiny_llama_dir
+    live = [LiveServer(folder, engine_options={"max_model_len": 512, "kernels": "torch"})
+            for _ in range(2)]
+    yield live
+    for server in live:
+        server.close()

@@ -1,0 +1,146 @@
+"""`ember route` as a process over real `ember serve` replica processes (the tiny model):
+failover when a replica is SIGKILLed under load, its restart, and scale from zero."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.server.conftest import free_port
+
+REPLICA_OPTIONS = ["--dtype", "float32", "--kernels", "torch", "--max-model-len", "512", "-q"]
+
+
+class Route:
+    def __init__(self, folder, *options: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ember.cli", "route", "--model", str(folder),
+             "--port", str(self.port), *REPLICA_OPTIONS, *options],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def fleet(self) -> dict:
+        return httpx.get(self.url + "/fleet", timeout=10).json()
+
+    def wait(self, predicate, what: str, timeout_s: float = 180) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                fleet = self.fleet()
+                if predicate(fleet):
+                    return fleet
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"never {what}"
+            time.sleep(0.2)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name))
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def ready_count(fleet: dict) -> int:
+    return sum(r["state"] == "ready" for r in fleet["replicas"])
+
+
+@pytest.fixture(scope="module")
+def route(tiny_llama_dir):
+    folder, _ = tiny_llama_dir
+    live = Route(folder, "--replicas", "2", "--policy", "least-load")
+    live.wait(lambda f: ready_count(f) == 2, "two replicas ready")
+    yield live
+    live.close()
+
+
+def one_request(url: str, i: int) -> dict:
+    """A long request; for a stream, whether bytes came before it ended, and how."""
+    body = {"prompt": f"Request {i} asks:", "max_tokens": 160, "ignore_eos": True,
+            "temperature": 0, "stream": i % 2 == 0}
+    out = {"stream": body["stream"], "started": False, "status": None, "error": None}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+            out["status"] = resp.status_code
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    payload = json.loads(line[6:])
+                    if "error" in payload:
+                        out["error"] = payload["error"]
+                    else:
+                        out["started"] = True
+    except httpx.HTTPError as e:
+        out["error"] = repr(e)
+    return out
+
+
+def test_sigkill_under_load_loses_no_request_that_had_not_streamed(route):
+    victim = route.fleet()["replicas"][0]
+    with ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(one_request, route.url, i) for i in range(12)]
+        route.wait(lambda f: sum(r["in_flight"] for r in f["replicas"]) >= 8, "loaded", 60)
+        os.kill(victim["pid"], signal.SIGKILL)
+        results = [f.result() for f in futures]
+    lost = [r for r in results if (r["status"] != 200 or r["error"]) and not r["started"]]
+    assert lost == []
+    # a stream may fail only after its first bytes, and then with an error event
+    for r in results:
+        if r["error"]:
+            assert r["stream"] and r["started"] and r["error"]["code"] == 502
+    assert route.metric("ember_router_retries_total") + \
+        sum(r["error"] is not None for r in results) >= 1  # the kill did hit requests
+    fleet = route.wait(lambda f: any(r["restarts"] >= 1 and r["state"] == "ready"
+                                     for r in f["replicas"]), "restarted")
+    restarted = next(r for r in fleet["replicas"] if r["id"] == victim["id"])
+    assert restarted["pid"] != victim["pid"]
+    assert route.metric("ember_router_replica_restarts_total") >= 1
+
+
+def test_scale_from_zero_answers_every_request_and_scales_back(tiny_llama_dir, route):
+    route.close()  # at most two replicas at once
+    folder, _ = tiny_llama_dir
+    cold = Route(folder, "--replicas", "0", "--min-replicas", "0", "--max-replicas", "1",
+                 "--scale-to-zero-after", "2")
+    try:
+        cold.wait(lambda f: True, "up", 60)
+        assert httpx.get(cold.url + "/health/ready").status_code == 200  # can start one
+        assert cold.fleet()["replicas"] == []
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda i: httpx.post(cold.url + "/v1/completions", json={
+                "prompt": f"cold {i}", "max_tokens": 4}, timeout=180), range(3)))
+        assert [a.status_code for a in answers] == [200, 200, 200]
+        started = cold.fleet()["replicas"][0]["cold_start"]
+        assert {"process", "files", "kernels", "weights", "kv_cache", "warm_up"} <= \
+            set(started["phases"])
+        assert started["first_byte_s"] >= started["ready_s"] > 0  # held until it was ready
+        assert cold.metric('ember_router_scale_events_total{direction="up"}') == 1
+        assert cold.metric("ember_router_cold_start_seconds_count") == 1
+        cold.wait(lambda f: f["replicas"] == [], "scaled to zero", 60)
+        assert cold.metric('ember_router_scale_events_total{direction="down"}') == 1
+        again = httpx.post(cold.url + "/v1/completions", json={"prompt": "warm?",
+                                                               "max_tokens": 4}, timeout=180)
+        assert again.status_code == 200
+        assert cold.metric('ember_router_scale_events_total{direction="up"}') == 2
+        # SIGTERM drains: the gateway stops its replica and exits 0, as `ember serve` does
+        replica_pid = cold.fleet()["replicas"][0]["pid"]
+        cold.proc.send_signal(signal.SIGTERM)
+        assert cold.proc.wait(60) == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(replica_pid, 0)
+    finally:
+        cold.close()
