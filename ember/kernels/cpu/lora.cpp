@@ -170,22 +170,20 @@ void lora_add_impl(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_s
   std::vector<float> ts(n);
   const auto shrink = tiles_of(starts, groups, kShrinkRows);
   const auto expand = tiles_of(starts, groups, kExpandRows);
-  const int64_t rank_tiles = (ranks + kShrinkRanks - 1) / kShrinkRanks;
   const int64_t blocks = (out + 15) / 16;
   const int64_t per_adapter = ranges[3 * blocks - 1] +
                               (ranges[3 * blocks - 2] - ranges[3 * blocks - 3] + 3) / 4;
-  const int64_t shrink_items = static_cast<int64_t>(shrink.size()) * rank_tiles;
+  const int64_t shrink_items = static_cast<int64_t>(shrink.size());
   const auto spans = spans_of(ranges, blocks);
   const int64_t nspans = static_cast<int64_t>(spans.size());
   const int64_t expand_items = static_cast<int64_t>(expand.size()) * nspans;
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-#pragma omp for schedule(static)
-    for (int64_t w = 0; w < shrink_items; ++w) {
-      const Tile& tile = shrink[w / rank_tiles];
-      const int64_t r0 = (w % rank_tiles) * kShrinkRanks;
-      const uint16_t* xs[kShrinkRows];
-      for (int64_t i = 0; i < tile.n; ++i) xs[i] = x + rows[tile.first + i] * x_stride;
+  // a shrink item is a tile's rows over every rank, so that the thread that computed a row's
+  // t rounds it for the expand at once: one barrier per call
+  const auto shrink_item = [&](int64_t w) {
+    const Tile& tile = shrink[w];
+    const uint16_t* xs[kShrinkRows];
+    for (int64_t i = 0; i < tile.n; ++i) xs[i] = x + rows[tile.first + i] * x_stride;
+    for (int64_t r0 = 0; r0 < ranks; r0 += kShrinkRanks) {
       const uint16_t* ag = a + (tile.g * ranks + r0) * in;
       float* tt = t.data() + tile.first * ld + r0;
       with_rows<kShrinkRows>(tile.n, [&](auto nr) {
@@ -194,33 +192,40 @@ void lora_add_impl(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_s
         });
       });
     }
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) quantize_t(t.data(), ld, ranks, i, tq.data(), ts.data());
-#pragma omp for schedule(static)
-    for (int64_t w = 0; w < expand_items; ++w) {
-      const Tile& tile = expand[w / nspans];
-      const Span& span = spans[w % nspans];
-      if (w + kExpandAhead < expand_items) {
-        const Span& next = spans[(w + kExpandAhead) % nspans];
-        const int64_t g = expand[(w + kExpandAhead) / nspans].g;
-        simd::prefetch_bytes(b + (g * per_adapter + next.offset) * 64,
-                             next.blocks * next.quads * 64);
-      }
-      uint16_t* ys[kExpandRows];
-      for (int64_t i = 0; i < tile.n; ++i) ys[i] = y + rows[tile.first + i] * y_stride;
-      const uint8_t* tt = tq.data() + tile.first * ld + span.r0;
-      const float* tscale = ts.data() + tile.first;
-      const int8_t* bc = b + (tile.g * per_adapter + span.offset) * 64;
-      const float* bs = b_scales + tile.g * 2 * out;
-      with_rows<kExpandRows>(tile.n, [&](auto nr) {
-        constexpr int NR = decltype(nr)::value;
-        if (span.blocks == 2) {
-          expand_tile<NR, 2>(ys, tt, ld, tscale, bc, span.quads, bs, span.c0, out);
-        } else {
-          expand_tile<NR, 1>(ys, tt, ld, tscale, bc, span.quads, bs, span.c0, out);
-        }
-      });
+    for (int64_t i = tile.first; i < tile.first + tile.n; ++i) {
+      quantize_t(t.data(), ld, ranks, i, tq.data(), ts.data());
     }
+  };
+  const auto expand_item = [&](int64_t w) {
+    const Tile& tile = expand[w / nspans];
+    const Span& span = spans[w % nspans];
+    if (w + kExpandAhead < expand_items) {
+      const Span& next = spans[(w + kExpandAhead) % nspans];
+      const int64_t g = expand[(w + kExpandAhead) / nspans].g;
+      simd::prefetch_bytes(b + (g * per_adapter + next.offset) * 64,
+                           next.blocks * next.quads * 64);
+    }
+    uint16_t* ys[kExpandRows];
+    for (int64_t i = 0; i < tile.n; ++i) ys[i] = y + rows[tile.first + i] * y_stride;
+    const uint8_t* tt = tq.data() + tile.first * ld + span.r0;
+    const float* tscale = ts.data() + tile.first;
+    const int8_t* bc = b + (tile.g * per_adapter + span.offset) * 64;
+    const float* bs = b_scales + tile.g * 2 * out;
+    with_rows<kExpandRows>(tile.n, [&](auto nr) {
+      constexpr int NR = decltype(nr)::value;
+      if (span.blocks == 2) {
+        expand_tile<NR, 2>(ys, tt, ld, tscale, bc, span.quads, bs, span.c0, out);
+      } else {
+        expand_tile<NR, 1>(ys, tt, ld, tscale, bc, span.quads, bs, span.c0, out);
+      }
+    });
+  };
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < shrink_items; ++w) shrink_item(w);
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < expand_items; ++w) expand_item(w);
   }
 }
 
