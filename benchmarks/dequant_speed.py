@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/dequant_speed.py [--mb 100] [--threads 2]
         [--rounds 5] [--reference-mb 8] [--out results/dequant_speed.json]
+        [--gguf FILE... [--dtype bfloat16]]
 
 Each type gets --mb of random blocks (random bytes with the f16 scale fields set to finite
 values, so no NaN, infinity or subnormal scale changes the float speed), dequantized with
@@ -14,6 +15,8 @@ on a shared machine the best round is the one least slowed by other processes):
            a bfloat16 model does;
   kernels  the same chunks into one float32 buffer reused across rounds: the kernels alone.
 Beside them, the `gguf` package's numpy dequantizer on --reference-mb (0 skips it).
+With --gguf FILE..., each whole file is read as the loader reads it instead (every tensor
+dequantized to --dtype, the best of --rounds): MB of file per second.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 from ember.quant.formats import CHUNK_VALUES, KERNELS, dequantize
+from ember.weights.gguf import GGUFFile
 
 # byte offsets of each type's f16 fields within a block
 F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
@@ -86,6 +90,21 @@ def measure(qtype: Q, args: argparse.Namespace, rng: np.random.Generator) -> dic
     return row
 
 
+def measure_file(path: Path, dtype: torch.dtype, rounds: int) -> dict:
+    """Seconds to read every tensor of a GGUF file as the loader does."""
+    file = GGUFFile(path)
+    config = file.model_config()
+
+    def read_all() -> None:
+        for _, tensor in file.tensors(config, dtype):
+            del tensor
+
+    best, median = seconds(read_all, rounds)
+    mb = path.stat().st_size / 1e6
+    return {"file": str(path), "mb": mb, "seconds": best, "mb_per_s": mb / best,
+            "median_mb_per_s": mb / median, "dtype": str(dtype)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=100)
@@ -93,12 +112,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reference-mb", type=int, default=8)
     parser.add_argument("--types", default=",".join(t.name for t in KERNELS))
+    parser.add_argument("--gguf", nargs="*", default=[], help="whole files to read instead")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     rows = []
-    for name in args.types.split(","):
+    for path in args.gguf:
+        rows.append(measure_file(Path(path).expanduser(), getattr(torch, args.dtype),
+                                 args.rounds))
+        print(f"{Path(path).name}: {rows[-1]['mb']:.1f} MB in {rows[-1]['seconds']:.3f} s, "
+              f"{rows[-1]['mb_per_s']:.1f} MB/s (median {rows[-1]['median_mb_per_s']:.1f})",
+              flush=True)
+    if args.gguf:
+        args.types = ""
+    for name in filter(None, args.types.split(",")):
         row = measure(Q[name], args, rng)
         rows.append(row)
         ref = f"  (gguf numpy {row['gguf_numpy_mb_per_s']:7.1f} MB/s)" \

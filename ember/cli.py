@@ -285,8 +285,14 @@ def cmd_perplexity(args: argparse.Namespace) -> None:
     from ember.engine.perplexity import perplexity
     llm = LLM(config=engine_config(args))
     text = Path(args.text).read_text() if args.text else default_corpus()
-    ids = llm.tokenizer.encode(text, add_special_tokens=False)[:args.num_tokens]
-    result = perplexity(llm.engine, ids, args.window, args.path) | {
+    ids = llm.tokenizer.encode(text, add_special_tokens=args.like_llama_cpp)[:args.num_tokens]
+    scored_from, first_token = 1, None
+    if args.like_llama_cpp:  # whole windows, their second halves, BOS first if the model adds it
+        ids = ids[:len(ids) // args.window * args.window]
+        scored_from = args.window // 2 + 1
+        plain = llm.tokenizer.encode(text, add_special_tokens=False)
+        first_token = ids[0] if ids[:1] != plain[:1] else None
+    result = perplexity(llm.engine, ids, args.window, args.path, scored_from, first_token) | {
         "dtype": str(llm.engine.dtype).removeprefix("torch."),
         "kv_cache_dtype": llm.engine.cache_info.dtype, "text": args.text or "built-in corpus"}
     print(json.dumps(result, indent=2))
@@ -352,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--path", default="decode", choices=["decode", "prefill"],
                      help="decode: every token scored on the packed weights decode uses; "
                           "prefill: on the weights prompt chunks use (--prefill-matmul)")
+    ppl.add_argument("--like-llama-cpp", action="store_true",
+                     help="score as llama.cpp's llama-perplexity -c WINDOW does: whole windows "
+                          "only, the second half of each, a BOS first where the model adds one")
     ppl.add_argument("--out", default=None, help="also write the result as JSON")
     _engine_args(ppl)
     ppl.set_defaults(func=cmd_perplexity)

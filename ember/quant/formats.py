@@ -23,7 +23,8 @@ from gguf import quants as gguf_quants
 from torch import Tensor
 
 from ember.quant import kquants
-from ember.quant.bits import f16, level_pairs, lookup_nibbles, output, scale_into, shifted
+from ember.quant.bits import (empty_huge, f16, level_pairs, lookup_nibbles, output, scale_into,
+                              shifted)
 from ember.quant.kquants import IQ4_LEVELS
 
 BLOCK = 32
@@ -150,7 +151,7 @@ def dequantize_blocks(raw: Tensor, qtype: QType, dtype: torch.dtype = torch.floa
     are in cache, so the whole tensor is never written, nor read back, in float32."""
     values_per_block, bytes_per_block = GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(-1, bytes_per_block)
-    out = torch.empty(blocks.shape[0], values_per_block, dtype=dtype)
+    out = empty_huge((blocks.shape[0], values_per_block), dtype)
     step = max(1, CHUNK_VALUES // values_per_block)
     scratch = None if dtype == torch.float32 else \
         torch.empty(min(step, blocks.shape[0]), values_per_block, dtype=torch.float32)

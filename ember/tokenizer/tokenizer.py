@@ -118,6 +118,16 @@ def _special_token(value: Any) -> str | None:
     return value
 
 
+def _user_token(backend: HFTokenizer, token_id: int, text: str) -> AddedToken:
+    """A user-defined token, kept whole wherever it appears, under its own id. A vocabulary
+    piece the backend spells differently (Gemma's runs of spaces, "▁▁" in the vocabulary) is
+    matched after the normalizer has turned the text's spaces into "▁" too."""
+    piece = backend.id_to_token(token_id)
+    if piece is None or piece == text:
+        return AddedToken(text, normalized=False, special=False)
+    return AddedToken(piece, normalized=True, special=False)
+
+
 class Tokenizer:
     """Text <-> token ids for one model, with its special tokens and chat template."""
 
@@ -144,8 +154,8 @@ class Tokenizer:
         backend = sentencepiece_backend(metadata) if kind == "llama" else _byte_level(metadata)
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                     for t, k in zip(tokens, types) if k == CONTROL])
-        backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                            for t, k in zip(tokens, types) if k == USER_DEFINED])
+        backend.add_tokens([_user_token(backend, i, t)
+                            for i, (t, k) in enumerate(zip(tokens, types)) if k == USER_DEFINED])
         bos_id = metadata.get("tokenizer.ggml.bos_token_id")
         eos_id = metadata.get("tokenizer.ggml.eos_token_id")
         bos = tokens[bos_id] if bos_id is not None else None

@@ -58,3 +58,15 @@ def test_perplexity_command_writes_its_result(tiny_llama_dir, tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["tokens_scored"] == 3 * 99 and result["kv_cache_dtype"] == "int8"
     assert result["perplexity"] > 1
+
+
+def test_perplexity_like_llama_cpp_scores_second_halves_of_whole_windows(tiny_llama_dir,
+                                                                         tmp_path):
+    """llama-perplexity -c 100 on 350 tokens: 3 whole windows, tokens 51-99 of each."""
+    import json
+    folder, _ = tiny_llama_dir
+    out = tmp_path / "ppl.json"
+    assert cli.main(["perplexity", "--model", str(folder), "--num-tokens", "350",
+                     "--window", "100", "--like-llama-cpp", "--out", str(out), "-q"]) == 0
+    result = json.loads(out.read_text())
+    assert result["tokens_scored"] == 3 * 49 and result["scored_from"] == 51

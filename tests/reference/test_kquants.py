@@ -13,6 +13,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
+from ember.quant.bits import HUGE_PAGE_BYTES, empty_huge
 from ember.quant.formats import CHUNK_VALUES, KERNELS, dequantize
 
 # byte offsets of each type's f16 fields within a block (from gguf's numpy code)
@@ -57,6 +58,26 @@ def test_dequant_equals_gguf_bit_for_bit(qtype):
     assert got.dtype == torch.float32
     assert torch.isfinite(want).all()
     assert torch.equal(got, want.reshape(got.shape))
+
+
+def test_bfloat16_output_rounds_the_float32_values():
+    # more than one chunk, into an output of more than one huge page
+    raw = random_blocks(Q.Q2_K, CHUNK_VALUES // 256 * 3 // 2)
+    shape = (len(raw), 256)
+    want = dequantize(raw, Q.Q2_K, shape).to(torch.bfloat16)
+    got = dequantize(raw, Q.Q2_K, shape, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("num_bytes", [4096, 3 * HUGE_PAGE_BYTES + 8])
+def test_empty_huge_is_a_plain_writable_tensor(num_bytes):
+    shape = (num_bytes // 8, 2)
+    tensor = empty_huge(shape, torch.float32)
+    assert tensor.shape == shape and tensor.dtype == torch.float32 and tensor.is_contiguous()
+    tensor.copy_(torch.arange(tensor.numel(), dtype=torch.float32).view(shape))
+    assert tensor[-1, -1].item() == tensor.numel() - 1  # the whole mapping is addressable
+    assert torch.equal(tensor.sum(0), torch.arange(tensor.numel(), dtype=torch.float32
+                                                   ).view(shape).sum(0))
 
 
 @pytest.mark.parametrize("qtype", list(F16_FIELDS), ids=lambda q: q.name)

@@ -40,6 +40,23 @@ def test_perplexity_equals_transformers(smollm_llm, hf_smollm):
     assert ours["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-4)
 
 
+def test_second_half_scoring_with_a_first_token_equals_transformers(smollm_llm, hf_smollm):
+    """llama-perplexity's windows: each window's first token replaced (by BOS), only the
+    tokens at positions window/2 + 1 .. window - 1 scored."""
+    ids = smollm_llm.tokenizer.encode(default_corpus(), add_special_tokens=False)[:400]
+    bos = 1
+    ours = perplexity(smollm_llm.engine, ids, window=200, scored_from=101, first_token=bos)
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, 400, 200):
+            window = torch.tensor([[bos, *ids[start + 1:start + 200]]])
+            logprobs = hf_smollm(window).logits[0].float().log_softmax(-1)
+            nll -= float(logprobs[100:-1].gather(-1, window[0, 101:, None]).sum())
+            n += 99
+    assert ours["tokens_scored"] == n
+    assert ours["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-4)
+
+
 @pytest.fixture(scope="module")
 def bf16_pair(smollm_path):
     """The default model in bf16 with bf16 and int8 KV, stepping 32 tokens at a time so that
