@@ -21,36 +21,8 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
-from safetensors.torch import save_file
-
+from ember.lora.adapter import write_random_adapter
 from ember.weights.loader import open_model_files
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def write_adapter(folder: Path, model: str | None, rank: int, seed: int) -> None:
-    cfg = open_model_files(model).model_config()
-    io = {"q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
-          "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
-          "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
-          "up_proj": (cfg.hidden_size, cfg.intermediate_size),
-          "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(cfg.num_layers):
-        for module, (n_in, n_out) in io.items():
-            part = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) \
-                else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) * 0.02
-            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.02
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, folder / "adapter_model.safetensors")
-    (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS,
-         "bias": "none"}))
-
 
 def bench(base_url: str, models: str, args: argparse.Namespace, out: Path) -> float:
     cmd = [sys.executable, "-m", "ember.cli", "bench", "serve", "--base-url", base_url,
@@ -87,8 +59,9 @@ def main() -> None:
     names = [f"a{i}" for i in range(4)]
     proc = None
     if args.start:
+        config = open_model_files(args.model).model_config()
         for i, name in enumerate(names):
-            write_adapter(work / name, args.model, args.rank, i)
+            write_random_adapter(work / name, config, args.rank, i, std=0.02, alpha=2 * args.rank)
         port = args.base_url.rsplit(":", 1)[1].split("/")[0]
         cmd = [sys.executable, "-m", "ember.cli", "serve", "--port", port, "-q"]
         cmd += ["--model", args.model] if args.model else []

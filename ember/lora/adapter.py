@@ -179,6 +179,29 @@ def _read_gguf(path: Path, config: ModelConfig) -> dict[tuple[int, str], _Module
     return modules
 
 
+def write_random_adapter(folder: Path, config: ModelConfig, rank: int, seed: int,
+                         std: float, alpha: float) -> None:
+    """A PEFT-format adapter folder with random factors (normal, `std`) of rank `rank` on every
+    target module of every layer of `config`: an adapter to serve and measure without
+    training one (the tests' and the mixed-adapter benchmark's)."""
+    from safetensors.torch import save_file
+    gen = torch.Generator().manual_seed(seed)
+    outs = _out_sizes(config)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for module, (projection, index) in TARGETS.items():
+            part = "self_attn" if projection in ("qkv", "o") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            n_in, n_out = _in_size(config, projection), outs[projection][index]
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * std
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(TARGETS),
+         "bias": "none"}))
+
+
 def _out_sizes(config: ModelConfig) -> dict[str, list[int]]:
     return {"qkv": [config.q_size, config.kv_size, config.kv_size], "o": [config.hidden_size],
             "gate_up": [config.intermediate_size] * 2, "down": [config.hidden_size]}

@@ -13,6 +13,7 @@ from ember import SamplingParams
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore
 from ember.errors import ConfigError, Overloaded
+from ember.lora.adapter import write_random_adapter
 from ember.request import RequestOptions
 from ember.scheduler.output import RunnerOutput
 from tests.conftest import hf_greedy, save_tiny_model, tiny_hf_model
@@ -234,32 +235,6 @@ def test_gguf_adapter_matches_peft(lora_setup, engine: EngineCore, tmp_path: Pat
                                    atol=1e-4, rtol=1e-4)
 
 
-def write_random_adapter(folder: Path, config, rank: int, seed: int) -> None:
-    """A PEFT-format adapter on every projection, written directly (no model needed)."""
-    import json
-
-    from safetensors.torch import save_file
-    sizes = {"q_proj": (config.hidden_size, config.q_size),
-             "k_proj": (config.hidden_size, config.kv_size),
-             "v_proj": (config.hidden_size, config.kv_size),
-             "o_proj": (config.q_size, config.hidden_size),
-             "gate_proj": (config.hidden_size, config.intermediate_size),
-             "up_proj": (config.hidden_size, config.intermediate_size),
-             "down_proj": (config.intermediate_size, config.hidden_size)}
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for module, (n_in, n_out) in sizes.items():
-            part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) * 0.05
-            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.05
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, folder / "adapter_model.safetensors")
-    (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ALL_TARGETS}))
-
-
 def random_fused_adapter(uid: int, ranks: dict[str, int], sizes: dict[str, tuple[int, ...]],
                          hidden: int, gen: torch.Generator):
     """A one-layer LoraAdapter with fused factors as adapter.py builds them: per projection,
@@ -336,7 +311,7 @@ def test_decode_stack_adds_adapters_as_the_layers_do(smollm_path: Path, tmp_path
     from ember.weights.loader import open_model_files
     config = open_model_files(str(smollm_path)).model_config()
     for i in range(2):
-        write_random_adapter(tmp_path / f"a{i}", config, 8, i)
+        write_random_adapter(tmp_path / f"a{i}", config, 8, i, std=0.05, alpha=8)
     engine = EngineCore(EngineConfig(model=str(smollm_path), loras=(
         ("a0", str(tmp_path / "a0")), ("a1", str(tmp_path / "a1")))))
     model = engine.runner.model
