@@ -26,7 +26,7 @@ from ember.router.prompts import PromptKeys
 from ember.router.proxy import HOP_HEADERS, Proxy
 from ember.router.replicas import ReplicaState
 from ember.router.rollout import Capture, Rollout
-from ember.server.errors import PayloadTooLarge, install_error_handlers
+from ember.server.errors import install_error_handlers, read_body
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from ember.server.tenants import match_key
 
@@ -149,19 +149,6 @@ def _add_admin(app: FastAPI, gw: Gateway, guard: Callable[[Request], Awaitable[N
 
 def forwarded(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() in HOP_HEADERS}
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"the body has {declared} bytes; the limit is {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def route(gw: Gateway, request: Request, model: type, path: str) -> Response:

@@ -37,6 +37,21 @@ class PayloadTooLarge(InvalidRequest):
     http_status = 413
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused with PayloadTooLarge as soon as it is declared or read past
+    `limit` bytes (a body is never buffered whole before its size is known)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the body has {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class Unavailable(EmberError):
     http_status = 503
     error_type = "unavailable_error"

@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ember.config import ApiKey, ServerConfig
 from ember.engine.async_engine import AsyncEngine
-from ember.server.errors import NotFound, PayloadTooLarge, Unavailable
+from ember.server.errors import NotFound, Unavailable, read_body
 from ember.server.metrics import ServerMetrics
 from ember.server.protocol import parse_body
 from ember.server.tenants import match_key, tenant_salts
@@ -113,15 +113,6 @@ def arrival_time(request: Request) -> float:
 
 async def read_json_body(request: Request, model: type[M]) -> M:
     """The body, at most max_body_bytes, parsed and validated into `model`."""
-    limit = server_state(request).config.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"the body has {declared} bytes; the limit is {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
-        chunks.append(chunk)
     config = server_state(request).config
-    return parse_body(b"".join(chunks), model, config.max_json_depth, config.max_n)
+    raw = await read_body(request, config.max_body_bytes)
+    return parse_body(raw, model, config.max_json_depth, config.max_n)
