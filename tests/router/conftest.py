@@ -1,12 +1,10 @@
 """A gateway in this process (uvicorn in a thread) over replicas given by URL."""
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from ember.router.config import RouterConfig
 from ember.router.fleet import Fleet
@@ -15,12 +13,12 @@ from ember.router.main import assemble
 from ember.router.prompts import load_tokenizer
 from ember.router.replicas import Launcher, RemoteHandle, Replica
 from ember.router.rollout import Rollout
-from tests.server.conftest import LiveServer
+from tests.server.conftest import LiveServer, ThreadedServer
 
 FAST = dict(probe_interval_s=0.1, events_interval_s=0.05, backoff_s=0.01)
 
 
-class LiveGateway:
+class LiveGateway(ThreadedServer):
     def __init__(self, urls: dict[str, str], model: str | None = None,
                  launchers: dict[str, Launcher] | None = None, rollout: Rollout | None = None,
                  **options) -> None:
@@ -32,15 +30,7 @@ class LiveGateway:
         self.gateway = assemble(self.fleet, rollout or Rollout(), self.config,
                                 load_tokenizer(model) if model else None)
         self.app = create_gateway(self.gateway)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
-                                                    log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive()
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+        super().__init__(self.app)
 
     def wait_ready(self, count: int | None = None, timeout_s: float = 60) -> None:
         """Until `count` replicas (default: all) are ready and routable."""
@@ -60,10 +50,6 @@ class LiveGateway:
             if line.startswith(name):
                 total += float(line.rsplit(" ", 1)[1])
         return total
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
 
 
 @pytest.fixture(scope="module")

@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 
+from tests.server.conftest import ThreadedServer
 
-class FakeReplica:
+
+class FakeReplica(ThreadedServer):
     """Answers probes as a healthy replica; `mode` says what a request gets: "status_500",
     or "break_stream" (two SSE chunks, then the connection drops)."""
 
@@ -42,14 +41,4 @@ class FakeReplica:
                 raise ConnectionResetError("the replica died mid-stream")
             return StreamingResponse(chunks(), media_type="text/event-stream")
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                    log_level="critical", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        super().__init__(app, log_level="critical")   # its broken streams log errors

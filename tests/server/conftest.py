@@ -17,7 +17,28 @@ from ember.engine.async_engine import AsyncEngine
 from ember.server.app import create_app
 
 
-class LiveServer:
+class ThreadedServer:
+    """An ASGI app served by uvicorn in a daemon thread, on a free port of 127.0.0.1."""
+
+    def __init__(self, app, log_level: str = "warning") -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
+                                                    log_level=log_level, access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+class LiveServer(ThreadedServer):
     def __init__(self, model: Path | str, engine_options: dict | None = None,
                  wait_ready: bool = True, **server_options) -> None:
         self.config = ServerConfig(port=0, **server_options)
@@ -28,18 +49,7 @@ class LiveServer:
                                   stall_timeout_s=self.config.stall_timeout_s)
         self.app = create_app(self.engine, self.config)
         self.state = self.app.state.ember
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
-                                                    log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.port = port
+        super().__init__(self.app)
         if wait_ready:
             self.wait_ready()
 
@@ -85,10 +95,6 @@ class LiveServer:
             if line.startswith(name + " "):
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
 
 
 @pytest.fixture(scope="module")
