@@ -9,8 +9,8 @@ weight is merged, no forward runs per adapter, rows of the base model cost nothi
 
 - compiled (CPU, bfloat16 activations, AVX-512 BF16 and VNNI): one kernel call per
   projection (CpuKernels.lora_add) reads each adapter's factors once for all of its rows (A
-  bfloat16, B int8 per column: t B on int8 dot products, t rounded per row), and skips the
-  zero blocks of fused projections (q's ranks only write q's columns);
+  int8 per rank, B int8 per column: x A and t B on int8 dot products, x and t rounded per
+  row), and skips the zero blocks of fused projections (q's ranks only write q's columns);
 - torch: the rows of each adapter are gathered into a segment of its own, every segment
   padded to the longest, and y[rows] += bmm(bmm(x[rows], A), B) over the stacked factors
   (float32 on the CPU, the model's dtype elsewhere).
@@ -35,8 +35,9 @@ MAX_CACHED_SETS = 4
 @dataclass(frozen=True)
 class _Stacks:
     """Stacked factors of one ordered set of adapters, per layer and projection: (A [G, in, R],
-    B [G, R, out]) for torch; for the kernel, (A [G, R, in] bfloat16, then B's nonzero
-    blocks of 16 columns in int8, their scales and ranges: see _column_blocks)."""
+    B [G, R, out]) for torch; for the kernel, (A [G, R, in] int8 and its scales: see
+    _row_ranks, then B's nonzero blocks of 16 columns in int8, their scales and ranges: see
+    _column_blocks)."""
 
     layers: list[dict[str, tuple[Tensor, ...]]]
     flat: list[Tensor]            # per layer, each projection's tensors; empty where none
@@ -73,8 +74,7 @@ class LoraLayer:
             return y
         rows = self.rows
         if self.kernels is not None:
-            a, b, b_scales, ranges = factors
-            self.kernels.lora_add(y, x, rows.gather, rows.starts, a, b, b_scales, ranges)
+            self.kernels.lora_add(y, x, rows.gather, rows.starts, *factors)
             return y
         a, b = factors
         xs = x.index_select(0, rows.gather).to(a.dtype)
@@ -97,9 +97,8 @@ class LoraStep:
 
     def stack_tensors(self) -> list[Tensor]:
         """What the compiled decode stack takes (kernel form only): the rows grouped by
-        adapter and their starts, then each layer's A, B, B's scales and ranges per
-        projection (empty
-        tensors where none)."""
+        adapter and their starts, then each layer's A, A's scales, B, B's scales and ranges
+        per projection (empty tensors where none)."""
         if self._kernels is None:
             raise ValueError("the decode stack takes the kernel form of a LoRA step")
         return [self._rows.gather, self._rows.starts] + self._stacks.flat
@@ -178,7 +177,7 @@ def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device
     widths = {p: max(a.width(p) for a in adapters) for p in PROJECTIONS}
     layers, flat = [], []
     empty = torch.empty(0, dtype=dtype, device=device)
-    none = (empty,) * 4 if compiled else (empty, empty)
+    none = (empty,) * 5 if compiled else (empty, empty)
     for i in range(len(adapters[0].factors)):
         layer = {}
         for p, width in widths.items():
@@ -193,14 +192,23 @@ def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device
                     a_stack[g, :, :a.shape[1]] = a
                     b_stack[g, :b.shape[0]] = b
             if compiled:
-                layer[p] = (a_stack.transpose(1, 2).contiguous().to(dtype),
-                            *_column_blocks(b_stack))
+                layer[p] = (*_row_ranks(a_stack.transpose(1, 2)), *_column_blocks(b_stack))
             else:
                 layer[p] = (a_stack.to(dtype=dtype, device=device),
                             b_stack.to(dtype=dtype, device=device))
         layers.append(layer)
         flat += [t for p in PROJECTIONS for t in layer.get(p, none)]
     return _Stacks(layers, flat)
+
+
+def _row_ranks(a: Tensor) -> tuple[Tensor, Tensor]:
+    """A [G, R, in] float32 -> the kernel's (a [G, R, in] int8, scales [G, 2, R] float32):
+    each rank's row rounded to int8 (scale: its largest magnitude / 127); scales holds per
+    rank that scale and the sum of its int8 values."""
+    scale = a.abs().amax(2) / 127                                   # [G, R]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(a / scale[:, :, None]).to(torch.int8).contiguous()
+    return q, torch.stack([scale, q.sum(2, dtype=torch.int32).float()], 1).contiguous()
 
 
 def _column_blocks(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:

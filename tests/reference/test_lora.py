@@ -258,12 +258,12 @@ def random_fused_adapter(uid: int, ranks: dict[str, int], sizes: dict[str, tuple
 
 
 def test_lora_kernel_adds_each_rows_adapter() -> None:
-    """The compiled lora_add (one call per projection, x A on bfloat16 and t B on int8 dot
-    products, zero blocks skipped) gives y + (x A) B, computed in float64, within one
-    bfloat16 unit of the last place plus what rounding B per column and t per row to int8
-    can move it (half a step of each scale times the other's magnitudes), for uneven adapter
-    groups at odd sizes (in not a multiple of 32, out not of 16, odd ranks); the torch form
-    (float32) within the same; base rows stay untouched, bit for bit."""
+    """The compiled lora_add (one call per projection, x A and t B on int8 dot products,
+    zero blocks skipped) gives y + (x A) B, computed in float64, within one bfloat16 unit of
+    the last place plus what rounding x and t per row, A per rank and B per column to int8
+    can move it (half a step of each scale times the other operand's magnitudes), for uneven
+    adapter groups at odd sizes (in not a multiple of 64, out not of 16, odd ranks); the
+    torch form (float32) within the same; base rows stay untouched, bit for bit."""
     from ember.kernels import load_kernels
     from ember.lora.batch import LoraStepBuilder
     kernels = load_kernels("auto", "cpu")
@@ -289,12 +289,17 @@ def test_lora_kernel_adds_each_rows_adapter() -> None:
         for row, adapter in enumerate(owner):
             if adapter is not None and projection in adapter.factors[0]:
                 a, b = (f.double() for f in adapter.factors[0][projection])
-                t = x[row].double() @ a
+                xr = x[row].double()
+                t = xr @ a
                 exact[row] += t @ b
+                x_step = xr.abs().max() / 127                     # per row
+                a_step = a.abs().amax(0) / 127                    # per rank
+                t_error = 0.5 * x_step * a.abs().sum(0) + 0.5 * a_step * xr.abs().sum() + \
+                    0.25 * x_step * a_step * len(xr)
+                t_most = t.abs() + t_error
                 b_step = b.abs().amax(0) / 127                    # per column
-                t_step = t.abs().max() / 127                      # per row
-                slack[row] = (t.abs() @ b.abs()) * 1e-6 + 0.5 * t.abs().sum() * b_step + \
-                    0.5 * t_step * b.abs().sum(0)
+                slack[row] = (t_most @ b.abs()) * 1e-6 + t_error @ b.abs() + \
+                    0.5 * t_most.sum() * b_step + 0.5 * t_most.max() / 127 * b.abs().sum(0)
         bound = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7) + slack
         got = compiled.layer(0).add_(projection, y.clone(), x)
         base = [row for row, adapter in enumerate(owner) if adapter is None]

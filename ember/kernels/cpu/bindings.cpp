@@ -43,7 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil);
   m.def("lora_add", &lora_add, "each adapter's low-rank update added to its rows of y",
         py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("starts"), py::arg("a"),
-        py::arg("b"), py::arg("b_scales"), py::arg("ranges"), no_gil);
+        py::arg("a_scales"), py::arg("b"), py::arg("b_scales"), py::arg("ranges"), no_gil);
 #ifdef EMBER_BF16_DOT
   // module_local: two builds may share a process (an A/B of two sources loads both)
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())

@@ -224,11 +224,12 @@ void matmul(const Rows& x, const uint8_t* quads, const float* scales, int64_t n,
 // states; raw bfloat16 bits, row strides in elements), in a parallel region of its own
 void lora_add_impl(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_stride,
                    const int64_t* rows, const int64_t* starts, int64_t groups,
-                   const uint16_t* a, const int8_t* b, const float* b_scales,
-                   const int32_t* ranges, int64_t ranks, int64_t in, int64_t out);
+                   const int8_t* a, const float* a_scales, const int8_t* b,
+                   const float* b_scales, const int32_t* ranges, int64_t ranks, int64_t in,
+                   int64_t out);
 void check_lora_factors(const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& a,
-                        const at::Tensor& b, const at::Tensor& b_scales,
-                        const at::Tensor& ranges, int64_t out);
+                        const at::Tensor& a_scales, const at::Tensor& b,
+                        const at::Tensor& b_scales, const at::Tensor& ranges, int64_t out);
 #endif  // EMBER_INT8_DOT
 #endif  // EMBER_BF16_DOT
 
@@ -253,7 +254,7 @@ at::Tensor w8a8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tenso
 at::Tensor int8_rows(at::Tensor ids, at::Tensor packed, at::Tensor scales);
 std::vector<double> thread_sync_ns(int64_t rounds);
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
-              const at::Tensor& starts, const at::Tensor& a, const at::Tensor& b,
-              const at::Tensor& b_scales, const at::Tensor& ranges);
+              const at::Tensor& starts, const at::Tensor& a, const at::Tensor& a_scales,
+              const at::Tensor& b, const at::Tensor& b_scales, const at::Tensor& ranges);
 
 }  // namespace ember

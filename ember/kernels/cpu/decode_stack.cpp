@@ -424,13 +424,14 @@ void DecodeStack::check_lora(const std::vector<at::Tensor>& lora, size_t layers,
                              const std::vector<int64_t>& outs) {
   if (lora.empty()) return;
 #ifdef EMBER_INT8_DOT
-  TORCH_CHECK(lora.size() == 2 + 16 * layers,
-              "lora: rows, starts and (A, B, B's scales, ranges) per projection of every layer");
+  TORCH_CHECK(lora.size() == 2 + 20 * layers,
+              "lora: rows, starts and (A, A's scales, B, B's scales, ranges) per projection of "
+              "every layer");
   const auto& rows = lora[0];
-  for (size_t i = 2; i < lora.size(); i += 4) {
+  for (size_t i = 2; i < lora.size(); i += 5) {
     if (lora[i].numel() > 0) {
       check_lora_factors(rows, lora[1], lora[i], lora[i + 1], lora[i + 2], lora[i + 3],
-                         outs[(i - 2) / 4 % 4]);
+                         lora[i + 4], outs[(i - 2) / 5 % 4]);
     }
   }
   const int64_t* r = rows.data_ptr<int64_t>();
@@ -444,7 +445,7 @@ void DecodeStack::check_lora(const std::vector<at::Tensor>& lora, size_t layers,
 
 bool DecodeStack::has_lora(const Plan& plan, size_t l, int p) {
   return plan.lora != nullptr && !plan.lora->empty() &&
-         (*plan.lora)[2 + 16 * l + 4 * p].numel() > 0;
+         (*plan.lora)[2 + 20 * l + 5 * p].numel() > 0;
 }
 
 // What LoraLayer.add_ computes (ember/lora/batch.py): the same kernel
@@ -453,14 +454,14 @@ void DecodeStack::add_lora(const Plan& plan, size_t l, int p, const at::Tensor& 
   if (!has_lora(plan, l, p)) return;
 #ifdef EMBER_INT8_DOT
   const auto& lora = *plan.lora;
-  const size_t first = 2 + 16 * l + 4 * p;
+  const size_t first = 2 + 20 * l + 5 * p;
   const auto& a = lora[first];
   lora_add_impl(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), y.stride(0),
                 reinterpret_cast<const uint16_t*>(in.data_ptr<at::BFloat16>()), in.stride(0),
                 lora[0].data_ptr<int64_t>(), lora[1].data_ptr<int64_t>(), lora[1].numel() - 1,
-                reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
-                lora[first + 1].data_ptr<int8_t>(), lora[first + 2].data_ptr<float>(),
-                lora[first + 3].data_ptr<int32_t>(), a.size(1), a.size(2), y.size(1));
+                a.data_ptr<int8_t>(), lora[first + 1].data_ptr<float>(),
+                lora[first + 2].data_ptr<int8_t>(), lora[first + 3].data_ptr<float>(),
+                lora[first + 4].data_ptr<int32_t>(), a.size(1), a.size(2), y.size(1));
 #endif
 }
 

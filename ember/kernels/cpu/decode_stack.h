@@ -53,8 +53,8 @@ class DecodeStack {
   // row t takes row positions[t] of each, instead of two torch index ops before the call (in a
   // batch-1 decode step, where the caches are cold: model.forward's glue 69-104 -> 44-67 us).
   // With lora (ember/lora/batch.py LoraStep.stack_tensors: the rows grouped per adapter
-  // [N] int64 and where each adapter's begin [G + 1], then per layer A, B, B's scales and
-  // ranges (lora.cpp's layout) for qkv, o, gate_up and down; empty tensors where there is
+  // [N] int64 and where each adapter's begin [G + 1], then per layer A, A's scales, B, B's
+  // scales and ranges (lora.cpp's layout) for qkv, o, gate_up and down; empty tensors where there is
   // none), each projection's output gets its rows' adapters added by lora_add (lora.cpp), as
   // the layers add them, and the step runs in run() (not run_decodes).
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,

@@ -1,11 +1,12 @@
 // LoRA adapters of a mixed batch, in place: for each adapter g of the step and its rows
 //   y[rows_g] += (x[rows_g] @ A[g]^T) @ B[g]
 // the gathered low-rank matmuls of punica / S-LoRA, with no padding rows and no copy of x;
-// rows of the base model are not touched. x and y bfloat16. The shrink, t = x A^T, runs on
-// bfloat16 dot products with A [G, R, in] bfloat16 (each rank's row contiguous), sums in
-// float32; the expand, t B, on int8 dot products: t rounded to int8 per row, B to int8 per
-// column, so that B's bytes (read from memory each step: a few adapters' factors do not
-// stay in cache beside the weights) and its multiply-adds both halve.
+// rows of the base model are not touched. x and y bfloat16. Both halves run on int8 dot
+// products, which halve the factors' bytes (read from memory each step: a few adapters'
+// factors do not stay in cache beside the weights) and their multiply-adds against bfloat16:
+// the shrink, t = x A^T, with x rounded to int8 per row and A [G, R, in] int8 per rank (each
+// rank's row contiguous; a_scales [G, 2, R] float32: per rank its scale and the sum of its
+// int8 values); the expand, t B, with t rounded to int8 per row and B per column.
 // Layout: rows [N] lists the rows of adapter 0, then of adapter 1, ...; starts [G + 1] is
 // where each adapter's rows begin in it. B is kept in blocks of 16 columns, and of each
 // block only the ranks that may be nonzero there (qkv's q ranks only write q's columns):
@@ -15,9 +16,9 @@
 // out). b_scales [G, 2, out] float32: per column its scale and the sum of its int8 values.
 // A fused projection so costs its modules' sizes, and a block is one sequential read.
 // Reference: y + (x A^T) B in float64, rounded to bfloat16, within one unit of its last
-// place plus the roundings of B and t to int8 (half a step of each's scale, times the other's
-// magnitudes); ember/lora/batch.py LoraLayer.add_'s torch form (gathered bmm in float32)
-// within the same bound (tests/reference/test_lora.py).
+// place plus the roundings of x, A, t and B to int8 (half a step of each one's scale, times
+// the other operand's magnitudes); ember/lora/batch.py LoraLayer.add_'s torch form (gathered
+// bmm in float32) within the same bound (tests/reference/test_lora.py).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -39,33 +40,61 @@ constexpr int64_t kShrinkRanks = 4;
 constexpr int64_t kExpandRows = 8;   // rows of one expand tile (a B row read once for them)
 constexpr int64_t kExpandAhead = 8;   // spans of blocks fetched ahead of their use
 
-// t[i * ld + j] = x_i . a_j over n on bfloat16 pairs, for NR rows and NK ranks
+// t[i * ld + j] = (xq_i . aq_j - 128 as_j) xs_i sa_j for NR rows and NK ranks, on int8 dot
+// products: xq_i a row of x rounded to int8 plus 128 (zero-padded, i.e. 128s, to a multiple
+// of 64), scale xs_i; aq_j the ranks' int8 rows over n, their scales sa_j and sums as_j
+// (128 times the sum is what the + 128 added)
 template <int NR, int NK>
-void shrink_tile(const uint16_t* const* xs, const uint16_t* a, int64_t a_stride, int64_t n,
-                 float* t, int64_t ld) {
-  __m512 acc[16];
-  for (auto& v : acc) v = _mm512_setzero_ps();
-  for (int64_t k = 0; k < n; k += 32) {
-    const __mmask32 m = n - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (n - k)) - 1;
+void shrink_tile(const uint8_t* const* xq, const float* xs, const int8_t* a, int64_t a_stride,
+                 const float* sa, const float* as, int64_t n, float* t, int64_t ld) {
+  __m512i acc[16];
+  for (auto& v : acc) v = _mm512_setzero_si512();
+  for (int64_t k = 0; k < n; k += 64) {
+    const __mmask64 m = n - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (n - k)) - 1;
     __m512i av[NK];
     for (int j = 0; j < NK; ++j) {
       // the next tile's ranks (the next adapter's, past the last): factors come from DRAM,
       // and a call's streams are too short for the hardware prefetcher to ramp up
       _mm_prefetch(reinterpret_cast<const char*>(a + (j + 2 * NK) * a_stride + k), _MM_HINT_T0);
-      av[j] = _mm512_maskz_loadu_epi16(m, a + j * a_stride + k);
+      av[j] = _mm512_maskz_loadu_epi8(m, a + j * a_stride + k);
     }
     for (int i = 0; i < NR; ++i) {
-      const __m512i xv = _mm512_maskz_loadu_epi16(m, xs[i] + k);
-      for (int j = 0; j < NK; ++j) {
-        acc[i * NK + j] = _mm512_dpbf16_ps(acc[i * NK + j], simd::as_bh(xv), simd::as_bh(av[j]));
-      }
+      const __m512i xv = _mm512_loadu_si512(xq[i] + k);
+      for (int j = 0; j < NK; ++j) acc[i * NK + j] = _mm512_dpbusd_epi32(acc[i * NK + j], xv, av[j]);
     }
   }
+  __m512 sums16[16];
+  for (int i = 0; i < 16; ++i) sums16[i] = _mm512_cvtepi32_ps(acc[i]);  // exact: < 2^24 each
   alignas(64) float sums[16];
-  _mm512_store_ps(sums, simd::sum16(acc));
+  _mm512_store_ps(sums, simd::sum16(sums16));
   for (int i = 0; i < NR; ++i) {
-    for (int j = 0; j < NK; ++j) t[i * ld + j] = sums[i * NK + j];
+    for (int j = 0; j < NK; ++j) {
+      t[i * ld + j] = (sums[i * NK + j] - 128.f * as[j]) * (xs[i] * sa[j]);
+    }
   }
+}
+
+// Row x [n] bfloat16 rounded to int8 with one scale (its largest magnitude / 127), plus 128,
+// into q [ceil(n / 64) * 64] (the padding 128: zero); returns the scale
+float quantize_x(const uint16_t* x, int64_t n, uint8_t* q) {
+  __m512 top = _mm512_setzero_ps();
+  const auto lanes = [n](int64_t k) { return k < n ? simd::first_lanes(n - k) : __mmask16(0); };
+  for (int64_t k = 0; k < n; k += 16) {
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes(k), x + k)), 16));
+    top = _mm512_max_ps(top, _mm512_abs_ps(v));
+  }
+  const float most = _mm512_reduce_max_ps(top);
+  const __m512 inv = _mm512_set1_ps(most > 0.f ? 127.f / most : 0.f);
+  const int64_t padded = (n + 63) / 64 * 64;
+  for (int64_t k = 0; k < padded; k += 16) {
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes(k), x + k)), 16));
+    const __m512i r = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)),
+                                       _mm512_set1_epi32(128));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(r));
+  }
+  return most > 0.f ? most / 127.f : 1.f;
 }
 
 // y_i[c0, c0 + 16 NB) += sum_r t_i[r] B[r, c0 ..] for NR rows and NB blocks that share
@@ -158,8 +187,9 @@ std::vector<Tile> tiles_of(const int64_t* starts, int64_t groups, int64_t size) 
 
 void lora_add_impl(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_stride,
                    const int64_t* rows, const int64_t* starts, int64_t groups,
-                   const uint16_t* a, const int8_t* b, const float* b_scales,
-                   const int32_t* ranges, int64_t ranks, int64_t in, int64_t out) {
+                   const int8_t* a, const float* a_scales, const int8_t* b,
+                   const float* b_scales, const int32_t* ranges, int64_t ranks, int64_t in,
+                   int64_t out) {
   const int64_t n = starts[groups];
   if (n == 0 || ranks == 0) return;
   // t [n, ld] in float, then rounded to int8 + 128 for the expand: ld >= ranks + 3, so that a
@@ -168,6 +198,10 @@ void lora_add_impl(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_s
   std::vector<float> t(n * ld);
   std::vector<uint8_t> tq(n * ld);
   std::vector<float> ts(n);
+  // x's rows of the step rounded to int8 (+ 128), each by the thread of its shrink tile
+  const int64_t in_padded = (in + 63) / 64 * 64;
+  std::vector<uint8_t> xq(n * in_padded);
+  std::vector<float> xs(n);
   const auto shrink = tiles_of(starts, groups, kShrinkRows);
   const auto expand = tiles_of(starts, groups, kExpandRows);
   const int64_t blocks = (out + 15) / 16;
@@ -181,14 +215,20 @@ void lora_add_impl(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_s
   // t rounds it for the expand at once: one barrier per call
   const auto shrink_item = [&](int64_t w) {
     const Tile& tile = shrink[w];
-    const uint16_t* xs[kShrinkRows];
-    for (int64_t i = 0; i < tile.n; ++i) xs[i] = x + rows[tile.first + i] * x_stride;
+    const uint8_t* xr[kShrinkRows];
+    for (int64_t i = 0; i < tile.n; ++i) {
+      const int64_t e = tile.first + i;
+      xs[e] = quantize_x(x + rows[e] * x_stride, in, xq.data() + e * in_padded);
+      xr[i] = xq.data() + e * in_padded;
+    }
     for (int64_t r0 = 0; r0 < ranks; r0 += kShrinkRanks) {
-      const uint16_t* ag = a + (tile.g * ranks + r0) * in;
+      const int8_t* ag = a + (tile.g * ranks + r0) * in;
+      const float* sa = a_scales + tile.g * 2 * ranks + r0;
       float* tt = t.data() + tile.first * ld + r0;
       with_rows<kShrinkRows>(tile.n, [&](auto nr) {
         with_rows<kShrinkRanks>(ranks - r0, [&](auto nk) {
-          shrink_tile<decltype(nr)::value, decltype(nk)::value>(xs, ag, in, in, tt, ld);
+          shrink_tile<decltype(nr)::value, decltype(nk)::value>(
+              xr, xs.data() + tile.first, ag, in, sa, sa + ranks, in, tt, ld);
         });
       });
     }
@@ -230,8 +270,8 @@ void lora_add_impl(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_s
 }
 
 void check_lora_factors(const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& a,
-                        const at::Tensor& b, const at::Tensor& b_scales,
-                        const at::Tensor& ranges, int64_t out) {
+                        const at::Tensor& a_scales, const at::Tensor& b,
+                        const at::Tensor& b_scales, const at::Tensor& ranges, int64_t out) {
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
               "lora: rows must be contiguous 1-D int64");
   TORCH_CHECK(starts.scalar_type() == at::kLong && starts.dim() == 1 && starts.is_contiguous()
@@ -240,9 +280,12 @@ void check_lora_factors(const at::Tensor& rows, const at::Tensor& starts, const 
   const int64_t groups = starts.numel() - 1;
   TORCH_CHECK(starts.data_ptr<int64_t>()[groups] == rows.numel(),
               "lora: starts must end at the number of rows");
-  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && a.dim() == 3 && a.is_contiguous() &&
+  TORCH_CHECK(a.scalar_type() == at::kChar && a.dim() == 3 && a.is_contiguous() &&
                   a.size(0) == groups,
-              "lora: A must be contiguous [adapters, R, in] bfloat16");
+              "lora: A must be contiguous [adapters, R, in] int8");
+  TORCH_CHECK(a_scales.scalar_type() == at::kFloat && a_scales.is_contiguous() &&
+                  a_scales.numel() == groups * 2 * a.size(1),
+              "lora: A's scales must be contiguous [adapters, 2, R] float32");
   const int64_t blocks = (out + 15) / 16;
   TORCH_CHECK(ranges.scalar_type() == at::kInt && ranges.is_contiguous() &&
                   ranges.numel() == 3 * blocks,
@@ -265,12 +308,12 @@ void check_lora_factors(const at::Tensor& rows, const at::Tensor& starts, const 
 #endif  // EMBER_INT8_DOT
 
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
-              const at::Tensor& starts, const at::Tensor& a, const at::Tensor& b,
-              const at::Tensor& b_scales, const at::Tensor& ranges) {
+              const at::Tensor& starts, const at::Tensor& a, const at::Tensor& a_scales,
+              const at::Tensor& b, const at::Tensor& b_scales, const at::Tensor& ranges) {
 #ifdef EMBER_INT8_DOT
   check_bf16_rows(x);
   check_bf16_rows(y);
-  check_lora_factors(rows, starts, a, b, b_scales, ranges, y.size(1));
+  check_lora_factors(rows, starts, a, a_scales, b, b_scales, ranges, y.size(1));
   TORCH_CHECK(x.size(1) == a.size(2) && x.size(0) == y.size(0),
               "lora: x [T, in] and y [T, out] must fit A [G, R, in]");
   const int64_t* r = rows.data_ptr<int64_t>();
@@ -280,11 +323,11 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
   lora_add_impl(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), y.stride(0),
                 reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), r,
                 starts.data_ptr<int64_t>(), starts.numel() - 1,
-                reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
-                b.data_ptr<int8_t>(), b_scales.data_ptr<float>(), ranges.data_ptr<int32_t>(),
-                a.size(1), a.size(2), y.size(1));
+                a.data_ptr<int8_t>(), a_scales.data_ptr<float>(), b.data_ptr<int8_t>(),
+                b_scales.data_ptr<float>(), ranges.data_ptr<int32_t>(), a.size(1), a.size(2),
+                y.size(1));
 #else
-  TORCH_CHECK(false, "lora_add needs the AVX-512 BF16 and VNNI kernels; use the torch path");
+  TORCH_CHECK(false, "lora_add needs the AVX-512 VNNI kernels; use the torch path");
 #endif
 }
 
