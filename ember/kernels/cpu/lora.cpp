@@ -74,28 +74,63 @@ void shrink_tile(const uint8_t* const* xq, const float* xs, const int8_t* a, int
   }
 }
 
+// The first n of 32 lanes (none where n <= 0)
+inline __mmask32 first32(int64_t n) {
+  return n >= 32 ? ~__mmask32(0) : n <= 0 ? __mmask32(0) : (__mmask32(1) << n) - 1;
+}
+
 // Row x [n] bfloat16 rounded to int8 with one scale (its largest magnitude / 127), plus 128,
-// into q [ceil(n / 64) * 64] (the padding 128: zero); returns the scale
+// into q [ceil(n / 64) * 64] (the padding 128: zero); returns the scale. 32 inputs a step:
+// a bfloat16's magnitude orders as its bits do, and a 32-bit lane's two inputs are floats
+// once shifted or masked.
 float quantize_x(const uint16_t* x, int64_t n, uint8_t* q) {
-  __m512 top = _mm512_setzero_ps();
-  const auto lanes = [n](int64_t k) { return k < n ? simd::first_lanes(n - k) : __mmask16(0); };
-  for (int64_t k = 0; k < n; k += 16) {
-    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes(k), x + k)), 16));
-    top = _mm512_max_ps(top, _mm512_abs_ps(v));
+  __m512i top = _mm512_setzero_si512();
+  for (int64_t k = 0; k < n; k += 32) {
+    const __m512i v = _mm512_maskz_loadu_epi16(first32(n - k), x + k);
+    top = _mm512_max_epu16(top, _mm512_and_si512(v, _mm512_set1_epi16(0x7FFF)));
   }
-  const float most = _mm512_reduce_max_ps(top);
+  const uint32_t bits = std::max(
+      _mm512_reduce_max_epu32(_mm512_and_si512(top, _mm512_set1_epi32(0xFFFF))),
+      _mm512_reduce_max_epu32(_mm512_srli_epi32(top, 16)));
+  float most;
+  const uint32_t as_float = bits << 16;
+  std::memcpy(&most, &as_float, sizeof(most));
   const __m512 inv = _mm512_set1_ps(most > 0.f ? 127.f / most : 0.f);
+  const __m512 half = _mm512_set1_ps(128.f);   // round(v) + 128 = round(v + 128): 128 is even
   const int64_t padded = (n + 63) / 64 * 64;
-  for (int64_t k = 0; k < padded; k += 16) {
-    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes(k), x + k)), 16));
-    const __m512i r = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)),
-                                       _mm512_set1_epi32(128));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(r));
+  for (int64_t k = 0; k < padded; k += 32) {
+    const __m512i v = _mm512_maskz_loadu_epi16(first32(n - k), x + k);
+    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    const __m512 odd = _mm512_castsi512_ps(
+        _mm512_and_si512(v, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+    const __m512i qe = _mm512_cvtps_epi32(_mm512_fmadd_ps(even, inv, half));
+    const __m512i qo = _mm512_cvtps_epi32(_mm512_fmadd_ps(odd, inv, half));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k),   // in [1, 255]: a byte each
+                        _mm512_cvtepi32_epi16(_mm512_or_si512(qe, _mm512_slli_epi32(qo, 8))));
   }
   return most > 0.f ? most / 127.f : 1.f;
 }
+
+// 16 columns of B for the expand's epilogue: y + (dot - 128 sum) scale t_scale, the int8 dot
+// product of a row's t + 128 with the columns less what the + 128 added, as dot scale - offset
+struct Columns {
+  __m512 scale, offset;
+  __mmask16 m;
+  Columns(const float* bs, int64_t c, int64_t out, __mmask16 mask) : m(mask) {
+    scale = _mm512_maskz_loadu_ps(m, bs + c);
+    offset = _mm512_mul_ps(
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(m, bs + out + c), _mm512_set1_ps(128.f)), scale);
+  }
+  // y[0, 16) (bfloat16 bits, the first m of them) plus acc's update, rounded to bfloat16
+  __m256i added(__m512i acc, float t_scale, const uint16_t* y) const {
+    const __m512 delta = _mm512_fmsub_ps(_mm512_cvtepi32_ps(acc), scale, offset);
+    const __m256i old = _mm256_maskz_loadu_epi16(m, y);
+    const __m512 sum = _mm512_fmadd_ps(
+        delta, _mm512_set1_ps(t_scale),
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)));
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum));
+  }
+};
 
 // y_i[c0, c0 + 16 NB) += sum_r t_i[r] B[r, c0 ..] for NR rows and NB blocks that share
 // their ranks, over `quads` quads of them, on int8 dot products: tq [NR rows, ld] is t_i
@@ -123,17 +158,10 @@ void expand_tile(uint16_t* const* ys, const uint8_t* tq, int64_t ld, const float
   for (int j = 0; j < NB; ++j) {
     const int64_t c = c0 + 16 * j;
     const __mmask16 m = simd::first_lanes(out - c);
-    const __m512 scale = _mm512_maskz_loadu_ps(m, bs + c);
-    const __m512 offset = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, bs + out + c),
-                                        _mm512_set1_ps(128.f));
+    const Columns cols(bs, c, out, m);
     for (int i = 0; i < NR; ++i) {
-      const __m512 dot = _mm512_sub_ps(_mm512_cvtepi32_ps(acc[i][j]), offset);
-      const __m512 delta = _mm512_mul_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(ts[i])));
       uint16_t* p = ys[i] + c;
-      const __m256i old = _mm256_maskz_loadu_epi16(m, p);
-      const __m512 sum = _mm512_add_ps(
-          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), delta);
-      _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
+      _mm256_mask_storeu_epi16(p, m, cols.added(acc[i][j], ts[i], p));
     }
   }
 }
@@ -142,13 +170,18 @@ void expand_tile(uint16_t* const* ys, const uint8_t* tq, int64_t ld, const float
 // plus 128: tq [n, ld] (128 past ranks: zero), ts [n]
 void quantize_t(const float* t, int64_t ld, int64_t ranks, int64_t i, uint8_t* tq, float* ts) {
   const float* row = t + i * ld;
-  float top = 0.f;
-  for (int64_t r = 0; r < ranks; ++r) top = std::max(top, std::abs(row[r]));
-  const float scale = top > 0.f ? top / 127.f : 1.f;
-  ts[i] = scale;
-  for (int64_t r = 0; r < ld; ++r) {
-    const float v = r < ranks ? std::nearbyint(row[r] / scale) : 0.f;
-    tq[i * ld + r] = static_cast<uint8_t>(static_cast<int32_t>(v) + 128);
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t r = 0; r < ranks; r += 16) {
+    top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(simd::first_lanes(ranks - r),
+                                                                 row + r)));
+  }
+  const float most = _mm512_reduce_max_ps(top);
+  ts[i] = most > 0.f ? most / 127.f : 1.f;
+  const __m512 inv = _mm512_set1_ps(most > 0.f ? 127.f / most : 0.f);
+  for (int64_t r = 0; r < ld; r += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(r < ranks ? simd::first_lanes(ranks - r) : 0, row + r);
+    const __m512i q = _mm512_cvtps_epi32(_mm512_fmadd_ps(v, inv, _mm512_set1_ps(128.f)));
+    _mm512_mask_cvtepi32_storeu_epi8(tq + i * ld + r, simd::first_lanes(ld - r), q);
   }
 }
 
