@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ember.engine.memory import huge_page_copies
 from ember.kernels import CpuKernels
 from ember.lora.adapter import PROJECTIONS, LoraAdapter
 
@@ -175,7 +176,7 @@ def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device
     zeros to the widest R (an adapter without the projection: all zeros); in the kernel's
     form (`compiled`: A transposed, B in column blocks, ranges) or torch's."""
     widths = {p: max(a.width(p) for a in adapters) for p in PROJECTIONS}
-    layers, flat = [], []
+    layers: list[dict[str, tuple[Tensor, ...]]] = []
     empty = torch.empty(0, dtype=dtype, device=device)
     none = (empty,) * 5 if compiled else (empty, empty)
     for i in range(len(adapters[0].factors)):
@@ -197,7 +198,10 @@ def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device
                 layer[p] = (a_stack.to(dtype=dtype, device=device),
                             b_stack.to(dtype=dtype, device=device))
         layers.append(layer)
-        flat += [t for p in PROJECTIONS for t in layer.get(p, none)]
+    if compiled:   # read every step, mostly from memory: in huge pages, few TLB misses
+        kept = iter(huge_page_copies([t for layer in layers for f in layer.values() for t in f]))
+        layers = [{p: tuple(next(kept) for _ in f) for p, f in layer.items()} for layer in layers]
+    flat = [t for layer in layers for p in PROJECTIONS for t in layer.get(p, none)]
     return _Stacks(layers, flat)
 
 
