@@ -36,7 +36,7 @@ MAX_CACHED_SETS = 4
 @dataclass(frozen=True)
 class _Stacks:
     """Stacked factors of one ordered set of adapters, per layer and projection: (A [G, in, R],
-    B [G, R, out]) for torch; for the kernel, (A [G, R, in] int8 and its scales: see
+    B [G, R, out]) for torch; for the kernel, (A in int8 quads and its scales: see
     _row_ranks, then B's nonzero blocks of 16 columns in int8, their scales and ranges: see
     _column_blocks)."""
 
@@ -206,13 +206,21 @@ def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device
 
 
 def _row_ranks(a: Tensor) -> tuple[Tensor, Tensor]:
-    """A [G, R, in] float32 -> the kernel's (a [G, R, in] int8, scales [G, 2, R] float32):
-    each rank's row rounded to int8 (scale: its largest magnitude / 127); scales holds per
-    rank that scale and the sum of its int8 values."""
+    """A [G, R, in] float32 -> the kernel's (a [G, ceil(in / 4), R16, 4] int8, scales [G, 2,
+    R16] float32), R16 = R rounded up to 16 (zero ranks): each rank's row rounded to int8
+    (scale: its largest magnitude / 127), laid out by quads of inputs, a quad of every rank
+    in turn (the dot-product instruction's operand against a quad of x broadcast); scales
+    holds per rank that scale and the sum of its int8 values."""
+    g, r, n = a.shape
     scale = a.abs().amax(2) / 127                                   # [G, R]
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(a / scale[:, :, None]).to(torch.int8).contiguous()
-    return q, torch.stack([scale, q.sum(2, dtype=torch.int32).float()], 1).contiguous()
+    q = torch.round(a / scale[:, :, None]).to(torch.int8)
+    r16, quads = -(-r // 16) * 16, -(-n // 4)
+    scales = torch.stack([scale, q.sum(2, dtype=torch.int32).float()], 1)
+    scales = torch.nn.functional.pad(scales, (0, r16 - r), value=1.0)
+    scales[:, 1, r:] = 0.0
+    q = torch.nn.functional.pad(q, (0, 4 * quads - n, 0, r16 - r))  # [G, R16, 4 quads]
+    return q.view(g, r16, quads, 4).transpose(1, 2).contiguous(), scales.contiguous()
 
 
 def _column_blocks(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:

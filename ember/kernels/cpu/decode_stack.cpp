@@ -103,7 +103,8 @@ at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
   check_inputs(x, cos, sin, kv, kv_scales, slots);
   check_decodes(block_tables, seq_lens, x.size(0), kv[0].size(3));
   check_lora(lora, layers_.size(), x.size(0),
-             {layers_[0].qkv.n, hidden_, 2 * layers_[0].down.k, hidden_});
+             {layers_[0].qkv.n, hidden_, 2 * layers_[0].down.k, hidden_},
+             {hidden_, heads_ * d_, hidden_, layers_[0].down.k});
   Plan plan{0, x.size(0), block_tables.data_ptr<int64_t>(), block_tables.size(1),
             seq_lens.data_ptr<int64_t>(), {}, &lora};
   plan.rows_read_each_other = rows_read_each_other(plan, slots, kv[0].size(3));
@@ -140,7 +141,8 @@ at::Tensor DecodeStack::forward_mixed(at::Tensor x, at::Tensor cos, at::Tensor s
   std::tie(cos, sin) = rope_rows(cos, sin, positions, x.size(0));
   check_inputs(x, cos, sin, kv, kv_scales, slots);
   check_lora(lora, layers_.size(), x.size(0),
-             {layers_[0].qkv.n, hidden_, 2 * layers_[0].down.k, hidden_});
+             {layers_[0].qkv.n, hidden_, 2 * layers_[0].down.k, hidden_},
+             {hidden_, heads_ * d_, hidden_, layers_[0].down.k});
   const int64_t t = x.size(0), decodes = seq_lens.numel(), block_size = kv[0].size(3);
   check_decodes(block_tables, seq_lens, decodes, block_size);
   TORCH_CHECK(chunk_info.scalar_type() == at::kLong && chunk_info.is_contiguous() &&
@@ -421,7 +423,8 @@ void DecodeStack::attend(const Plan& plan, const at::Tensor& q, const at::Tensor
 }
 
 void DecodeStack::check_lora(const std::vector<at::Tensor>& lora, size_t layers, int64_t t,
-                             const std::vector<int64_t>& outs) {
+                             const std::vector<int64_t>& outs,
+                             const std::vector<int64_t>& ins) {
   if (lora.empty()) return;
 #ifdef EMBER_INT8_DOT
   TORCH_CHECK(lora.size() == 2 + 20 * layers,
@@ -432,6 +435,8 @@ void DecodeStack::check_lora(const std::vector<at::Tensor>& lora, size_t layers,
     if (lora[i].numel() > 0) {
       check_lora_factors(rows, lora[1], lora[i], lora[i + 1], lora[i + 2], lora[i + 3],
                          lora[i + 4], outs[(i - 2) / 5 % 4]);
+      TORCH_CHECK(lora[i].size(1) == (ins[(i - 2) / 5 % 4] + 3) / 4,
+                  "lora: A's quads of inputs must cover the projection's input");
     }
   }
   const int64_t* r = rows.data_ptr<int64_t>();
@@ -461,7 +466,7 @@ void DecodeStack::add_lora(const Plan& plan, size_t l, int p, const at::Tensor& 
                 lora[0].data_ptr<int64_t>(), lora[1].data_ptr<int64_t>(), lora[1].numel() - 1,
                 a.data_ptr<int8_t>(), lora[first + 1].data_ptr<float>(),
                 lora[first + 2].data_ptr<int8_t>(), lora[first + 3].data_ptr<float>(),
-                lora[first + 4].data_ptr<int32_t>(), a.size(1), a.size(2), y.size(1));
+                lora[first + 4].data_ptr<int32_t>(), a.size(2), in.size(1), y.size(1));
 #endif
 }
 

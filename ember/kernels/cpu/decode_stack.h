@@ -109,7 +109,7 @@ class DecodeStack {
   static bool has_lora(const Plan& plan, size_t l, int p);
   // outs: the output widths of qkv, o, gate_up and down
   static void check_lora(const std::vector<at::Tensor>& lora, size_t layers, int64_t t,
-                         const std::vector<int64_t>& outs);
+                         const std::vector<int64_t>& outs, const std::vector<int64_t>& ins);
 
   at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                  const std::vector<at::Tensor>& kv,

@@ -4,9 +4,11 @@
 // rows of the base model are not touched. x and y bfloat16. Both halves run on int8 dot
 // products, which halve the factors' bytes (read from memory each step: a few adapters'
 // factors do not stay in cache beside the weights) and their multiply-adds against bfloat16:
-// the shrink, t = x A^T, with x rounded to int8 per row and A [G, R, in] int8 per rank (each
-// rank's row contiguous; a_scales [G, 2, R] float32: per rank its scale and the sum of its
-// int8 values); the expand, t B, with t rounded to int8 per row and B per column.
+// the shrink, t = x A^T, with x rounded to int8 per row and A int8 per rank, in quads of
+// inputs [G, ceil(in / 4), R, 4] (R a multiple of 16, zero ranks past the adapters'; a quad
+// of one row's inputs, broadcast, meets 16 ranks in one instruction; a_scales [G, 2, R]
+// float32: per rank its scale and the sum of its int8 values); the expand, t B, with t
+// rounded to int8 per row and B per column.
 // Layout: rows [N] lists the rows of adapter 0, then of adapter 1, ...; starts [G + 1] is
 // where each adapter's rows begin in it. B is kept in blocks of 16 columns, and of each
 // block only the ranks that may be nonzero there (qkv's q ranks only write q's columns):
@@ -25,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "common.h"
@@ -35,41 +38,43 @@ namespace ember {
 #ifdef EMBER_INT8_DOT
 namespace {
 
-constexpr int64_t kShrinkRows = 4;   // rows x ranks of one shrink tile: 16 dot products
-constexpr int64_t kShrinkRanks = 4;
+constexpr int64_t kShrinkRows = 8;   // rows of one shrink tile (A's quads read once for them)
+constexpr int64_t kShrinkAhead = 8;  // input quads of A fetched ahead of their use
 constexpr int64_t kExpandRows = 8;   // rows of one expand tile (a B row read once for them)
 constexpr int64_t kExpandAhead = 8;   // spans of blocks fetched ahead of their use
 
-// t[i * ld + j] = (xq_i . aq_j - 128 as_j) xs_i sa_j for NR rows and NK ranks, on int8 dot
-// products: xq_i a row of x rounded to int8 plus 128 (zero-padded, i.e. 128s, to a multiple
-// of 64), scale xs_i; aq_j the ranks' int8 rows over n, their scales sa_j and sums as_j
-// (128 times the sum is what the + 128 added)
-template <int NR, int NK>
-void shrink_tile(const uint8_t* const* xq, const float* xs, const int8_t* a, int64_t a_stride,
-                 const float* sa, const float* as, int64_t n, float* t, int64_t ld) {
-  __m512i acc[16];
-  for (auto& v : acc) v = _mm512_setzero_si512();
-  for (int64_t k = 0; k < n; k += 64) {
-    const __mmask64 m = n - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (n - k)) - 1;
-    __m512i av[NK];
-    for (int j = 0; j < NK; ++j) {
-      // the next tile's ranks (the next adapter's, past the last): factors come from DRAM,
-      // and a call's streams are too short for the hardware prefetcher to ramp up
-      _mm_prefetch(reinterpret_cast<const char*>(a + (j + 2 * NK) * a_stride + k), _MM_HINT_T0);
-      av[j] = _mm512_maskz_loadu_epi8(m, a + j * a_stride + k);
-    }
+// t_i[16 v, 16 v + 16) = (xq_i . A's ranks - 128 as) xs_i sa for NR rows and NV vectors of
+// 16 ranks, on int8 dot products: xq_i a row of x rounded to int8 plus 128 (padded with 128s,
+// i.e. zeros), scale xs_i; a the first of the ranks' quads, [quads, R, 4] (a row of R ranks
+// by 4 inputs per quad of inputs), their scales sa and sums as (128 times the sum is what the
+// + 128 added)
+template <int NR, int NV>
+void shrink_tile(const uint8_t* const* xq, const float* xs, const int8_t* a, int64_t quads,
+                 int64_t ranks, const float* sa, const float* as, float* t, int64_t ld) {
+  __m512i acc[NR][NV];
+  for (auto& row : acc) {
+    for (auto& v : row) v = _mm512_setzero_si512();
+  }
+  for (int64_t k = 0; k < quads; ++k) {
+    // factors come from memory, and a call's streams are too short for the hardware
+    // prefetcher to ramp up
+    _mm_prefetch(reinterpret_cast<const char*>(a + (k + kShrinkAhead) * ranks * 4), _MM_HINT_T0);
+    __m512i av[NV];
+    for (int v = 0; v < NV; ++v) av[v] = _mm512_loadu_si512(a + (k * ranks + 16 * v) * 4);
     for (int i = 0; i < NR; ++i) {
-      const __m512i xv = _mm512_loadu_si512(xq[i] + k);
-      for (int j = 0; j < NK; ++j) acc[i * NK + j] = _mm512_dpbusd_epi32(acc[i * NK + j], xv, av[j]);
+      int32_t quad;
+      std::memcpy(&quad, xq[i] + 4 * k, sizeof(quad));
+      const __m512i xk = _mm512_set1_epi32(quad);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], xk, av[v]);
     }
   }
-  __m512 sums16[16];
-  for (int i = 0; i < 16; ++i) sums16[i] = _mm512_cvtepi32_ps(acc[i]);  // exact: < 2^24 each
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, simd::sum16(sums16));
-  for (int i = 0; i < NR; ++i) {
-    for (int j = 0; j < NK; ++j) {
-      t[i * ld + j] = (sums[i * NK + j] - 128.f * as[j]) * (xs[i] * sa[j]);
+  for (int v = 0; v < NV; ++v) {
+    const __m512 scale = _mm512_loadu_ps(sa + 16 * v);
+    const __m512 offset = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(as + 16 * v),
+                                                      _mm512_set1_ps(128.f)), scale);
+    for (int i = 0; i < NR; ++i) {
+      const __m512 dot = _mm512_fmsub_ps(_mm512_cvtepi32_ps(acc[i][v]), scale, offset);
+      _mm512_storeu_ps(t + i * ld + 16 * v, _mm512_mul_ps(dot, _mm512_set1_ps(xs[i])));
     }
   }
 }
@@ -228,13 +233,14 @@ void lora_add_impl(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_s
   // t [n, ld] in float, then rounded to int8 + 128 for the expand: ld >= ranks + 3, so that a
   // block's last quad may reach past the ranks (its B is zero there)
   const int64_t ld = ranks + 4;
-  std::vector<float> t(n * ld);
-  std::vector<uint8_t> tq(n * ld);
-  std::vector<float> ts(n);
+  // (none read before written: no zero fill, which cost a prompt step's memset per call)
+  std::unique_ptr<float[]> t(new float[n * ld]);
+  std::unique_ptr<uint8_t[]> tq(new uint8_t[n * ld]);
+  std::unique_ptr<float[]> ts(new float[n]);
   // x's rows of the step rounded to int8 (+ 128), each by the thread of its shrink tile
   const int64_t in_padded = (in + 63) / 64 * 64;
-  std::vector<uint8_t> xq(n * in_padded);
-  std::vector<float> xs(n);
+  std::unique_ptr<uint8_t[]> xq(new uint8_t[n * in_padded]);
+  std::unique_ptr<float[]> xs(new float[n]);
   const auto shrink = tiles_of(starts, groups, kShrinkRows);
   const auto expand = tiles_of(starts, groups, kExpandRows);
   const int64_t blocks = (out + 15) / 16;
@@ -251,22 +257,27 @@ void lora_add_impl(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_s
     const uint8_t* xr[kShrinkRows];
     for (int64_t i = 0; i < tile.n; ++i) {
       const int64_t e = tile.first + i;
-      xs[e] = quantize_x(x + rows[e] * x_stride, in, xq.data() + e * in_padded);
-      xr[i] = xq.data() + e * in_padded;
+      xs[e] = quantize_x(x + rows[e] * x_stride, in, xq.get() + e * in_padded);
+      xr[i] = xq.get() + e * in_padded;
     }
-    for (int64_t r0 = 0; r0 < ranks; r0 += kShrinkRanks) {
-      const int8_t* ag = a + (tile.g * ranks + r0) * in;
+    const int64_t quads = (in + 3) / 4;
+    for (int64_t r0 = 0; r0 < ranks; r0 += 32) {   // two vectors of ranks at a time
+      const int8_t* ag = a + (tile.g * quads * ranks + r0) * 4;
       const float* sa = a_scales + tile.g * 2 * ranks + r0;
-      float* tt = t.data() + tile.first * ld + r0;
+      float* tt = t.get() + tile.first * ld + r0;
       with_rows<kShrinkRows>(tile.n, [&](auto nr) {
-        with_rows<kShrinkRanks>(ranks - r0, [&](auto nk) {
-          shrink_tile<decltype(nr)::value, decltype(nk)::value>(
-              xr, xs.data() + tile.first, ag, in, sa, sa + ranks, in, tt, ld);
-        });
+        constexpr int NR = decltype(nr)::value;
+        if (ranks - r0 >= 32) {
+          shrink_tile<NR, 2>(xr, xs.get() + tile.first, ag, quads, ranks, sa, sa + ranks, tt,
+                             ld);
+        } else {
+          shrink_tile<NR, 1>(xr, xs.get() + tile.first, ag, quads, ranks, sa, sa + ranks, tt,
+                             ld);
+        }
       });
     }
     for (int64_t i = tile.first; i < tile.first + tile.n; ++i) {
-      quantize_t(t.data(), ld, ranks, i, tq.data(), ts.data());
+      quantize_t(t.get(), ld, ranks, i, tq.get(), ts.get());
     }
   };
   const auto expand_item = [&](int64_t w) {
@@ -280,8 +291,8 @@ void lora_add_impl(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_s
     }
     uint16_t* ys[kExpandRows];
     for (int64_t i = 0; i < tile.n; ++i) ys[i] = y + rows[tile.first + i] * y_stride;
-    const uint8_t* tt = tq.data() + tile.first * ld + span.r0;
-    const float* tscale = ts.data() + tile.first;
+    const uint8_t* tt = tq.get() + tile.first * ld + span.r0;
+    const float* tscale = ts.get() + tile.first;
     const int8_t* bc = b + (tile.g * per_adapter + span.offset) * 64;
     const float* bs = b_scales + tile.g * 2 * out;
     with_rows<kExpandRows>(tile.n, [&](auto nr) {
@@ -313,11 +324,11 @@ void check_lora_factors(const at::Tensor& rows, const at::Tensor& starts, const 
   const int64_t groups = starts.numel() - 1;
   TORCH_CHECK(starts.data_ptr<int64_t>()[groups] == rows.numel(),
               "lora: starts must end at the number of rows");
-  TORCH_CHECK(a.scalar_type() == at::kChar && a.dim() == 3 && a.is_contiguous() &&
-                  a.size(0) == groups,
-              "lora: A must be contiguous [adapters, R, in] int8");
+  TORCH_CHECK(a.scalar_type() == at::kChar && a.dim() == 4 && a.is_contiguous() &&
+                  a.size(0) == groups && a.size(2) % 16 == 0 && a.size(3) == 4,
+              "lora: A must be contiguous [adapters, ceil(in / 4), R, 4] int8, R % 16 == 0");
   TORCH_CHECK(a_scales.scalar_type() == at::kFloat && a_scales.is_contiguous() &&
-                  a_scales.numel() == groups * 2 * a.size(1),
+                  a_scales.numel() == groups * 2 * a.size(2),
               "lora: A's scales must be contiguous [adapters, 2, R] float32");
   const int64_t blocks = (out + 15) / 16;
   TORCH_CHECK(ranges.scalar_type() == at::kInt && ranges.is_contiguous() &&
@@ -326,7 +337,7 @@ void check_lora_factors(const at::Tensor& rows, const at::Tensor& starts, const 
   const int32_t* r = ranges.data_ptr<int32_t>();
   int64_t quads = 0;
   for (int64_t c = 0; c < blocks; ++c) {
-    TORCH_CHECK(0 <= r[3 * c] && r[3 * c] <= r[3 * c + 1] && r[3 * c + 1] <= a.size(1) &&
+    TORCH_CHECK(0 <= r[3 * c] && r[3 * c] <= r[3 * c + 1] && r[3 * c + 1] <= a.size(2) &&
                     r[3 * c + 2] == quads,
                 "lora: block ", c, "'s ranks must lie in R and its quads follow the last's");
     quads += (r[3 * c + 1] - r[3 * c] + 3) / 4;
@@ -347,8 +358,8 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
   check_bf16_rows(x);
   check_bf16_rows(y);
   check_lora_factors(rows, starts, a, a_scales, b, b_scales, ranges, y.size(1));
-  TORCH_CHECK(x.size(1) == a.size(2) && x.size(0) == y.size(0),
-              "lora: x [T, in] and y [T, out] must fit A [G, R, in]");
+  TORCH_CHECK((x.size(1) + 3) / 4 == a.size(1) && x.size(0) == y.size(0),
+              "lora: x [T, in] and y [T, out] must fit A [G, ceil(in / 4), R, 4]");
   const int64_t* r = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < rows.numel(); ++i) {
     TORCH_CHECK(r[i] >= 0 && r[i] < x.size(0), "lora: a row is outside x");
@@ -357,7 +368,7 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
                 reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), r,
                 starts.data_ptr<int64_t>(), starts.numel() - 1,
                 a.data_ptr<int8_t>(), a_scales.data_ptr<float>(), b.data_ptr<int8_t>(),
-                b_scales.data_ptr<float>(), ranges.data_ptr<int32_t>(), a.size(1), a.size(2),
+                b_scales.data_ptr<float>(), ranges.data_ptr<int32_t>(), a.size(2), x.size(1),
                 y.size(1));
 #else
   TORCH_CHECK(false, "lora_add needs the AVX-512 VNNI kernels; use the torch path");
