@@ -137,11 +137,11 @@ class CpuKernels:
     def lora_add(self, y: Tensor, x: Tensor, rows: Tensor, starts: Tensor, a: Tensor,
                  a_scales: Tensor, b: Tensor, b_scales: Tensor, ranges: Tensor) -> None:
         """In place, y[rows_g] += (x[rows_g] @ A[g].T) @ B[g] for each adapter g: rows [N]
-        int64 grouped by adapter, starts [G + 1] where each begins, a = A [G, R, in] int8
-        per rank with a_scales [G, 2, R], b, b_scales and ranges B in int8 column blocks
-        (ember/lora/batch.py _row_ranks, _column_blocks); x [T, in] and y [T, out] bfloat16.
-        x A and t B on int8 dot products (x and t rounded per row). AVX-512 VNNI only
-        (ember/kernels/cpu/lora.cpp)."""
+        int64 grouped by adapter, starts [G + 1] where each begins, a = A in int8 quads of
+        inputs [G, ceil(in / 4), R, 4] (R a multiple of 16) with a_scales [G, 2, R], b,
+        b_scales and ranges B in int8 column blocks (ember/lora/batch.py _row_ranks,
+        _column_blocks); x [T, in] and y [T, out] bfloat16. x A and t B on int8 dot
+        products (x and t rounded per row). AVX-512 VNNI only (ember/kernels/cpu/lora.cpp)."""
         self.ops.lora_add(y, x, rows, starts, a, a_scales, b, b_scales, ranges)
 
     def decode_stack(self, weights: list[Tensor], final_norm: Tensor, heads: int,
