@@ -39,7 +39,7 @@ namespace ember {
 namespace {
 
 constexpr int64_t kShrinkRows = 8;   // rows of one shrink tile (A's quads read once for them)
-constexpr int64_t kShrinkAhead = 8;  // input quads of A fetched ahead of their use
+constexpr int64_t kShrinkAhead = 64;  // input quads of A fetched ahead of their use
 constexpr int64_t kExpandRows = 8;   // rows of one expand tile (a B row read once for them)
 constexpr int64_t kExpandAhead = 8;   // spans of blocks fetched ahead of their use
 
@@ -58,7 +58,10 @@ void shrink_tile(const uint8_t* const* xq, const float* xs, const int8_t* a, int
   for (int64_t k = 0; k < quads; ++k) {
     // factors come from memory, and a call's streams are too short for the hardware
     // prefetcher to ramp up
-    _mm_prefetch(reinterpret_cast<const char*>(a + (k + kShrinkAhead) * ranks * 4), _MM_HINT_T0);
+    for (int v = 0; v < NV; ++v) {
+      _mm_prefetch(reinterpret_cast<const char*>(a + ((k + kShrinkAhead) * ranks + 16 * v) * 4),
+                   _MM_HINT_T0);
+    }
     __m512i av[NV];
     for (int v = 0; v < NV; ++v) av[v] = _mm512_loadu_si512(a + (k * ranks + 16 * v) * 4);
     for (int i = 0; i < NR; ++i) {
