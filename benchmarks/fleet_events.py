@@ -68,12 +68,12 @@ def states(url: str) -> list[str]:
     return [r["state"] for r in fleet(url)["replicas"]]
 
 
-def bench(url: str, out: Path, num_requests: int, concurrency: int, output_len: int
-          ) -> subprocess.Popen:
+def bench(url: str, out: Path, args: argparse.Namespace) -> subprocess.Popen:
     return subprocess.Popen(ember("bench", "serve", "--base-url", url + "/v1",
-                                  "--num-requests", str(num_requests), "--concurrency",
-                                  str(concurrency), "--input-len", "fixed:64", "--output-len",
-                                  f"fixed:{output_len}", "--out", str(out)),
+                                  "--num-requests", str(args.num_requests), "--concurrency",
+                                  str(args.concurrency), "--input-len",
+                                  f"fixed:{args.input_len}", "--output-len",
+                                  f"fixed:{args.output_len}", "--out", str(out)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -143,7 +143,7 @@ def failover(args: argparse.Namespace, url: str, out_dir: Path) -> None:
     wait_for(lambda: states(url).count("ready") == 2, 600, "two ready replicas")
     load = os.getloadavg()[0]
     out = out_dir / "failover.json"
-    run = bench(url, out, args.num_requests, args.concurrency, args.output_len)
+    run = bench(url, out, args)
     victim: dict = {}
 
     def serving() -> bool:
@@ -182,7 +182,10 @@ def main() -> None:
                         help="default: 8 (scale-from-zero), 8 (failover)")
     parser.add_argument("--output-len", type=int, default=None,
                         help="tokens per answer (default: 16, 96 for failover)")
-    parser.add_argument("--kill-after", type=float, default=1.0,
+    parser.add_argument("--input-len", type=int, default=512,
+                        help="failover: prompt tokens (long enough that some requests are in "
+                        "their prompt when the replica dies)")
+    parser.add_argument("--kill-after", type=float, default=0.5,
                         help="failover: seconds after both replicas serve")
     parser.add_argument("--out", default=None, help="folder for the bench results")
     argv = sys.argv[1:]
