@@ -151,8 +151,9 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch
     (starting on a huge-page boundary), whose pages the OS hands out zero-filled as they are
     first touched. A page nobody wrote reads as zero, never as memory the process used before
     (a NaN left there would survive attention's zero weights: NaN * 0 is NaN). torch.zeros of
-    a 1 GiB KV cache spent 2-4 s of a start faulting in every page; so, a block's pages fault
-    in when a request first writes it. Elsewhere than the CPU, torch.zeros."""
+    a 1 GiB KV cache spent 2-9 s of a start on 2 busy cores faulting in every page; so, a
+    block's pages fault in when a request first writes it. Elsewhere than the CPU,
+    torch.zeros."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * dtype.itemsize
