@@ -269,9 +269,14 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from ember.server.serve import serve  # the server's dependencies load only when serving
+    from ember.engine.async_engine import AsyncEngine  # the engine loads only when serving
     config = server_config(args)  # a bad keys file fails before the model loads
-    serve(engine_config(args), config)
+    engine = AsyncEngine(engine_config(args), max_waiting=config.max_waiting,
+                         request_timeout_s=config.request_timeout_s,
+                         stall_timeout_s=config.stall_timeout_s)
+    engine.start()  # the model loads while the web server's modules import and it starts
+    from ember.server.serve import serve
+    serve(engine, config)
 
 
 def cmd_route(args: argparse.Namespace) -> None:

@@ -130,8 +130,10 @@ class AsyncEngine:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Load the model and start stepping, in the background thread."""
-        self._thread.start()
+        """Load the model and start stepping, in the background thread (once: a later call
+        does nothing, so `ember serve` can start loading before its server exists)."""
+        if self._thread.ident is None:
+            self._thread.start()
 
     async def wait_ready(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._loaded.wait)
@@ -293,6 +295,7 @@ class AsyncEngine:
             self.process_s = process_age_s()   # the process's life before the engine loads
             self.core = EngineCore(self.config)
             self._warm_up()
+            self.core.advise_kv_huge_pages()
             self.core.load_phases.mark("warm_up")
             self.state = EngineState.READY
             self._publish_stats(stepped=False)

@@ -43,6 +43,7 @@ class LLM:
                  **options: Any) -> None:
         self.config = config or EngineConfig.from_options(model=model, **options)
         self.engine = EngineCore(self.config)
+        self.engine.advise_kv_huge_pages()   # (no warm-up here: the first call pays)
         self.tokenizer = self.engine.tokenizer
         self._chat_template: ChatTemplate | None = None
         self._ids = itertools.count()

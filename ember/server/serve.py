@@ -7,7 +7,7 @@ import time
 
 import uvicorn
 
-from ember.config import EngineConfig, ServerConfig
+from ember.config import ServerConfig
 from ember.engine.async_engine import AsyncEngine, EngineState
 from ember.server.app import create_app
 from ember.server.exit import GracefulServer
@@ -45,10 +45,8 @@ class DrainingServer(GracefulServer):
         return await super().on_tick(counter)
 
 
-def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
-    engine = AsyncEngine(engine_config, max_waiting=config.max_waiting,
-                         request_timeout_s=config.request_timeout_s,
-                         stall_timeout_s=config.stall_timeout_s)
+def serve(engine: AsyncEngine, config: ServerConfig) -> None:
+    """Serve `engine` (started already, or started here by the app) until SIGTERM."""
     app = create_app(engine, config)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                timeout_graceful_shutdown=config.drain_timeout_s,

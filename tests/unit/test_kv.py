@@ -370,6 +370,52 @@ def test_kv_caches_on_huge_pages_are_zeroed_caches_of_the_asked_shape():
         assert caches[0].data.abs().sum() > 0
 
 
+def test_lazy_kv_zeros_never_hold_memory_the_process_used_before():
+    """The KV cache is allocated without touching it, and attention reads blocks nobody has
+    written yet (a partly filled block's tail, weighted zero): NaN * 0 is NaN, so those
+    bytes must be zeros, not what a freed tensor left there. Freed NaN-filled tensors of
+    the same sizes first, so that an allocator reusing memory would hand them back."""
+    from ember.engine.memory import lazy_zeros
+    for shape in [(2, 2, 8, 16, 64), (2, 3, 300, 16, 64)]:   # 64 KiB (a heap's) and 3.5 MiB
+        for dtype in (torch.bfloat16, torch.float16, torch.int8):
+            dirty = [torch.full(shape, float("nan") if dtype.is_floating_point else -1,
+                                dtype=dtype) for _ in range(4)]
+            del dirty
+            got = lazy_zeros(shape, dtype, "cpu")
+            assert got.shape == shape and got.dtype == dtype and got.is_contiguous()
+            assert torch.equal(got, torch.zeros(shape, dtype=dtype))
+            got[1, 1, 7] = 3    # written like any tensor, and the bytes around stay zero
+            assert got.count_nonzero() == 16 * 64
+
+
+def _vma_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding `address` (Linux /proc/self/smaps)."""
+    inside, flags = False, []
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+    return flags
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux only")
+def test_the_kv_cache_is_advised_as_huge_pages_only_when_asked():
+    """lazy_zeros maps the cache without the huge-page advice (the warm-up's first block
+    would fault in 2 MiB under every layer and head); advise_huge_pages gives it after."""
+    from ember.engine.memory import HUGE_PAGE, advise_huge_pages, lazy_zeros
+    cache = lazy_zeros((2, 2, 256, 16, 64), torch.bfloat16, "cpu")   # 2 MiB: one huge page
+    assert cache.data_ptr() % HUGE_PAGE == 0
+    assert "hg" not in _vma_flags(cache.data_ptr())
+    advise_huge_pages([cache])
+    if "hg" not in _vma_flags(cache.data_ptr()):
+        pytest.skip("this kernel has no transparent huge pages to advise")
+    assert torch.equal(cache, torch.zeros_like(cache))
+
+
 def test_weights_moved_to_huge_pages_keep_their_values_on_their_modules():
     """move_to_huge_pages puts the buffers side by side in one advised buffer (views of one
     storage, each 64-byte aligned) with the values, dtypes and shapes they had, registered
