@@ -79,10 +79,15 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    help="how embeddings pool the prompt's hidden states; auto: the model "
                         "folder's sentence-transformers pooling, else the last token (decoders) "
                         "or CLS (encoders)")
-    g.add_argument("--speculative", default=None, choices=list(SPECULATIVE),
+    g.add_argument("--speculative", default=None, metavar="|".join(SPECULATIVE),
                    help="speculative decoding (off by default): ngram proposes the tokens that "
                         "followed the latest repeat of the sequence's last tokens (prompt "
-                        "lookup); one step verifies them, the output is unchanged")
+                        "lookup); self drafts with the model's first layers "
+                        "(--self-draft-layers); draft:PATH with a smaller model of the same "
+                        "vocabulary. One step verifies the drafts, the output is unchanged")
+    g.add_argument("--self-draft-layers", type=int, default=None,
+                   help="layers that draft for --speculative self (default: 9 in 10 of the "
+                        "model's; use 2 drafts a step with it)")
     g.add_argument("--num-speculative-tokens", type=int,
                    default=SpecConfig.num_speculative_tokens,
                    help="tokens drafted per request and step, at most")
@@ -138,7 +143,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
                                   fair_share=args.fair_share),
         spec=SpecConfig(speculative=args.speculative,
-                        num_speculative_tokens=args.num_speculative_tokens))
+                        num_speculative_tokens=args.num_speculative_tokens,
+                        self_draft_layers=args.self_draft_layers))
 
 
 def parse_lora(spec: str) -> tuple[str, str]:

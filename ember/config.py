@@ -24,7 +24,8 @@ KV_CACHE_DTYPES = ("auto", "model", "int8")  # auto: int8 with int4 weights on t
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats (ember/quant/packed.py)
 PREFILL_MATMULS = ("auto", "bfloat16", "int8")  # dense matmuls over 8 rows (ember/quant/packed.py)
 KERNELS = ("auto", "torch")  # compiled CPU kernels where they build, or the torch path alone
-SPECULATIVE = ("ngram",)  # proposers of speculative decoding (ember/spec/)
+# proposers of speculative decoding (ember/spec/); "draft:PATH" names a draft model's files
+SPECULATIVE = ("ngram", "self", "draft:PATH")
 TASKS = ("generate", "embed")  # generate also serves embeddings; embed serves only them
 POOLINGS = ("auto", "last", "mean", "cls")  # auto: the model folder's sentence-transformers
                                             # pooling, else the last token
@@ -219,10 +220,19 @@ class SpecConfig:
     max_spec_rows: int = 8
     # a request whose recent drafts were accepted less often than this pauses drafting
     min_acceptance: float = 0.3
+    # self-draft: the target's first layers that draft (None: a default from the model's
+    # depth, ember/spec/layer_skip.py)
+    self_draft_layers: int | None = None
 
     def __post_init__(self) -> None:
-        if self.speculative is not None:
+        if self.speculative is not None and not self.speculative.startswith("draft:"):
             check_choice("speculative", self.speculative, SPECULATIVE)
+        if self.speculative == "draft:":
+            raise ConfigError("speculative='draft:' names no model; write draft:PATH, PATH a "
+                              "model folder or .gguf file with the target's vocabulary")
+        if self.self_draft_layers is not None and self.self_draft_layers < 1:
+            raise ConfigError(f"self_draft_layers={self.self_draft_layers} must be at least 1 "
+                              "(and below the model's layer count); try 4")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError(f"num_speculative_tokens={self.num_speculative_tokens} must be "
                               "in [1, 16]; try 4")
@@ -238,6 +248,23 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.speculative is not None
+
+    @property
+    def proposer(self) -> str | None:
+        """ngram, self or draft (a draft model at draft_model_path); None when off."""
+        if self.speculative is None:
+            return None
+        return "draft" if self.speculative.startswith("draft:") else self.speculative
+
+    @property
+    def draft_model_path(self) -> str | None:
+        return self.speculative.removeprefix("draft:") if self.proposer == "draft" else None
+
+    @property
+    def drafts_with_a_model(self) -> bool:
+        """Whether drafting runs a model, which writes KV past the newest token: the
+        scheduler then gives each drafting request that many slots ahead (lookahead)."""
+        return self.proposer in ("self", "draft")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.calibrate import prepare_int8_prefill, use_int8_prefill
 from ember.engine.cold_start import PhaseClock
+from ember.engine.draft import build_drafter
 from ember.engine.embed import EMBED_PARAMS, check_embedding_input, resolve_pooling
 from ember.engine.encoder import build_encoder, is_encoder
 from ember.engine.memory import (advise_huge_pages, large_blocks_mapped_alone, lazy_zeros,
@@ -155,8 +156,10 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, config.spec)
         self.loras = LoraRegistry(self.model_config, config.max_loras, config.max_lora_rank)
         self.loras.in_use = self._loras_in_use
+        drafter = build_drafter(config, model, kv_caches, self.tokenizer, self.dtype, kernels,
+                                num_blocks, kv_dtype, self.max_model_len)
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
-                                  kernels, self.loras, config.spec)
+                                  kernels, self.loras, config.spec, drafter)
         for name, path in config.loras:
             self.loras.add(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)

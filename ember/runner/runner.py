@@ -11,6 +11,7 @@ from ember.lora.registry import LoraRegistry
 from ember.models.attention import PagedKV
 from ember.models.llama import LlamaForCausalLM
 from ember.request import Request
+from ember.runner.drafter import Drafter
 from ember.runner.inputs import ModelInputs, prepare_inputs, rows_per_request
 from ember.runner.pooling import Pooler
 from ember.sampling.sampler import Sampler
@@ -22,9 +23,11 @@ from ember.spec.verify import verify
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKV], block_size: int,
                  device: str, seed: int, kernels: CpuKernels | None = None,
-                 loras: LoraRegistry | None = None, spec: SpecConfig = SpecConfig()) -> None:
+                 loras: LoraRegistry | None = None, spec: SpecConfig = SpecConfig(),
+                 drafter: Drafter | None = None) -> None:
         self.model = model
         self.spec = spec
+        self.drafter = drafter   # drafts with a model (self-draft or a draft model), else n-gram
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
@@ -91,6 +94,8 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         self.sampler.forget(plan.finished_request_ids)
         self.pooler.forget(plan.finished_request_ids)
+        if self.drafter is not None:
+            self.drafter.forget(plan.finished_request_ids)
         if not plan.scheduled:
             return RunnerOutput()
         output = RunnerOutput()
@@ -109,7 +114,7 @@ class ModelRunner:
             if logprob is not None:
                 output.logprobs[request.request_id] = logprob
         if self.spec.enabled and len(plan.scheduled) < self.spec.max_spec_rows:
-            self._propose(requests, tokens, output)
+            self._propose(plan, requests, tokens, output)
         return output
 
     def _verify(self, plan: SchedulerOutput, requests: list[Request], counts: list[int],
@@ -135,18 +140,24 @@ class ModelRunner:
             tokens[i], logprobs[i] = t, lp
         return tokens, logprobs
 
-    def _propose(self, requests: list[Request], tokens: list[list[int]],
-                 output: RunnerOutput) -> None:
+    def _propose(self, plan: SchedulerOutput, requests: list[Request],
+                 tokens: list[list[int]], output: RunnerOutput) -> None:
         """Drafts for the next step, from each request's sequence with this step's tokens
-        (constrained requests draft nothing: their grammar advances token by token)."""
+        (constrained requests draft nothing: their grammar advances token by token; nor do
+        requests too close to max_tokens for the next step to verify a draft)."""
         spec = self.spec
-        for request, emitted in zip(requests, tokens):
-            if request.grammar is not None or request.spec_pause > 0:
-                continue
-            drafts = propose_ngram(request.all_token_ids + emitted,
-                                   spec.num_speculative_tokens, spec.ngram_max, spec.ngram_min)
-            if drafts:
-                output.draft_token_ids[request.request_id] = drafts
+        items = {s.request.request_id: s for s in plan.scheduled}
+        candidates = [(items[r.request_id], r.all_token_ids + emitted)
+                      for r, emitted in zip(requests, tokens)
+                      if r.grammar is None and r.spec_pause == 0
+                      and r.max_tokens - len(r.output_token_ids) - len(emitted) >= 2]
+        if self.drafter is not None:
+            drafts = self.drafter.propose(candidates, spec.num_speculative_tokens)
+        else:
+            drafts = {item.request.request_id: propose_ngram(
+                token_ids, spec.num_speculative_tokens, spec.ngram_max, spec.ngram_min)
+                for item, token_ids in candidates}
+        output.draft_token_ids.update((rid, d) for rid, d in drafts.items() if d)
 
 
 def _drafts_by_request(scheduled: list[ScheduledRequest]) -> dict[str, tuple[int, ...]]:

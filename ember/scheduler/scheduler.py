@@ -130,6 +130,7 @@ class Scheduler:
             if not self._allocate_or_preempt(request, num_new):
                 break
             scheduled.append(self._plan(request, num_new, drafts))
+            self._allocate_lookahead(scheduled[-1], spec_room)
             budget -= num_new
             spec_room -= len(drafts)
             i += 1
@@ -205,7 +206,23 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=rank)
             scheduled.append(self._plan(request, num_new))
+            self._allocate_lookahead(scheduled[-1], self.spec.max_spec_rows - len(self.running))
             budget -= num_new
+
+    def _allocate_lookahead(self, item: ScheduledRequest, spec_room: int) -> None:
+        """Slots past the step's tokens for a model that drafts after it (it writes K and V
+        of its drafts there): given where free blocks allow it, never at another request's
+        expense. Lookahead blocks hold nothing the cache keeps; verification trims them."""
+        request = item.request
+        if not (self.spec.drafts_with_a_model and item.samples and spec_room > 0
+                and request.grammar is None and request.spec_pause == 0):
+            return
+        if self.kv.num_free_blocks <= len(self.running):   # kept for the others' next tokens
+            return
+        num_tokens = min(item.end + self.spec.num_speculative_tokens, self.max_model_len)
+        if self.kv.allocate_slots(request, num_tokens):
+            # the plan's table is a copy: the drafter reads the slots from it
+            item.block_ids[:] = self.kv.block_table(request.request_id)
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
         """Find blocks for `request`, preempting the lowest-ranked running requests if needed.

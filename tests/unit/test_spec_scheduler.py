@@ -3,8 +3,12 @@ counts drafts, rejected drafts give their blocks back unhashed, drafts stop at m
 when the step has many rows. No model, no torch."""
 from __future__ import annotations
 
+import pytest
+
 from ember.config import SchedulerConfig, SpecConfig
+from ember.errors import ConfigError
 from ember.kv.kv_manager import KVCacheManager
+from ember.request import FinishReason
 from ember.scheduler.output import RunnerOutput, SchedulerOutput
 from ember.scheduler.scheduler import Scheduler
 from tests.unit.test_scheduler import make_request
@@ -120,3 +124,31 @@ def test_a_request_whose_drafts_fail_pauses_drafting():
     assert request.spec_pause > 0 and request.draft_token_ids == []
     plan = sched.schedule()
     assert plan.scheduled[0].draft_token_ids == ()
+
+
+def test_a_drafting_model_gets_slots_past_the_step_while_blocks_are_plenty():
+    """A model that drafts writes K and V of its drafts after the step: a request that samples
+    gets `num_speculative_tokens` slots past it (6 prompt tokens + 4 ahead: 3 blocks of 4),
+    and none when the free blocks are few; they all come back when it finishes."""
+    for num_blocks, want in ((32, 3), (3, 2)):
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                          KVCacheManager(num_blocks, 4), max_model_len=4096,
+                          spec=SpecConfig(speculative="self", num_speculative_tokens=4))
+        sched.add(make_request("a", 6, max_tokens=4))
+        plan = sched.schedule()
+        assert len(plan.scheduled[0].block_ids) == want
+        assert len(sched.kv.block_table("a")) == want
+        sched.finish("a", FinishReason.ABORT)
+        assert sched.kv.num_free_blocks == num_blocks
+
+
+def test_spec_config_names_the_proposer_and_the_draft_model():
+    assert SpecConfig(speculative="draft:/m/small.gguf").proposer == "draft"
+    assert SpecConfig(speculative="draft:/m/small.gguf").draft_model_path == "/m/small.gguf"
+    assert SpecConfig(speculative="self").drafts_with_a_model
+    assert not SpecConfig(speculative="ngram").drafts_with_a_model
+    for bad, layers, match in (("draft:", None, "names no model"),
+                               ("eagle", None, "choose one of ngram, self"),
+                               ("self", 0, "self_draft_layers=0")):
+        with pytest.raises(ConfigError, match=match):
+            SpecConfig(speculative=bad, self_draft_layers=layers)

@@ -1,0 +1,75 @@
+"""The model that drafts for speculative decoding, when one does: the target's first layers
+(`--speculative self`) or a separate model of the same vocabulary (`--speculative draft:PATH`),
+loaded as the target is, with KV caches of its own laid out like the target's."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ember.config import EngineConfig, ModelConfig
+from ember.engine.files_summary import load_tokenizer
+from ember.errors import ConfigError
+from ember.kernels import CpuKernels
+from ember.models.attention import PagedKV
+from ember.models.llama import LlamaForCausalLM
+from ember.runner.drafter import Drafter
+from ember.runner.kv_tensors import allocate_kv_caches
+from ember.spec.layer_skip import default_draft_layers, layer_skip_model
+from ember.tokenizer.tokenizer import Tokenizer
+from ember.weights.loader import (apply_quantization, load_model, open_model_files,
+                                  resolve_quantization)
+
+log = logging.getLogger(__name__)
+
+
+def build_drafter(config: EngineConfig, model: LlamaForCausalLM, kv_caches: list[PagedKV],
+                  tokenizer: Tokenizer, dtype: torch.dtype, kernels: CpuKernels | None,
+                  num_blocks: int, kv_dtype: str, max_model_len: int) -> Drafter | None:
+    """The drafter the spec config asks for, or None (no speculation, or n-gram)."""
+    spec = config.spec
+    block_size, device = config.cache.block_size, torch.device(config.device)
+    if spec.proposer == "self":
+        num_layers = spec.self_draft_layers or default_draft_layers(model.config.num_layers)
+        view = layer_skip_model(model, num_layers, kernels)
+        log.info("self-draft: the first %d of %d layers draft %d tokens a step", num_layers,
+                 model.config.num_layers, spec.num_speculative_tokens)
+        return Drafter(view, kv_caches[:num_layers], block_size, device, shares_kv=True,
+                       max_positions=max_model_len)
+    if spec.proposer != "draft":
+        return None
+    path = spec.draft_model_path
+    files = open_model_files(path)
+    draft_config = files.model_config()
+    check_vocabulary(model.config, draft_config, tokenizer, load_tokenizer(files), path)
+    quantization = resolve_quantization(config.quantization, files, draft_config, dtype,
+                                        config.device)
+    draft = apply_quantization(load_model(files, draft_config, dtype, config.device),
+                               quantization, kernels)
+    draft.use_kernels(kernels)
+    draft.cache_rope(max_model_len, dtype)
+    caches = allocate_kv_caches(draft_config, num_blocks, block_size, dtype, config.device,
+                                kv_dtype if _reads_int8(kernels, draft_config) else "model")
+    log.info("draft model %s (%d layers, weights %s) drafts %d tokens a step", path,
+             draft_config.num_layers, quantization, spec.num_speculative_tokens)
+    return Drafter(draft, caches, block_size, device, shares_kv=False,
+                   max_positions=max_model_len)
+
+
+def _reads_int8(kernels: CpuKernels | None, config: ModelConfig) -> bool:
+    """Whether an int8 cache chosen for the target suits the draft's head size too."""
+    return kernels is not None and kernels.attends_head_dim(config.head_dim)
+
+
+def check_vocabulary(target: ModelConfig, draft: ModelConfig, target_tokenizer: Tokenizer,
+                     draft_tokenizer: Tokenizer, path: str) -> None:
+    """A draft must name tokens with the target's ids: refuse one that does not."""
+    same = target.vocab_size == draft.vocab_size and \
+        target_tokenizer.backend.get_vocab(with_added_tokens=True) == \
+        draft_tokenizer.backend.get_vocab(with_added_tokens=True)
+    if not same:
+        raise ConfigError(
+            f"draft model {path} has a vocabulary of {draft.vocab_size} ids that differs from "
+            f"the target's ({target.vocab_size} ids): a draft must share the target's "
+            "tokenizer; choose a smaller model of the same family, or use --speculative self "
+            "(the target's first layers) or ngram")

@@ -1,0 +1,125 @@
+"""Drafting with a model: a few greedy forwards of a small model (or of the target's first
+layers, ember/spec/layer_skip.py) guess each request's next tokens.
+
+After a step, a request's sequence ends with the token the target just chose, x_n at
+position n; the target's cache holds positions 0 .. n-1. The drafter runs
+
+    forward 0:  the positions its cache lacks, up to x_n    -> d_0 (argmax)
+    forward j:  d_{j-1} at position n + j                    -> d_j
+
+in one batch of every drafting request per forward. Drafts are argmaxes whatever the request
+samples with: a proposer that puts all its mass on one token is what verification's rejection
+sampling assumes (ember/spec/verify.py), so the output keeps the target's distribution.
+
+Where the K and V go: the draft writes positions n .. n+k-1 in the request's own blocks (the
+scheduler allots slots ahead for it: SpecConfig.drafts_with_a_model).
+* Self-draft (`shares_kv`): its layers are the target's first ones and it writes into the
+  target's caches of those layers. Positions below n hold the target's K and V, which are the
+  draft's too; positions from n on are rewritten by the target's verification before it reads
+  them. Nothing is kept between steps.
+* A draft model has caches of its own, laid out like the target's (same blocks, same slots).
+  It has computed positions 0 .. n of the sequence after drafting; past n its K and V are of
+  drafts, which the target may reject, and may lie in blocks the scheduler trims: only
+  positions up to n are counted valid, and the next drafting starts there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ember.models.attention import PagedKV
+from ember.models.llama import LlamaForCausalLM
+from ember.request import Request
+from ember.runner.inputs import prepare_inputs
+from ember.scheduler.output import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class _Sequence:
+    """What prepare_inputs reads of a request: its tokens, here with the drafts so far."""
+
+    request_id: str
+    all_token_ids: list[int]
+    lora: None = None
+
+
+@dataclass
+class _Valid:
+    """Positions of a request whose K and V the draft model's caches hold (before the
+    request's `num_preemptions`-th preemption, which frees its blocks)."""
+
+    num_preemptions: int
+    num_tokens: int
+
+
+@dataclass
+class Drafter:
+    model: LlamaForCausalLM        # the draft model, or the target's first layers
+    kv_caches: list[PagedKV]       # its caches: the target's first ones when shares_kv
+    block_size: int
+    device: torch.device
+    shares_kv: bool
+    max_positions: int             # positions must stay below it (the RoPE tables' length)
+    _valid: dict[str, _Valid] = field(default_factory=dict)
+
+    def forget(self, request_ids: frozenset[str]) -> None:
+        for rid in request_ids:
+            self._valid.pop(rid, None)
+
+    @torch.inference_mode()
+    def propose(self, items: list[tuple[ScheduledRequest, list[int]]],
+                num_drafts: int) -> dict[str, list[int]]:
+        """items: (the request's share of the step, its tokens with those the step emitted);
+        -> up to `num_drafts` drafts per request (fewer where its slots end)."""
+        sequences, starts, budgets, tables = [], [], [], []
+        for item, token_ids in items:
+            n = len(token_ids) - 1
+            room = min(len(item.block_ids) * self.block_size, self.max_positions) - n
+            budget = min(num_drafts, room)
+            if budget < 1:
+                continue
+            sequences.append(_Sequence(item.request.request_id, list(token_ids)))
+            starts.append(n if self.shares_kv else self._start(item.request, n))
+            budgets.append(budget)
+            tables.append(item.block_ids)
+        drafts: dict[str, list[int]] = {s.request_id: [] for s in sequences}
+        for j in range(max(budgets, default=0)):
+            live = [i for i, b in enumerate(budgets) if b > j]
+            plan = [self._share(sequences[i], starts[i] if j == 0 else None, tables[i])
+                    for i in live]
+            for i, token in zip(live, self._argmax(plan)):
+                sequences[i].all_token_ids.append(token)
+                drafts[sequences[i].request_id].append(token)
+        if not self.shares_kv:   # positions up to each newest token are computed now
+            for item, token_ids in items:
+                if item.request.request_id in drafts:
+                    self._valid[item.request.request_id] = _Valid(
+                        item.request.num_preemptions, len(token_ids))
+        return drafts
+
+    def _start(self, request: Request, n: int) -> int:
+        """The first position the draft model's caches lack for this request (at most n)."""
+        valid = self._valid.get(request.request_id)
+        if valid is None or valid.num_preemptions != request.num_preemptions:
+            return 0
+        return min(valid.num_tokens, n)
+
+    @staticmethod
+    def _share(sequence: _Sequence, start: int | None, table: list[int]) -> ScheduledRequest:
+        """The forward's share of one request: from `start` to its newest token, or (None)
+        its newest token alone (the latest draft)."""
+        end = len(sequence.all_token_ids)
+        first = end - 1 if start is None else start
+        return ScheduledRequest(sequence, first, end - first, table, samples=True)  # type: ignore[arg-type]
+
+    def _argmax(self, scheduled: list[ScheduledRequest]) -> list[int]:
+        """One forward of the draft over `scheduled`; each request's argmax token."""
+        inputs = prepare_inputs(SchedulerOutput(scheduled), self.block_size, self.device,
+                                self.model.stack_runs_decodes(self.kv_caches))
+        hidden: Tensor = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                    inputs.attn)
+        if inputs.logits_indices is not None:
+            hidden = hidden[inputs.logits_indices]
+        return self.model.compute_logits(hidden).argmax(-1).tolist()
