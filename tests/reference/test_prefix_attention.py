@@ -145,3 +145,21 @@ def test_shared_prefix_steps_through_the_stack_equal_the_layers(smollm_path, kv_
     for got, want in zip(stacked, layered):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         assert got.outputs[0].logprobs == want.outputs[0].logprobs
+
+
+def test_chunks_of_long_shared_contexts_attend_in_parts_as_each_alone(kernels):
+    """Four chunks over a shared 11,968-token prefix: their packed copies would pass the
+    kernel's 64 MiB at once (each chunk's context alone ~18 MiB at head_dim 128), so the call
+    goes in halves, each sharing the prefix within itself; every chunk as it gets alone."""
+    g = torch.Generator().manual_seed(23)
+    cache = make_cache(False, 760, 16, 128, g)
+    prefix = torch.arange(748)
+    tables = [torch.cat([prefix, torch.tensor([748 + i])]) for i in range(4)]
+    q = torch.randn(8, HEADS, 128, generator=g).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    info = torch.tensor([[2 * i, 2, 748 * 16 + 2] for i in range(4)])
+    kernels.ops.prefill_attention_chunks(q, cache.data, info, tables, 128 ** -0.5, None, out)
+    for (first, n, seq_len), table in zip(info.tolist(), tables):
+        alone = kernels.prefill_attention(q[first:first + n], cache.data, table, seq_len,
+                                          128 ** -0.5)
+        assert torch.equal(out[first:first + n], alone)

@@ -327,6 +327,9 @@ void run_attend(const AttendTask& t, const ChunkRef& c, const PackedKeys& keys,
 
 int64_t padded(int64_t keys) { return (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock; }
 
+// the most packed K and V one call holds at once, unless a single chunk needs more
+constexpr int64_t kMaxPackedBytes = 64 << 20;
+
 }  // namespace
 
 // prefill_chunks_impl: common.h says what it computes. Two parallel regions for the whole
@@ -336,6 +339,14 @@ template <int D>
 void prefill_chunks_impl(const ChunkRef* chunks, int64_t count, int64_t heads,
                          int64_t kv_heads, float scale) {
   constexpr int R = kTileRows<D>;
+  // the packed copies of all the chunks live at once: many long contexts go in halves
+  int64_t bytes = 0;
+  for (int64_t c = 0; c < count; ++c) bytes += 4 * kv_heads * padded(chunks[c].seq_len) * D;
+  if (count > 1 && bytes > kMaxPackedBytes) {
+    prefill_chunks_impl<D>(chunks, count / 2, heads, kv_heads, scale);
+    prefill_chunks_impl<D>(chunks + count / 2, count - count / 2, heads, kv_heads, scale);
+    return;
+  }
   const SharedPrefixes shared = share_prefixes(chunks, count);
   auto shared_keys = [&](int64_t c) {
     return shared.group_of[c] < 0 ? 0 : shared.keys[shared.group_of[c]];
