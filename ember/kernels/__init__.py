@@ -3,9 +3,10 @@
 The sources are the folder `cpu/`, one file per family: `norm_rope.cpp` (RMSNorm with the
 residual add fused in, RoPE fused with the KV-cache write, SwiGLU's activation, a vector
 argmax), `decode_attention.cpp` (one new token per request, read in place from the paged KV
-cache, no gathered copy), `prefill_attention.cpp` (flash attention of a prompt chunk over its
-paged context), `int4_matmul.cpp` and `int8_matmul.cpp` (linears on int4 and int8 weights,
-and on int8 activations), `lora.cpp` (the LoRA adapters of a mixed batch, each adapter's
+cache, no gathered copy), `prefill_attention.cpp` (flash attention of a step's prompt chunks
+over their paged contexts, a prefix that several chunks share packed once),
+`int4_matmul.cpp` and `int8_matmul.cpp` (linears on int4 and int8 weights, and on int8
+activations), `lora.cpp` (the LoRA adapters of a mixed batch, each adapter's
 rows at once), `decode_stack.cpp` (every decoder layer of a step in one call), the
 inline helpers they share (`vec.h` SIMD, `kv_cache.h` the cache's rows, `common.h` what one
 file calls in another) and `bindings.cpp` (the Python bindings only). Most need a CPU with

@@ -175,11 +175,15 @@ class PagedKV:
             self.data[which].view(kv_heads, num_slots, head_dim).index_copy_(
                 1, slot_mapping, x.transpose(0, 1))
 
-    def copy_slots(self, src: int, dst: int, num_tokens: int) -> None:
-        """Copy the first `num_tokens` slots of block `src` (K, V and scales) into `dst`."""
-        self.data[:, :, dst, :num_tokens] = self.data[:, :, src, :num_tokens]
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        """Copy slots src [N] long (K, V and scales) into slots dst [N], all read before any is
+        written."""
+        _, kv_heads, num_blocks, block_size, head_dim = self.data.shape
+        data = self.data.view(2 * kv_heads, num_blocks * block_size, head_dim)
+        data.index_copy_(1, dst, data.index_select(1, src))
         if self.scale is not None:
-            self.scale[:, :, dst, :num_tokens] = self.scale[:, :, src, :num_tokens]
+            scale = self.scale.view(2 * kv_heads, num_blocks * block_size)
+            scale.index_copy_(1, dst, scale.index_select(1, src))
 
     def gather(self, block_tables: Tensor, dtype: torch.dtype) -> Tensor:
         """K and V of block_tables [G, max_blocks] -> [2, kv_heads, G, max_blocks * block_size,

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ember.kv.kv_manager import cdiv
+from ember.kv.kv_manager import BlockCopy, cdiv
 from ember.models.attention import (MATMUL_MAX_QUERIES, AttentionGroup, AttentionMetadata,
                                     DecodeBatch, FreshChunk, PromptStep)
 from ember.request import Request
@@ -315,6 +315,24 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
     return ModelInputs(built[flat[0]], built[flat[1]], attn,
                        None if logits is None else built[logits], sampling,
                        rows_per_request(plan.scheduled))
+
+
+def copy_slot_batches(copies: list[BlockCopy], block_size: int, device: torch.device
+                      ) -> list[tuple[Tensor, Tensor]]:
+    """A step's block copies (partial prefix-cache hits) as batches of (src slots, dst slots)
+    [N] long, each batch read whole before it is written: one batch for the whole step, or one
+    per copy where a copy writes a block another reads (the copies then go in their order)."""
+    if not copies:
+        return []
+    written = {c.dst for c in copies if c.dst != c.src}
+    batches = [copies] if not written & {c.src for c in copies} else [[c] for c in copies]
+    out = []
+    for batch in batches:
+        src = [c.src * block_size + i for c in batch for i in range(c.num_tokens)]
+        dst = [c.dst * block_size + i for c in batch for i in range(c.num_tokens)]
+        both = torch.tensor([src, dst], dtype=torch.long, device=device)
+        out.append((both[0], both[1]))
+    return out
 
 
 def _token_ids(item: ScheduledRequest) -> list[int]:

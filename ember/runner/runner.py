@@ -12,7 +12,8 @@ from ember.models.attention import PagedKV
 from ember.models.llama import LlamaForCausalLM
 from ember.request import Request
 from ember.runner.drafter import Drafter
-from ember.runner.inputs import ModelInputs, prepare_inputs, rows_per_request
+from ember.runner.inputs import (ModelInputs, copy_slot_batches, prepare_inputs,
+                                 rows_per_request)
 from ember.runner.pooling import Pooler
 from ember.sampling.sampler import Sampler
 from ember.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -85,10 +86,11 @@ class ModelRunner:
              s.num_new_tokens) for s in plan.scheduled])
 
     def _copy_blocks(self, plan: SchedulerOutput) -> None:
-        """Partial prefix-cache hits: copy cached slots into the requests' own blocks."""
-        for copy in plan.block_copies:
+        """Partial prefix-cache hits: copy cached slots into the requests' own blocks (two
+        torch ops per layer for the whole step, where there are several)."""
+        for src, dst in copy_slot_batches(plan.block_copies, self.block_size, self.device):
             for cache in self.kv_caches:
-                cache.copy_slots(copy.src, copy.dst, copy.num_tokens)
+                cache.copy_slots(src, dst)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:

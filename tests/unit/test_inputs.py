@@ -1,10 +1,14 @@
 """prepare_inputs: a step's decodes beside prompt chunks are found by a slice of rows (span)
-where they lie together, and by their row indices where they do not."""
+where they lie together, and by their row indices where they do not. And a step's block copies
+(partial prefix-cache hits) batched, against copying them one by one in order."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from ember.runner.inputs import prepare_inputs
+from ember.kv.kv_manager import BlockCopy
+from ember.models.attention import PagedKV
+from ember.runner.inputs import copy_slot_batches, prepare_inputs
 from ember.scheduler.output import ScheduledRequest, SchedulerOutput
 from tests.unit.test_scheduler import make_request
 
@@ -114,3 +118,29 @@ def test_a_step_of_decodes_for_the_stack_gets_the_same_columns_and_no_groups():
     assert lean.attn.slot_mapping.tolist()[-1] == 31 * BLOCK + 4
     mixed = SchedulerOutput(plan.scheduled + [chunk("p", 0, 30, 30)])
     assert prepare_inputs(mixed, BLOCK, cpu, decode_stack=True).attn.groups
+
+
+def copy_one_by_one(cache: PagedKV, copies: list[BlockCopy]) -> None:
+    """The reference: each copy in order, block slices as the kv manager describes them."""
+    for c in copies:
+        cache.data[:, :, c.dst, :c.num_tokens] = cache.data[:, :, c.src, :c.num_tokens].clone()
+        cache.scale[:, :, c.dst, :c.num_tokens] = cache.scale[:, :, c.src, :c.num_tokens].clone()
+
+
+@pytest.mark.parametrize("copies", [
+    [BlockCopy(3, 7, 5), BlockCopy(4, 8, 16), BlockCopy(3, 9, 2)],   # one batch: 23 slots
+    [BlockCopy(5, 5, 9), BlockCopy(5, 2, 9)],        # a block copied onto itself, and read
+    [BlockCopy(3, 7, 5), BlockCopy(7, 9, 4)]])       # the second reads what the first writes
+def test_block_copies_of_a_step_equal_the_copies_one_by_one(copies):
+    g = torch.Generator().manual_seed(5)
+    want = PagedKV(torch.randint(-127, 127, (2, 3, 12, BLOCK, 8), dtype=torch.int8,
+                                 generator=g), torch.rand(2, 3, 12, BLOCK, generator=g).half())
+    got = PagedKV(want.data.clone(), want.scale.clone())
+    copy_one_by_one(want, copies)
+    batches = copy_slot_batches(copies, BLOCK, torch.device("cpu"))
+    for src, dst in batches:
+        got.copy_slots(src, dst)
+    assert torch.equal(got.data, want.data) and torch.equal(got.scale, want.scale)
+    chained = copies[1].src == copies[0].dst != copies[0].src
+    assert len(batches) == (len(copies) if chained else 1)
+    assert sum(len(src) for src, _ in batches) == sum(c.num_tokens for c in copies)

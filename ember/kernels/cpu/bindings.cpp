@@ -29,6 +29,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "a prompt chunk over its paged context",
         py::arg("q"), py::arg("kv"), py::arg("block_table"), py::arg("seq_len"),
         py::arg("scale"), py::arg("kv_scale") = py::none(), no_gil);
+  m.def("prefill_attention_chunks", &prefill_attention_chunks,
+        "a step's prompt chunks over their paged contexts, shared prefixes packed once",
+        py::arg("q"), py::arg("kv"), py::arg("chunk_info"), py::arg("block_tables"),
+        py::arg("scale"), py::arg("kv_scale"), py::arg("out"), no_gil);
   m.def("int8_linear", &int8_linear, "x w^T with w int8 in 16-row VNNI panels", no_gil);
   m.def("int8_linear_a8", &int8_linear_a8, "int8_linear with x rounded to int8 per group",
         no_gil);

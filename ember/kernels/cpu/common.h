@@ -139,14 +139,26 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
 // prefill_attention.cpp (D = 64, 128)
 namespace prefill {
 
-// q [n, heads, D] (row stride q_stride), kv [2, kv_heads, blocks, block_size, D] bfloat16, or
-// int8 with kv_scale [2, kv_heads, blocks, block_size] float16; the n new tokens are the last
-// n of the request's seq_len.
+// One prompt chunk: its n new tokens, the last n of the request's seq_len (written into the
+// cache first), attend causally over its context. q [n, heads, D] (row stride q_stride), out
+// [n, heads, D] contiguous, kv [2, kv_heads, num_blocks, block_size, D] bfloat16, or int8
+// with kv_scale [2, kv_heads, num_blocks, block_size] float16, table its blocks.
+struct ChunkRef {
+  const uint16_t* q;
+  int64_t q_stride;
+  uint16_t* out;
+  int64_t n, seq_len;
+  const void* kv;
+  const at::Half* kv_scale;
+  const int64_t* table;
+  int64_t num_blocks, block_size;
+};
+
+// Every chunk of `chunks` [count] attended, in one call (threads over all of them); each
+// chunk's output is what it gets alone, bit for bit.
 template <int D>
-void prefill_attention_impl(const uint16_t* q, int64_t q_stride, const void* kv,
-                            const at::Half* kv_scale, const int64_t* table, int64_t seq_len,
-                            uint16_t* out, int64_t n, int64_t heads, int64_t kv_heads,
-                            int64_t num_blocks, int64_t block_size, float scale);
+void prefill_chunks_impl(const ChunkRef* chunks, int64_t count, int64_t heads,
+                         int64_t kv_heads, float scale);
 
 }  // namespace prefill
 
@@ -246,6 +258,9 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor kv, at::Tensor block_tables
                             c10::optional<at::Tensor> kv_scale);
 at::Tensor prefill_attention(at::Tensor q, at::Tensor kv, at::Tensor block_table,
                              int64_t seq_len, double scale, c10::optional<at::Tensor> kv_scale);
+void prefill_attention_chunks(at::Tensor q, at::Tensor kv, at::Tensor chunk_info,
+                              std::vector<at::Tensor> block_tables, double scale,
+                              c10::optional<at::Tensor> kv_scale, at::Tensor out);
 at::Tensor int4_linear(at::Tensor x, at::Tensor q, at::Tensor scale_min);
 at::Tensor int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales);
 at::Tensor int8_linear_a8(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t group);

@@ -395,31 +395,40 @@ void DecodeStack::attend(const Plan& plan, const at::Tensor& q, const at::Tensor
            plan.tables, plan.seq_lens, bits(att) + plan.decode_first * row, plan.decodes,
            heads_, kv_heads_, blocks, block_size, plan.max_blocks, scale_, after);
   }
-  auto prefill = d_ == 64 ? prefill::prefill_attention_impl<64>
-                          : prefill::prefill_attention_impl<128>;
+  if (plan.chunks.empty()) return;
+  // every chunk in one call, so that chunks holding the same cached prefix read it from one
+  // packed copy; a fresh chunk over an int8 cache reads its own k and v, copied into a
+  // one-block bfloat16 cache [2, kv_heads, 1, n, d] of its own in own_kv
+  int64_t own_rows = 0;
+  for (const Chunk& c : plan.chunks) own_rows += kv_scale != nullptr && c.fresh ? c.n : 0;
+  own_kv.resize(2 * kv_heads_ * own_rows * d_);
+  static const int64_t kOneBlock[1] = {0};
+  std::vector<prefill::ChunkRef> chunks;
+  uint16_t* own = own_kv.data();
   for (const Chunk& c : plan.chunks) {
     const uint16_t* qc = bits(q) + c.first * row;
     uint16_t* oc = bits(att) + c.first * row;
     if (kv_scale == nullptr || !c.fresh) {
-      prefill(qc, row, cache.data_ptr(), kv_scale, c.table, c.seq_len, oc, c.n, heads_,
-              kv_heads_, blocks, block_size, scale_);
+      chunks.push_back({qc, row, oc, c.n, c.seq_len, cache.data_ptr(), kv_scale, c.table,
+                        blocks, block_size});
       continue;
     }
-    own_kv.resize(2 * kv_heads_ * c.n * d_);
     const uint16_t* k = bits(k_out) + c.first * kv_heads_ * d_;
     const uint16_t* v = bits(qkv) + c.first * qkv.size(1) + (heads_ + kv_heads_) * d_;
     for (int64_t h = 0; h < kv_heads_; ++h) {
       for (int64_t j = 0; j < c.n; ++j) {
-        std::memcpy(own_kv.data() + (h * c.n + j) * d_, k + (j * kv_heads_ + h) * d_,
+        std::memcpy(own + (h * c.n + j) * d_, k + (j * kv_heads_ + h) * d_,
                     d_ * sizeof(uint16_t));
-        std::memcpy(own_kv.data() + ((kv_heads_ + h) * c.n + j) * d_,
-                    v + j * qkv.size(1) + h * d_, d_ * sizeof(uint16_t));
+        std::memcpy(own + ((kv_heads_ + h) * c.n + j) * d_, v + j * qkv.size(1) + h * d_,
+                    d_ * sizeof(uint16_t));
       }
     }
-    static const int64_t kOneBlock[1] = {0};
-    prefill(qc, row, own_kv.data(), nullptr, kOneBlock, c.n, oc, c.n, heads_, kv_heads_, 1,
-            c.n, scale_);
+    chunks.push_back({qc, row, oc, c.n, c.n, own, nullptr, kOneBlock, 1, c.n});
+    own += 2 * kv_heads_ * c.n * d_;
   }
+  const auto prefill = d_ == 64 ? prefill::prefill_chunks_impl<64>
+                                : prefill::prefill_chunks_impl<128>;
+  prefill(chunks.data(), static_cast<int64_t>(chunks.size()), heads_, kv_heads_, scale_);
 }
 
 void DecodeStack::check_lora(const std::vector<at::Tensor>& lora, size_t layers, int64_t t,

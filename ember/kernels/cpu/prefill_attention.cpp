@@ -4,8 +4,12 @@
 // made bfloat16, value * scale, as they are read).
 // Layout: q [n, heads, d] (rows may be strided, each row's heads contiguous), kv [2,
 // kv_heads, blocks, block_size, d] (kv_cache.h), block_table [>= ceil(seq_len / block_size)].
+// Several chunks of one step attend in one call (prefill_chunks_impl); chunks whose block
+// tables begin with the same cached blocks (a prefix-cache hit on one prompt prefix) read
+// those keys from one packed copy, laid out once for all of them, instead of one each.
 // Reference: ember/models/attention.py's gathered matmul attention (_matmul_attention) with
-// its causal mask, over PagedKV's rows.
+// its causal mask, over PagedKV's rows; a chunk's output does not depend on the chunks
+// beside it (the same arithmetic, bit for bit, as it alone).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -13,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "common.h"
@@ -40,15 +45,17 @@ namespace {
 
 constexpr int64_t kKeyBlock = 64;  // keys scored per step: 4 vectors of 16 lanes
 
-// Copy one KV head's first `len` keys (K or V, as `rows` walks) out of their blocks,
-// zero-padded to `len_pad` (a multiple of kKeyBlock), into the layouts above.
+// Copy one KV head's keys from..len-1 (K or V, as `rows` walks) out of their blocks,
+// zero-padded to `len_pad`, into the layouts above (from and len_pad multiples of
+// kKeyBlock; key `from` lands at dst).
 // (An int8 cache's rows are made bfloat16 on the way: `Walk` is RowWalk or ScaledWalk.)
 template <class Walk>
-void pack_keys(Walk rows, int64_t len, int64_t len_pad, uint16_t* dst) {
+void pack_keys(Walk rows, int64_t from, int64_t len, int64_t len_pad, uint16_t* dst) {
   const int64_t d = rows.d, pairs = d / 2;
   alignas(64) uint16_t buf[kMaxHeadDim];
-  for (int64_t j = 0; j < len_pad; ++j) {
-    uint32_t* col = reinterpret_cast<uint32_t*>(dst + (j / 16) * d * 16) + j % 16;
+  for (int64_t j = from; j < len_pad; ++j) {
+    const int64_t at = j - from;
+    uint32_t* col = reinterpret_cast<uint32_t*>(dst + (at / 16) * d * 16) + at % 16;
     if (j < len) {
       const uint16_t* k = rows.bf16_row(j, buf);
       for (int64_t t = 0; t < pairs; ++t) std::memcpy(col + t * 16, k + 2 * t, 4);
@@ -59,11 +66,12 @@ void pack_keys(Walk rows, int64_t len, int64_t len_pad, uint16_t* dst) {
 }
 
 template <class Walk>
-void pack_values(Walk rows, int64_t len, int64_t len_pad, uint16_t* dst) {
+void pack_values(Walk rows, int64_t from, int64_t len, int64_t len_pad, uint16_t* dst) {
   const int64_t d = rows.d;
   alignas(64) uint16_t buf[kMaxHeadDim];
-  for (int64_t j = 0; j < len_pad; ++j) {
-    uint16_t* out = dst + (j / 2) * 2 * d + j % 2;
+  for (int64_t j = from; j < len_pad; ++j) {
+    const int64_t at = j - from;
+    uint16_t* out = dst + (at / 2) * 2 * d + at % 2;
     if (j < len) {
       const uint16_t* v = rows.bf16_row(j, buf);
       for (int64_t i = 0; i < d; ++i) out[2 * i] = v[i];
@@ -100,13 +108,42 @@ __attribute__((always_inline)) inline void score_block(const uint16_t* q, const 
     for (int c = 0; c < 4; ++c) s[r][c] = a[r][c];
 }
 
+// One KV head's packed keys and values: keys 0 .. split - 1 from (k0, v0), the rest from
+// (k1, v1), key `split` at their start (split a multiple of kKeyBlock; 0: all from k1, v1).
+struct PackedKeys {
+  const uint16_t *k0, *v0;
+  int64_t split;
+  const uint16_t *k1, *v1;
+  // both layouts hold D values per key: key j of a run starts at j * D
+  const uint16_t* k(int64_t key, int64_t d) const {
+    return key < split ? k0 + key * d : k1 + (key - split) * d;
+  }
+  const uint16_t* v(int64_t key, int64_t d) const {
+    return key < split ? v0 + key * d : v1 + (key - split) * d;
+  }
+};
+
+// exp(x) for x <= 0, as simd::exp_nonpositive16 but with e^r to r^4 (relative error < 5e-5):
+// the probabilities are rounded to bfloat16 (2^-9) before they weight the values.
+inline __m512 exp_probs16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 24);
+  for (float c : {1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
 // R query rows (q: [R][D] bfloat16) over packed K/V; row r sees keys [0, visible[r]).
 // Writes the normalised outputs, float32, to o [R][D].
 template <int R, int D>
-void attend_rows(const uint16_t* q, const int64_t* visible, const uint16_t* kp,
-                 const uint16_t* vp, float scale, float* o) {
+void attend_rows(const uint16_t* q, const int64_t* visible, const PackedKeys& keys,
+                 float scale, float* o) {
   constexpr int DV = D / 16;
-  float m[R], l[R], corr[R];
+  float m[R], l[R];
+  alignas(64) float corr[16];
   alignas(64) uint16_t probs[R][kKeyBlock];
   int64_t kmax = 0, kmin = visible[0];
   for (int r = 0; r < R; ++r) {
@@ -119,8 +156,9 @@ void attend_rows(const uint16_t* q, const int64_t* visible, const uint16_t* kp,
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t k0 = 0; k0 < kmax; k0 += kKeyBlock) {
     __m512 s[R][4];
-    score_block<R, D>(q, kp + (k0 / 16) * D * 16, s);
+    score_block<R, D>(q, keys.k(k0, D), s);
     const bool masked = k0 + kKeyBlock > kmin;
+    alignas(64) float shift[16] = {};   // per row: old max - new max (0 past R)
     for (int r = 0; r < R; ++r) {
       __m512 mx = _mm512_set1_ps(-INFINITY);
       for (int c = 0; c < 4; ++c) {
@@ -134,11 +172,15 @@ void attend_rows(const uint16_t* q, const int64_t* visible, const uint16_t* kp,
         mx = _mm512_max_ps(mx, s[r][c]);
       }
       const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
-      corr[r] = std::exp(m[r] - m_new);
+      shift[r] = k0 == 0 ? 0.f : m[r] - m_new;   // (the first block rescales nothing)
       m[r] = m_new;
+    }
+    // the rows' rescaling of earlier sums, exp(old max - new max), in one vector
+    _mm512_store_ps(corr, exp_nonpositive16(_mm512_load_ps(shift)));
+    for (int r = 0; r < R; ++r) {
       __m512 sum = _mm512_setzero_ps();
       for (int c = 0; c < 4; ++c) {
-        s[r][c] = exp_nonpositive16(_mm512_sub_ps(s[r][c], _mm512_set1_ps(m_new)));
+        s[r][c] = exp_probs16(_mm512_sub_ps(s[r][c], _mm512_set1_ps(m[r])));
         sum = _mm512_add_ps(sum, s[r][c]);
       }
       l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
@@ -151,7 +193,7 @@ void attend_rows(const uint16_t* q, const int64_t* visible, const uint16_t* kp,
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < DV; ++i)
         acc[r][i] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * i), _mm512_set1_ps(corr[r]));
-    const uint16_t* vb = vp + k0 * D;  // k0 / 2 pairs of 2 * D values
+    const uint16_t* vb = keys.v(k0, D);  // k0 / 2 pairs of 2 * D values
     const int pairs = static_cast<int>(std::min<int64_t>(kKeyBlock, kmax - k0) + 1) / 2;
     for (int u = 0; u < pairs; ++u) {
       __m512bh v[DV];
@@ -173,88 +215,221 @@ void attend_rows(const uint16_t* q, const int64_t* visible, const uint16_t* kp,
 template <int D>
 constexpr int kTileRows = D == 64 ? 6 : 3;  // S and O accumulators: 24 of the 32 registers
 
-}  // namespace
+// Chunks whose tables begin with the same cached blocks of one cache: each group's shared
+// keys (a multiple of kKeyBlock), packed once for its members. A chunk joins the first group
+// whose leader's table starts as its own, where they share at least kKeyBlock keys of
+// context (keys cached before the step); the group then keeps the blocks all its members
+// share.
+struct SharedPrefixes {
+  std::vector<int64_t> group_of;  // per chunk: its group, or -1 (no shared keys)
+  std::vector<int64_t> leader;    // per group: the chunk whose table and cache it reads
+  std::vector<int64_t> keys;      // per group: its shared keys
+};
 
-// prefill_attention_impl: common.h says what it computes
-template <int D>
-void prefill_attention_impl(const uint16_t* q, int64_t q_stride, const void* kv,
-                            const at::Half* kv_scale, const int64_t* table, int64_t seq_len,
-                            uint16_t* out, int64_t n, int64_t heads, int64_t kv_heads,
-                            int64_t num_blocks, int64_t block_size, float scale) {
-  constexpr int R = kTileRows<D>;
-  const int64_t per_kv = heads / kv_heads;
-  const int64_t len_pad = (seq_len + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-  const int64_t head_stride = num_blocks * block_size * D;
-  std::vector<uint16_t> kp(kv_heads * len_pad * D), vp(kv_heads * len_pad * D);
-  at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / 2, offset = (task % 2) * kv_heads * head_stride + h * head_stride;
-      auto pack = [&](auto rows) {
-        if (task % 2 == 0) {
-          pack_keys(rows, seq_len, len_pad, kp.data() + h * len_pad * D);
-        } else {
-          pack_values(rows, seq_len, len_pad, vp.data() + h * len_pad * D);
-        }
-      };
-      if (kv_scale) {
-        pack(ScaledWalk{static_cast<const int8_t*>(kv) + offset,
-                        kv_scale + ((task % 2) * kv_heads + h) * num_blocks * block_size, table,
-                        block_size, D});
-      } else {
-        pack(RowWalk{static_cast<const uint16_t*>(kv) + offset, table, block_size, D});
+SharedPrefixes share_prefixes(const ChunkRef* chunks, int64_t count) {
+  SharedPrefixes out{std::vector<int64_t>(count, -1), {}, {}};
+  std::vector<int64_t> blocks, members;
+  for (int64_t c = 0; c < count; ++c) {
+    const ChunkRef& x = chunks[c];
+    const int64_t context = (x.seq_len - x.n) / x.block_size;  // whole cached blocks
+    for (size_t g = 0; g < blocks.size() && context > 0; ++g) {
+      const ChunkRef& lead = chunks[out.leader[g]];
+      if (lead.kv != x.kv || lead.kv_scale != x.kv_scale || lead.block_size != x.block_size ||
+          lead.table[0] != x.table[0]) {
+        continue;
       }
+      int64_t common = 0;
+      const int64_t most = std::min(blocks[g], context);
+      while (common < most && lead.table[common] == x.table[common]) ++common;
+      if (common * x.block_size < kKeyBlock) continue;
+      blocks[g] = common;
+      members[g] += 1;
+      out.group_of[c] = static_cast<int64_t>(g);
+      break;
     }
-  });
-  const int64_t rows = n * per_kv;  // per KV head: row = token * per_kv + member
-  constexpr int64_t kTilesPerTask = 4;
+    if (out.group_of[c] < 0 && context > 0) {   // a group of its own, shared if others join
+      out.group_of[c] = static_cast<int64_t>(blocks.size());
+      out.leader.push_back(c);
+      blocks.push_back(context);
+      members.push_back(1);
+    }
+  }
+  for (size_t g = 0; g < blocks.size(); ++g) {
+    const int64_t keys = blocks[g] * chunks[out.leader[g]].block_size / kKeyBlock * kKeyBlock;
+    out.keys.push_back(members[g] > 1 ? keys : 0);
+  }
+  return out;
+}
+
+// Copying keys from..len-1 of one KV head's K or V (padded to len_pad) into dst
+struct PackTask {
+  const ChunkRef* chunk;
+  int64_t head, from, len, len_pad;
+  bool values;
+  uint16_t* dst;
+};
+
+template <int D>
+void run_pack(const PackTask& t, int64_t kv_heads) {
+  const ChunkRef& c = *t.chunk;
+  const int64_t head_stride = c.num_blocks * c.block_size * D;
+  const int64_t which = t.values ? 1 : 0;
+  const int64_t offset = (which * kv_heads + t.head) * head_stride;
+  auto pack = [&](auto rows) {
+    if (t.values) {
+      pack_values(rows, t.from, t.len, t.len_pad, t.dst);
+    } else {
+      pack_keys(rows, t.from, t.len, t.len_pad, t.dst);
+    }
+  };
+  if (c.kv_scale != nullptr) {
+    pack(ScaledWalk{static_cast<const int8_t*>(c.kv) + offset,
+                    c.kv_scale + (which * kv_heads + t.head) * c.num_blocks * c.block_size,
+                    c.table, c.block_size, D});
+  } else {
+    pack(RowWalk{static_cast<const uint16_t*>(c.kv) + offset, c.table, c.block_size, D});
+  }
+}
+
+// Tiles tile .. tile + kTilesPerTask - 1 of one chunk's rows of KV head `head`
+struct AttendTask {
+  int64_t chunk, head, tile, cost;
+};
+constexpr int64_t kTilesPerTask = 4;
+
+template <int D>
+void run_attend(const AttendTask& t, const ChunkRef& c, const PackedKeys& keys,
+                int64_t heads, int64_t kv_heads, float scale) {
+  constexpr int R = kTileRows<D>;
+  const int64_t per_kv = heads / kv_heads, rows = c.n * per_kv;
   const int64_t tiles = (rows + R - 1) / R;
-  const int64_t tasks_per_head = (tiles + kTilesPerTask - 1) / kTilesPerTask;
-  const int64_t tasks = kv_heads * tasks_per_head;
-  // the last tiles see the most keys: hand tasks out from the end, as threads come free
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t task = tasks - 1; task >= 0; --task) {
-    const int64_t h = task % kv_heads, first = (task / kv_heads) * kTilesPerTask;
-    alignas(64) uint16_t qt[R * D];
-    alignas(64) float ot[R * D];
-    int64_t visible[R];
-    for (int64_t tile = first; tile < std::min(tiles, first + kTilesPerTask); ++tile) {
-      const int64_t r0 = tile * R;
-      const int count = static_cast<int>(std::min<int64_t>(R, rows - r0));
-      for (int r = 0; r < count; ++r) {
-        const int64_t token = (r0 + r) / per_kv, head = h * per_kv + (r0 + r) % per_kv;
-        std::memcpy(qt + r * D, q + token * q_stride + head * D, D * sizeof(uint16_t));
-        visible[r] = seq_len - n + token + 1;
-      }
-      with_rows<R>(count, [&](auto rows) {
-        attend_rows<decltype(rows)::value, D>(qt, visible, kp.data() + h * len_pad * D,
-                                              vp.data() + h * len_pad * D, scale, ot);
-      });
-      for (int r = 0; r < count; ++r) {
-        const int64_t token = (r0 + r) / per_kv, head = h * per_kv + (r0 + r) % per_kv;
-        auto* dst = reinterpret_cast<c10::BFloat16*>(out + (token * heads + head) * D);
-        for (int i = 0; i < D; i += 16) store16(dst + i, _mm512_loadu_ps(ot + r * D + i));
-      }
+  alignas(64) uint16_t qt[R * D];
+  alignas(64) float ot[R * D];
+  int64_t visible[R];
+  for (int64_t tile = t.tile; tile < std::min(tiles, t.tile + kTilesPerTask); ++tile) {
+    const int64_t r0 = tile * R;   // per KV head: row = token * per_kv + member
+    const int count = static_cast<int>(std::min<int64_t>(R, rows - r0));
+    for (int r = 0; r < count; ++r) {
+      const int64_t token = (r0 + r) / per_kv, head = t.head * per_kv + (r0 + r) % per_kv;
+      std::memcpy(qt + r * D, c.q + token * c.q_stride + head * D, D * sizeof(uint16_t));
+      visible[r] = c.seq_len - c.n + token + 1;
+    }
+    with_rows<R>(count, [&](auto rows) {
+      attend_rows<decltype(rows)::value, D>(qt, visible, keys, scale, ot);
+    });
+    for (int r = 0; r < count; ++r) {
+      const int64_t token = (r0 + r) / per_kv, head = t.head * per_kv + (r0 + r) % per_kv;
+      auto* dst = reinterpret_cast<c10::BFloat16*>(c.out + (token * heads + head) * D);
+      for (int i = 0; i < D; i += 16) store16(dst + i, _mm512_loadu_ps(ot + r * D + i));
     }
   }
 }
 
-template void prefill_attention_impl<64>(const uint16_t*, int64_t, const void*, const at::Half*,
-                                         const int64_t*, int64_t, uint16_t*, int64_t, int64_t,
-                                         int64_t, int64_t, int64_t, float);
-template void prefill_attention_impl<128>(const uint16_t*, int64_t, const void*,
-                                          const at::Half*, const int64_t*, int64_t, uint16_t*,
-                                          int64_t, int64_t, int64_t, int64_t, int64_t, float);
+int64_t padded(int64_t keys) { return (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock; }
+
+// the most packed K and V one call holds at once, unless a single chunk needs more
+constexpr int64_t kMaxPackedBytes = 64 << 20;
+
+}  // namespace
+
+// prefill_chunks_impl: common.h says what it computes. Two parallel regions for the whole
+// step: the packing (each shared prefix once, then each chunk's keys past it), then the
+// attention, a task per chunk, KV head and kTilesPerTask tiles, the costliest first.
+template <int D>
+void prefill_chunks_impl(const ChunkRef* chunks, int64_t count, int64_t heads,
+                         int64_t kv_heads, float scale) {
+  constexpr int R = kTileRows<D>;
+  // the packed copies of all the chunks live at once: many long contexts go in halves
+  int64_t bytes = 0;
+  for (int64_t c = 0; c < count; ++c) bytes += 4 * kv_heads * padded(chunks[c].seq_len) * D;
+  if (count > 1 && bytes > kMaxPackedBytes) {
+    prefill_chunks_impl<D>(chunks, count / 2, heads, kv_heads, scale);
+    prefill_chunks_impl<D>(chunks + count / 2, count - count / 2, heads, kv_heads, scale);
+    return;
+  }
+  const SharedPrefixes shared = share_prefixes(chunks, count);
+  auto shared_keys = [&](int64_t c) {
+    return shared.group_of[c] < 0 ? 0 : shared.keys[shared.group_of[c]];
+  };
+  // one buffer: per shared group its keys, then per chunk its own, K and V for each KV head
+  std::vector<int64_t> group_at(shared.keys.size()), chunk_at(count);
+  int64_t total = 0;
+  for (size_t g = 0; g < shared.keys.size(); ++g) {
+    group_at[g] = total;
+    total += 2 * kv_heads * shared.keys[g] * D;
+  }
+  for (int64_t c = 0; c < count; ++c) {
+    chunk_at[c] = total;
+    total += 2 * kv_heads * (padded(chunks[c].seq_len) - shared_keys(c)) * D;
+  }
+  std::unique_ptr<uint16_t[]> buffer(new uint16_t[total]);   // every element is written
+  std::vector<PackTask> packs;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    for (const bool values : {false, true}) {
+      for (size_t g = 0; g < shared.keys.size(); ++g) {
+        const int64_t keys = shared.keys[g];
+        if (keys == 0) continue;
+        packs.push_back({&chunks[shared.leader[g]], h, 0, keys, keys, values,
+                         buffer.get() + group_at[g] + ((values ? kv_heads : 0) + h) * keys * D});
+      }
+      for (int64_t c = 0; c < count; ++c) {
+        const int64_t from = shared_keys(c), len_pad = padded(chunks[c].seq_len);
+        packs.push_back({&chunks[c], h, from, chunks[c].seq_len, len_pad, values,
+                         buffer.get() + chunk_at[c] +
+                             ((values ? kv_heads : 0) + h) * (len_pad - from) * D});
+      }
+    }
+  }
+  std::stable_sort(packs.begin(), packs.end(), [](const PackTask& a, const PackTask& b) {
+    return a.len_pad - a.from > b.len_pad - b.from;
+  });
+  const int threads = at::get_num_threads();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (size_t i = 0; i < packs.size(); ++i) run_pack<D>(packs[i], kv_heads);
+
+  std::vector<AttendTask> tasks;
+  const int64_t per_kv = heads / kv_heads;
+  for (int64_t c = 0; c < count; ++c) {
+    const int64_t tiles = (chunks[c].n * per_kv + R - 1) / R;
+    for (int64_t tile = 0; tile < tiles; tile += kTilesPerTask) {
+      // keys seen by its last token, times its tiles
+      const int64_t last = std::min(chunks[c].n - 1, (tile + kTilesPerTask) * R / per_kv);
+      const int64_t cost = (chunks[c].seq_len - chunks[c].n + last + 1) *
+                           std::min(kTilesPerTask, tiles - tile);
+      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({c, h, tile, cost});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const AttendTask& a, const AttendTask& b) { return a.cost > b.cost; });
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const AttendTask& t = tasks[i];
+    const int64_t split = shared_keys(t.chunk);
+    const int64_t own = padded(chunks[t.chunk].seq_len) - split;
+    const uint16_t* mine = buffer.get() + chunk_at[t.chunk];
+    PackedKeys keys{nullptr, nullptr, split, mine + t.head * own * D,
+                    mine + (kv_heads + t.head) * own * D};
+    if (split > 0) {
+      const uint16_t* group = buffer.get() + group_at[shared.group_of[t.chunk]];
+      keys.k0 = group + t.head * split * D;
+      keys.v0 = group + (kv_heads + t.head) * split * D;
+    }
+    run_attend<D>(t, chunks[t.chunk], keys, heads, kv_heads, scale);
+  }
+}
+
+template void prefill_chunks_impl<64>(const ChunkRef*, int64_t, int64_t, int64_t, float);
+template void prefill_chunks_impl<128>(const ChunkRef*, int64_t, int64_t, int64_t, float);
+
 
 }  // namespace prefill
 #endif  // EMBER_BF16_DOT
 
-// prefill_attention(q [n, heads, d] bfloat16 (rows may be strided), kv [2, kv_heads, blocks,
-// block_size, d] bfloat16, block_table [>= ceil(seq_len / block_size)] int64, seq_len, scale)
-// -> [n, heads, d]: the request's n new tokens, the last n of its seq_len cached tokens (write
-// them first), attend causally over its context. d is 64 or 128; only with AVX-512 BF16.
-at::Tensor prefill_attention(at::Tensor q, at::Tensor kv, at::Tensor block_table,
-                             int64_t seq_len, double scale,
-                             c10::optional<at::Tensor> kv_scale) {
+namespace {
+
+// The checks both bindings make of q [T, heads, d] and the cache
+void check_prefill_inputs(const at::Tensor& q, const at::Tensor& kv,
+                          const c10::optional<at::Tensor>& kv_scale) {
   TORCH_CHECK(has_bf16_dot(), "prefill_attention needs a CPU with AVX-512 BF16");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
@@ -264,10 +439,15 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor kv, at::Tensor block_table
                   (kv_scale.has_value() || kv.scalar_type() == at::kBFloat16),
               "prefill_attention runs on bfloat16 q and a bfloat16 (or int8) kv");
   TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous(), "kv must be a contiguous 5-D cache");
-  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t kv_heads = kv.size(1), num_blocks = kv.size(2), block_size = kv.size(3);
-  TORCH_CHECK(kv.size(4) == d && heads % kv_heads == 0 && (d == 64 || d == 128),
+  const int64_t heads = q.size(1), d = q.size(2);
+  TORCH_CHECK(kv.size(4) == d && heads % kv.size(1) == 0 && (d == 64 || d == 128),
               "head sizes do not match (or head_dim is not 64 or 128)");
+}
+
+// One chunk's block table, checked against its seq_len and n new tokens
+const int64_t* checked_table(const at::Tensor& block_table, int64_t seq_len, int64_t n,
+                             const at::Tensor& kv) {
+  const int64_t num_blocks = kv.size(2), block_size = kv.size(3);
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
                   block_table.dim() == 1,
               "block_table must be [blocks] contiguous int64");
@@ -275,22 +455,80 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor kv, at::Tensor block_table
               "seq_len must cover the new tokens and fit the block table");
   const int64_t* table = block_table.data_ptr<int64_t>();
   check_block_ids(table, seq_len, block_size, num_blocks);
-  auto out = at::empty({n, heads, d}, q.options());
+  return table;
+}
+
 #ifdef EMBER_BF16_DOT
-  auto run = [&](auto impl) {
-    impl(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), q.stride(0),
-         kv.data_ptr(), kv_scale.has_value() ? kv_scale->data_ptr<at::Half>() : nullptr,
-         table, seq_len,
-         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, heads, kv_heads,
-         num_blocks, block_size, static_cast<float>(scale));
-  };
-  if (d == 64) {
-    run(prefill::prefill_attention_impl<64>);
-  } else {
-    run(prefill::prefill_attention_impl<128>);
-  }
+void run_chunks(const std::vector<prefill::ChunkRef>& chunks, const at::Tensor& q,
+                const at::Tensor& kv, double scale) {
+  const auto impl = q.size(2) == 64 ? prefill::prefill_chunks_impl<64>
+                                    : prefill::prefill_chunks_impl<128>;
+  impl(chunks.data(), static_cast<int64_t>(chunks.size()), q.size(1), kv.size(1),
+       static_cast<float>(scale));
+}
+#endif
+
+}  // namespace
+
+// prefill_attention(q [n, heads, d] bfloat16 (rows may be strided), kv [2, kv_heads, blocks,
+// block_size, d] bfloat16, block_table [>= ceil(seq_len / block_size)] int64, seq_len, scale)
+// -> [n, heads, d]: the request's n new tokens, the last n of its seq_len cached tokens (write
+// them first), attend causally over its context. d is 64 or 128; only with AVX-512 BF16.
+at::Tensor prefill_attention(at::Tensor q, at::Tensor kv, at::Tensor block_table,
+                             int64_t seq_len, double scale,
+                             c10::optional<at::Tensor> kv_scale) {
+  check_prefill_inputs(q, kv, kv_scale);
+  const int64_t n = q.size(0);
+  const int64_t* table = checked_table(block_table, seq_len, n, kv);
+  auto out = at::empty({n, q.size(1), q.size(2)}, q.options());
+#ifdef EMBER_BF16_DOT
+  run_chunks({prefill::ChunkRef{
+                 reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), q.stride(0),
+                 reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, seq_len,
+                 kv.data_ptr(), kv_scale.has_value() ? kv_scale->data_ptr<at::Half>() : nullptr,
+                 table, kv.size(2), kv.size(3)}},
+             q, kv, scale);
 #endif
   return out;
+}
+
+// prefill_attention_chunks(q [T, heads, d], kv, chunk_info [C, 3] int64 (each chunk's first
+// row, new tokens, seq_len), block_tables [C] of [blocks] int64, scale, kv_scale, out [T,
+// heads, d] contiguous): prefill_attention of each chunk (q rows first .. first + n - 1)
+// into the same rows of out, in one call; chunks whose tables begin with the same blocks
+// read those keys from one packed copy. Rows in no chunk are left as they are.
+void prefill_attention_chunks(at::Tensor q, at::Tensor kv, at::Tensor chunk_info,
+                              std::vector<at::Tensor> block_tables, double scale,
+                              c10::optional<at::Tensor> kv_scale, at::Tensor out) {
+  check_prefill_inputs(q, kv, kv_scale);
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() &&
+                  out.scalar_type() == at::kBFloat16,
+              "out must be contiguous bfloat16 of q's shape");
+  TORCH_CHECK(chunk_info.scalar_type() == at::kLong && chunk_info.is_contiguous() &&
+                  chunk_info.dim() == 2 && chunk_info.size(1) == 3 &&
+                  chunk_info.size(0) == static_cast<int64_t>(block_tables.size()),
+              "chunk_info must be [C, 3] contiguous int64, one row per block table");
+#ifdef EMBER_BF16_DOT
+  const int64_t* info = chunk_info.data_ptr<int64_t>();
+  const int64_t rows = q.size(0), row = q.size(1) * q.size(2);
+  std::vector<int> covered(rows, 0);
+  std::vector<prefill::ChunkRef> chunks;
+  for (size_t c = 0; c < block_tables.size(); ++c) {
+    const int64_t first = info[3 * c], n = info[3 * c + 1], seq_len = info[3 * c + 2];
+    TORCH_CHECK(first >= 0 && n >= 1 && first + n <= rows, "chunk ", c,
+                ": its rows must lie in q");
+    for (int64_t i = first; i < first + n; ++i) {
+      TORCH_CHECK(++covered[i] == 1, "row ", i, " is in two chunks");
+    }
+    chunks.push_back(prefill::ChunkRef{
+        reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()) + first * q.stride(0),
+        q.stride(0), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + first * row,
+        n, seq_len, kv.data_ptr(),
+        kv_scale.has_value() ? kv_scale->data_ptr<at::Half>() : nullptr,
+        checked_table(block_tables[c], seq_len, n, kv), kv.size(2), kv.size(3)});
+  }
+  run_chunks(chunks, q, kv, scale);
+#endif
 }
 
 }  // namespace ember
