@@ -15,8 +15,10 @@ weight is merged, no forward runs per adapter, rows of the base model cost nothi
   padded to the longest, and y[rows] += bmm(bmm(x[rows], A), B) over the stacked factors
   (float32 on the CPU, the model's dtype elsewhere).
 
-The stacks of a set of adapters are built once and kept while the same set keeps running (a
-few sets, least recently used out).
+The stacks of a set of adapters are built once. The compiled form keeps one stack of every
+adapter it has seen and not been told to forget (the registry bounds them): a step takes the
+groups of its own, so requests coming and going never restack. The torch form keeps the
+stacks of the few sets that ran last.
 """
 from __future__ import annotations
 
@@ -106,7 +108,8 @@ class LoraStep:
 
 
 class LoraStepBuilder:
-    """Builds each step's LoraStep from the rows' adapters; keeps the stacks of recent sets."""
+    """Builds each step's LoraStep from the rows' adapters; keeps the stacks of recent sets
+    (compiled form: one stack of every adapter it has seen and not forgotten)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device,
                  kernels: CpuKernels | None = None) -> None:
@@ -118,6 +121,7 @@ class LoraStepBuilder:
             else torch.float32 if device.type == "cpu" else dtype
         self.device = device
         self._sets: OrderedDict[tuple[int, ...], _Stacks] = OrderedDict()
+        self._known: dict[int, LoraAdapter] = {}   # the compiled form's stacked adapters
 
     def build(self, rows: list[tuple[LoraAdapter | None, int]]) -> LoraStep | None:
         """`rows`: (adapter or None for the base, number of rows) per request, in batch order.
@@ -132,15 +136,22 @@ class LoraStepBuilder:
             row += n
         if not adapters:
             return None
-        ordered = sorted(adapters.values(), key=lambda a: a.uid)
-        stacks = self._stacks(ordered)
         if self.kernels is not None:
+            # one stack of every adapter seen and not forgotten: a step takes the groups of
+            # its own adapters (the others' are empty and cost nothing), so the set running can
+            # change as requests come and go without restacking (~80 ms an adapter, on the
+            # engine's thread)
+            self._known.update(adapters)
+            ordered = sorted(self._known.values(), key=lambda a: a.uid)
+            stacks = self._stacks(ordered)
             grouped, starts = [], [0]
             for a in ordered:
-                grouped += segments[a.uid]
+                grouped += segments.get(a.uid, [])
                 starts.append(len(grouped))
             return LoraStep(stacks, _Rows(torch.tensor(grouped), None, len(ordered),
                                           torch.tensor(starts)), self.kernels)
+        ordered = sorted(adapters.values(), key=lambda a: a.uid)
+        stacks = self._stacks(ordered)
         longest = max(len(s) for s in segments.values())
         gather, pad = [], []
         for a in ordered:
@@ -155,6 +166,7 @@ class LoraStepBuilder:
 
     def forget(self, uid: int) -> None:
         """Drop cached stacks that hold adapter `uid` (it was unloaded or evicted)."""
+        self._known.pop(uid, None)
         for key in [k for k in self._sets if uid in k]:
             del self._sets[key]
 
@@ -165,7 +177,8 @@ class LoraStepBuilder:
             return self._sets[key]
         stacks = _stack(adapters, self.dtype, self.device, self.kernels is not None)
         self._sets[key] = stacks
-        while len(self._sets) > MAX_CACHED_SETS:
+        # the compiled form's one stack replaces the last (it holds all of its adapters)
+        while len(self._sets) > (1 if self.kernels is not None else MAX_CACHED_SETS):
             self._sets.popitem(last=False)
         return stacks
 

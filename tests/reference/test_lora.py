@@ -309,6 +309,33 @@ def test_lora_kernel_adds_each_rows_adapter() -> None:
         assert ((torch_form.double() - exact).abs() <= bound).all(), projection
 
 
+def test_compiled_steps_share_one_stack_as_the_set_changes() -> None:
+    """The compiled form stacks every adapter it has seen once: steps running any subset of
+    them reuse that stack (no restacking as requests come and go) and give each row what the
+    step with every adapter gives it, bit for bit; forgetting an adapter restacks without it."""
+    from ember.kernels import load_kernels
+    from ember.lora.batch import LoraStepBuilder
+    kernels = load_kernels("auto", "cpu")
+    if kernels is None or not kernels.has_int8_dot:
+        pytest.skip("this CPU has no AVX-512 BF16 and VNNI kernels")
+    gen = torch.Generator().manual_seed(1)
+    hidden, sizes = 72, {"qkv": (40, 24, 24), "gate_up": (50, 50)}
+    adapters = [random_fused_adapter(i, {"qkv": 4}, sizes, hidden, gen) for i in (1, 2, 3)]
+    builder = LoraStepBuilder(torch.bfloat16, torch.device("cpu"), kernels)
+    full = builder.build([(adapters[0], 3), (adapters[1], 2), (adapters[2], 4)])
+    x = torch.randn(9, hidden, generator=gen).bfloat16()
+    y = torch.randn(9, sum(sizes["qkv"]), generator=gen).bfloat16()
+    want = full.layer(0).add_("qkv", y.clone(), x)
+    part = builder.build([(None, 3), (adapters[1], 2), (None, 4)])
+    assert part._stacks is full._stacks
+    got = part.layer(0).add_("qkv", y.clone(), x)
+    assert torch.equal(got[3:5], want[3:5]) and torch.equal(got[:3], y[:3])
+    builder.forget(adapters[0].uid)
+    again = builder.build([(adapters[1], 2)])
+    assert again._stacks is not full._stacks
+    assert torch.equal(again.layer(0).add_("qkv", y[3:5].clone(), x[3:5]), want[3:5])
+
+
 def test_decode_stack_adds_adapters_as_the_layers_do(smollm_path: Path, tmp_path: Path) -> None:
     """The production path (int4 weights, bfloat16, compiled kernels): steps with adapter rows
     through the whole-model decode stack equal the same steps layer by layer, at batch sizes
