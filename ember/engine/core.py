@@ -17,8 +17,9 @@ from ember.engine.cold_start import PhaseClock
 from ember.engine.draft import build_drafter
 from ember.engine.embed import EMBED_PARAMS, check_embedding_input, resolve_pooling
 from ember.engine.encoder import build_encoder, is_encoder
-from ember.engine.memory import (advise_huge_pages, large_blocks_mapped_alone, lazy_zeros,
-                                 move_to_huge_pages, return_free_memory)
+from ember.engine.memory import (advise_huge_pages, huge_page_copies,
+                                 large_blocks_mapped_alone, lazy_zeros, move_to_huge_pages,
+                                 return_free_memory)
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kernels import CpuKernels, load_kernels
 from ember.kv.kv_manager import KVCacheManager
@@ -158,8 +159,9 @@ class EngineCore:
         self.loras.in_use = self._loras_in_use
         drafter = build_drafter(config, model, kv_caches, self.tokenizer, self.dtype, kernels,
                                 num_blocks, kv_dtype, self.max_model_len)
+        # a step's LoRA factors in huge pages: read every step, a TLB miss per 4 KiB page else
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
-                                  kernels, self.loras, config.spec, drafter)
+                                  kernels, self.loras, config.spec, drafter, huge_page_copies)
         for name, path in config.loras:
             self.loras.add(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)

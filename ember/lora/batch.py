@@ -23,12 +23,12 @@ stacks of the few sets that ran last.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ember.engine.memory import huge_page_copies
 from ember.kernels import CpuKernels
 from ember.lora.adapter import PROJECTIONS, LoraAdapter
 
@@ -112,7 +112,10 @@ class LoraStepBuilder:
     (compiled form: one stack of every adapter it has seen and not forgotten)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device,
-                 kernels: CpuKernels | None = None) -> None:
+                 kernels: CpuKernels | None = None,
+                 place: Callable[[list[Tensor]], list[Tensor]] | None = None) -> None:
+        """`place`: copies the compiled form's stacked factors where a step reads them fastest
+        (the engine's huge_page_copies); None keeps them where they are made."""
         # the compiled form where it runs (bfloat16 on AVX-512 BF16 + VNNI); else torch's, whose
         # factors are float32 on the CPU (twice the bfloat16 matmul rate there)
         self.kernels = kernels if kernels is not None and kernels.has_int8_dot \
@@ -122,6 +125,7 @@ class LoraStepBuilder:
         self.device = device
         self._sets: OrderedDict[tuple[int, ...], _Stacks] = OrderedDict()
         self._known: dict[int, LoraAdapter] = {}   # the compiled form's stacked adapters
+        self._place = place
 
     def build(self, rows: list[tuple[LoraAdapter | None, int]]) -> LoraStep | None:
         """`rows`: (adapter or None for the base, number of rows) per request, in batch order.
@@ -175,7 +179,8 @@ class LoraStepBuilder:
         if key in self._sets:
             self._sets.move_to_end(key)
             return self._sets[key]
-        stacks = _stack(adapters, self.dtype, self.device, self.kernels is not None)
+        stacks = _stack(adapters, self.dtype, self.device, self.kernels is not None,
+                        self._place)
         self._sets[key] = stacks
         # the compiled form's one stack replaces the last (it holds all of its adapters)
         while len(self._sets) > (1 if self.kernels is not None else MAX_CACHED_SETS):
@@ -184,7 +189,8 @@ class LoraStepBuilder:
 
 
 def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device,
-           compiled: bool) -> _Stacks:
+           compiled: bool, place: Callable[[list[Tensor]], list[Tensor]] | None = None
+           ) -> _Stacks:
     """Each layer's and projection's factors stacked over the adapters, each padded with
     zeros to the widest R (an adapter without the projection: all zeros); in the kernel's
     form (`compiled`: A transposed, B in column blocks, ranges) or torch's."""
@@ -211,8 +217,8 @@ def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device
                 layer[p] = (a_stack.to(dtype=dtype, device=device),
                             b_stack.to(dtype=dtype, device=device))
         layers.append(layer)
-    if compiled:   # read every step, mostly from memory: in huge pages, few TLB misses
-        kept = iter(huge_page_copies([t for layer in layers for f in layer.values() for t in f]))
+    if compiled and place is not None:   # read every step, mostly from memory
+        kept = iter(place([t for layer in layers for f in layer.values() for t in f]))
         layers = [{p: tuple(next(kept) for _ in f) for p, f in layer.items()} for layer in layers]
     flat = [t for layer in layers for p in PROJECTIONS for t in layer.get(p, none)]
     return _Stacks(layers, flat)

@@ -1,6 +1,8 @@
 """ModelRunner.execute(plan) -> RunnerOutput: inputs, forward, logits, sample."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -25,7 +27,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKV], block_size: int,
                  device: str, seed: int, kernels: CpuKernels | None = None,
                  loras: LoraRegistry | None = None, spec: SpecConfig = SpecConfig(),
-                 drafter: Drafter | None = None) -> None:
+                 drafter: Drafter | None = None,
+                 place_lora: Callable[[list[Tensor]], list[Tensor]] | None = None) -> None:
         self.model = model
         self.spec = spec
         self.drafter = drafter   # drafts with a model (self-draft or a draft model), else n-gram
@@ -36,7 +39,7 @@ class ModelRunner:
         self.loras = loras
         # the activations' dtype: the norms are never quantized
         self.lora_steps = LoraStepBuilder(model.model.norm.weight.dtype, self.device,
-                                          kernels)
+                                          kernels, place_lora)
         if loras is not None:
             loras.on_evict = self.lora_steps.forget
         self.pooler = Pooler()
