@@ -147,7 +147,13 @@ def test_rejection_sampling_keeps_the_target_distribution(tiny_vocab):
     llm = LLM(str(folder), dtype="float32", speculative="ngram", ngram_min=1,
               max_spec_rows=100_000, min_acceptance=0.0, max_num_seqs=256,
               max_num_batched_tokens=8192, num_blocks=4096, block_size=4, seed=123)
-    num = 2000
+    assert_target_marginals(llm, model, 2000)
+
+
+def assert_target_marginals(llm: LLM, model, num: int) -> None:
+    """`num` samples of PROMPT's next three tokens at temperature 0.5 from a speculating
+    `llm`: drafts were made and some rejected, and the 2nd and 3rd tokens follow `model`'s
+    exact marginals (chi-square, p > 0.001)."""
     params = SamplingParams(temperature=0.5, max_tokens=3, ignore_eos=True)
     got = llm.generate([PROMPT] * num, params)
     tokens = torch.tensor([o.outputs[0].token_ids for o in got])
