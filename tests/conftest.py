@@ -44,11 +44,17 @@ def smollm_path() -> Path:
 @pytest.fixture(scope="session")
 def hf_smollm(smollm_path: Path):
     """transformers' LlamaForCausalLM from the same GGUF, in float32: the reference."""
+    return hf_from_gguf(smollm_path.parent / DEFAULT_MODEL_FILE)
+
+
+def hf_from_gguf(path: Path):
+    """transformers' model of a GGUF file, in float32, in eval mode (skips without
+    transformers)."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm_path.parent, gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32)
+        path.parent, gguf_file=path.name, dtype=torch.float32)
     return model.eval()
 
 

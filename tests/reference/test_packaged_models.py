@@ -13,15 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from ember import EngineConfig
 from ember.engine.core import EngineCore
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.gguf_metadata import read_gguf_metadata
-from tests.reference.test_llama_vs_hf import ember_greedy_logits
 from tests.reference.test_sentencepiece_gguf import TEXTS as TOKENIZER_TEXTS
-from tests.reference.test_variants_vs_hf import hf_step_logits
+from tests.conftest import hf_from_gguf
+from tests.reference.test_variants_vs_hf import assert_steps_match_transformers
 
 pytestmark = [pytest.mark.slow, pytest.mark.packaged]
 
@@ -42,25 +41,15 @@ def gemma3_file() -> Path:
 
 @pytest.fixture(scope="module")
 def hf_gemma3(gemma3_file: Path):
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gemma3_file.parent, gguf_file=gemma3_file.name, dtype=torch.float32)
-    return model.eval()
+    return hf_from_gguf(gemma3_file)
 
 
 def test_gemma3_270m_matches_transformers(gemma3_file, hf_gemma3):
     engine = EngineCore(EngineConfig(model=str(gemma3_file), dtype="float32"))
     assert engine.model_config.architecture == "Gemma3ForCausalLM"
     for text in TEXTS:
-        prompt = engine.tokenizer.encode(text)
-        tokens, logits = ember_greedy_logits(engine, prompt, NUM_STEPS)
-        want_tokens, want = hf_step_logits(hf_gemma3, prompt, NUM_STEPS)
-        assert tokens == want_tokens
-        for step, got in enumerate(logits):
-            torch.testing.assert_close(got, want[step], atol=2e-3, rtol=0,
-                                       msg=lambda m, step=step: f"step {step}: {m}")
+        assert_steps_match_transformers(engine, hf_gemma3, engine.tokenizer.encode(text),
+                                        NUM_STEPS, atol=2e-3)
 
 
 def test_gemma3_270m_tokens_equal_transformers(gemma3_file):

@@ -14,16 +14,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from gguf import MODEL_ARCH_NAMES, GGUFWriter, RopeScalingType, get_tensor_name_map
 
 from ember import EngineConfig
 from ember.engine.core import EngineCore
 from ember.weights.gguf import GGUFFile
 from tests.reference.test_gguf import llama_cpp_permute
-from tests.reference.test_llama_vs_hf import PROMPTS, ember_greedy_logits
-from tests.reference.test_variants_vs_hf import (CASES, ENGINE, NUM_STEPS, hf_step_logits,
-                                                 tiny_variant)
+from tests.reference.test_llama_vs_hf import PROMPTS
+from tests.reference.test_variants_vs_hf import (CASES, ENGINE, NUM_STEPS,
+                                                 assert_steps_match_transformers, tiny_variant)
 
 ARCHS = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
          "phi3-longrope-window": "phi3", "olmo2": "olmo2", "mixtral": "llama",
@@ -145,9 +144,4 @@ def test_gguf_logits_match_transformers(gguf_pair):
     path, hf_model, options = gguf_pair
     engine = EngineCore(EngineConfig(model=str(path), dtype="float32", **options))
     for prompt in PROMPTS:
-        tokens, logits = ember_greedy_logits(engine, prompt, NUM_STEPS)
-        want_tokens, want = hf_step_logits(hf_model, prompt, NUM_STEPS)
-        assert tokens == want_tokens
-        for step, got in enumerate(logits):
-            torch.testing.assert_close(got, want[step], atol=1e-4, rtol=0,
-                                       msg=lambda m, step=step: f"step {step}: {m}")
+        assert_steps_match_transformers(engine, hf_model, prompt, NUM_STEPS, atol=1e-4)

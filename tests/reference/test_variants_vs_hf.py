@@ -91,16 +91,23 @@ def hf_step_logits(model, prompt: list[int], num_steps: int) -> tuple[list[int],
     return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
 
 
+def assert_steps_match_transformers(engine: EngineCore, hf_model, prompt: list[int],
+                                    num_steps: int, atol: float) -> None:
+    """ember's greedy tokens from `prompt` equal transformers', and so do the logits of the
+    prefill and every decode step (within `atol`)."""
+    tokens, logits = ember_greedy_logits(engine, prompt, num_steps)
+    want_tokens, want = hf_step_logits(hf_model, prompt, num_steps)
+    assert tokens == want_tokens, f"diverged at {first_mismatch(want_tokens, tokens)}"
+    for step, got in enumerate(logits):
+        torch.testing.assert_close(got, want[step], atol=atol, rtol=0,
+                                   msg=lambda m, step=step: f"step {step}: {m}")
+
+
 def test_logits_match_transformers_at_prefill_and_every_decode_step(variant_pair):
     folder, hf_model, options = variant_pair
     engine = EngineCore(EngineConfig(model=str(folder), dtype="float32", **options))
     for prompt in PROMPTS:
-        tokens, logits = ember_greedy_logits(engine, prompt, NUM_STEPS)
-        want_tokens, want = hf_step_logits(hf_model, prompt, NUM_STEPS)
-        assert tokens == want_tokens, f"diverged at {first_mismatch(want_tokens, tokens)}"
-        for step, got in enumerate(logits):
-            torch.testing.assert_close(got, want[step], atol=1e-4, rtol=0,
-                                       msg=lambda m, step=step: f"step {step}: {m}")
+        assert_steps_match_transformers(engine, hf_model, prompt, NUM_STEPS, atol=1e-4)
 
 
 # the cases whose batched steps take paths the logits test does not: windows over continued
