@@ -193,7 +193,8 @@ def _stack(adapters: list[LoraAdapter], dtype: torch.dtype, device: torch.device
            ) -> _Stacks:
     """Each layer's and projection's factors stacked over the adapters, each padded with
     zeros to the widest R (an adapter without the projection: all zeros); in the kernel's
-    form (`compiled`: A transposed, B in column blocks, ranges) or torch's."""
+    form (`compiled`: A in int8 quads, _row_ranks; B in column blocks, _column_blocks; then
+    `place`d) or torch's."""
     widths = {p: max(a.width(p) for a in adapters) for p in PROJECTIONS}
     layers: list[dict[str, tuple[Tensor, ...]]] = []
     empty = torch.empty(0, dtype=dtype, device=device)
