@@ -123,19 +123,6 @@ struct PackedKeys {
   }
 };
 
-// exp(x) for x <= 0, as simd::exp_nonpositive16 but with e^r to r^4 (relative error < 5e-5):
-// the probabilities are rounded to bfloat16 (2^-9) before they weight the values.
-inline __m512 exp_probs16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 24);
-  for (float c : {1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
 // R query rows (q: [R][D] bfloat16) over packed K/V; row r sees keys [0, visible[r]).
 // Writes the normalised outputs, float32, to o [R][D].
 template <int R, int D>
@@ -180,7 +167,8 @@ void attend_rows(const uint16_t* q, const int64_t* visible, const PackedKeys& ke
     for (int r = 0; r < R; ++r) {
       __m512 sum = _mm512_setzero_ps();
       for (int c = 0; c < 4; ++c) {
-        s[r][c] = exp_probs16(_mm512_sub_ps(s[r][c], _mm512_set1_ps(m[r])));
+        s[r][c] = exp_nonpositive16<4>(   // the probabilities are rounded to bfloat16
+            _mm512_sub_ps(s[r][c], _mm512_set1_ps(m[r])));
         sum = _mm512_add_ps(sum, s[r][c]);
       }
       l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
