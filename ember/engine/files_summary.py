@@ -28,7 +28,7 @@ from ember.weights.paths import default_model_path
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 KEEP = 16   # summaries kept (most recently written)
 
 
@@ -36,8 +36,9 @@ class FilesSummary:
     """The parts of ModelFiles a start uses, from the summary; the files open on demand."""
 
     def __init__(self, path: Path, config: ModelConfig, bits: int | None,
-                 tokenizer: Tokenizer) -> None:
+                 packing: str | None, tokenizer: Tokenizer) -> None:
         self.path, self.config, self.bits, self.tokenizer = path, config, bits, tokenizer
+        self.packing = packing
         self._files: ModelFiles | None = None
 
     def model_config(self) -> ModelConfig:
@@ -45,6 +46,9 @@ class FilesSummary:
 
     def linear_bits(self) -> int | None:
         return self.bits
+
+    def linear_packing(self) -> str | None:
+        return self.packing
 
     def tensors(self, config: ModelConfig, dtype: torch.dtype = torch.float32
                 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -99,11 +103,13 @@ def _read(path: Path, data: dict[str, Any]) -> FilesSummary:
     tokenizer = Tokenizer(HFTokenizer.from_str(tok["backend"]), bos_token=tok["bos"],
                           eos_token=tok["eos"], eos_token_ids=tok["eos_ids"],
                           chat_template=tok["chat_template"])
-    return FilesSummary(path, ModelConfig(**config), data["bits"], tokenizer)
+    return FilesSummary(path, ModelConfig(**config), data["bits"], data["packing"],
+                        tokenizer)
 
 
 def _write(target: Path, files: ModelFiles, tokenizer: Tokenizer) -> None:
     data = {"config": dataclasses.asdict(files.model_config()), "bits": files.linear_bits(),
+            "packing": files.linear_packing(),
             "tokenizer": {"backend": tokenizer.backend.to_str(), "bos": tokenizer.bos_token,
                           "eos": tokenizer.eos_token,
                           "eos_ids": sorted(tokenizer.eos_token_ids),

@@ -192,19 +192,19 @@ def pack_int4_panels(q: Tensor, scale: Tensor, minimum: Tensor) -> tuple[Tensor,
     """q [n, k] in 0..15, scale and minimum [n, k / 32] (n % 16 == 0, k % 32 == 0) -> the
     layout of int4_linear: q [n / 16, k / 32, 8, 32] uint8, each byte two operands' nibbles
     (operand t: 16 rows x inputs 2t, 2t + 1 of the group, pair-interleaved), and scale_min
-    [n / 16, k / 32, 2, 16] bfloat16."""
+    [n / 16, k / 32, 2, 16] float16 (GGUF's precision for them, so Q4_0 and Q4_1 stay exact)."""
     n, k = q.shape
     groups = k // 32
     operands = q.view(n // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
     operands = operands.reshape(n // 16, groups, 8, 2, 32)
     packed = (operands[..., 0, :] | (operands[..., 1, :] << 4)).to(torch.uint8).contiguous()
     per_panel = [t.reshape(n // 16, 16, groups).transpose(1, 2) for t in (scale, minimum)]
-    return packed, torch.stack(per_panel, dim=2).to(torch.bfloat16).contiguous()
+    return packed, torch.stack(per_panel, dim=2).to(torch.float16).contiguous()
 
 
 def unpack_int4_panels(packed: Tensor, scale_min: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """pack_int4_panels undone: -> q [n, k] (0..15, uint8), scale and minimum [n, k / 32]
-    (float32, as the kernel holds them: rounded to bfloat16)."""
+    (float32, as the kernel holds them: rounded to float16)."""
     panels, groups = packed.shape[:2]
     operands = torch.stack([packed & 0x0F, packed >> 4], dim=3)     # [P, G, 8, 2, 32]
     q = operands.reshape(panels, groups, 16, 16, 2).permute(0, 3, 1, 2, 4)

@@ -111,6 +111,21 @@ QUANT_BITS = {QType.Q2_K: 2, QType.Q3_K: 3, QType.Q4_0: 4, QType.Q4_1: 4, QType.
               QType.Q6_K: 6, QType.Q8_0: 8, QType.Q8_1: 8, QType.Q8_K: 8}
 
 
+# types whose every block of 32 is one uniform 16-level grid, as int4 packs them (Q4_K's
+# sub-blocks are 32 values, each with its own scale and minimum): packed without loss
+INT4_EXACT = frozenset({QType.Q4_0, QType.Q4_1, QType.Q4_K})
+
+
+def packing(qtype: QType) -> str | None:
+    """How `--quantization auto` packs a weight of this type to keep its values: int4 for
+    INT4_EXACT, int8 for any other quantized type (3-bit K-quants' 16-value sub-blocks and
+    the IQ types' non-uniform codebooks do not fit int4's grid; int8 rounds them by under
+    1/254 of a row's largest value), None for float types."""
+    if quant_bits(qtype) is None:
+        return None
+    return "int4" if qtype in INT4_EXACT else "int8"
+
+
 def quant_bits(qtype: QType) -> int | None:
     """Bits per quantized weight of a ggml type, None for float types; types without an
     entry in QUANT_BITS (IQ1-IQ3, TQ) count their bytes: an IQ2_XXS block of 256 in 66

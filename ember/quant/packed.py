@@ -7,8 +7,9 @@
           (ember's int4_linear where the compiled kernels have AVX-512 BF16, 2-3x faster at
           decode sizes; elsewhere aten._weight_int4pack_mm_for_cpu, which takes (s, m + 8 s))
 
-int4 with groups of 32 is GGUF's Q4_1 layout, so a Q4_1 model converts without loss beyond
-rounding its scales to bfloat16 (the kernels' activation dtype).
+int4 with groups of 32 is GGUF's Q4_1 layout, and Q4_0's with the minimum at -8 steps; the
+kernels keep scales and minima in float16 as GGUF does, so both convert without loss
+(quantize_int4 finds Q4_0's grid). The torch fallback takes them in bfloat16.
 
 Why two weights per layer: at a few rows (decode) a matmul is memory-bound and the packed
 kernels read 2-4x fewer bytes than bfloat16; at many rows (prefill, large batches) it is
@@ -71,14 +72,54 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-def quantize_int4(weight: Tensor, group: int = GROUP) -> tuple[Tensor, Tensor, Tensor]:
-    """[N, K] float -> (q int32 [N, K] in 0..15, scales [N, K/group], minima [N, K/group])."""
+def quantize_int4(weight: Tensor, group: int = GROUP, refits: int = 3
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """[N, K] float -> (q int32 [N, K] in 0..15, scales [N, K/group], minima [N, K/group]).
+
+    Each group starts from whichever grid reproduces it best of those that reach its values
+    to within half a step: its min-max range in 15 steps, or the signed grid d * (q - 8)
+    with the group's largest magnitude at q = 0 (GGUF's Q4_0), where that end alone sets
+    the step, so a Q4_0 group whose codes stop short of 15 is not rounded a second time.
+    Then `refits` rounds of least squares: the scale and minimum that best fit the codes,
+    the codes that best fit them, kept where the error falls and every value stays within
+    half a step (as llama.cpp's quantizers refine theirs). That recovers a GGUF grid from weights rounded to bfloat16 on the way in, and
+    halves the error on 5-6 bit types packed as int4."""
     n, k = weight.shape
     w = weight.float().view(n, k // group, group)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scale = ((hi - lo) / 15.0).clamp(min=1e-10)
-    q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
-    return q.view(n, k), scale, lo
+    scale = torch.stack([(hi - lo) / 15.0, -lo / 8.0, hi / 8.0]).clamp(min=1e-10)
+    minimum = torch.stack([lo, lo, -7.0 * scale[2]])
+    q = ((w - minimum[..., None]) / scale[..., None]).round().clamp(0, 15)
+    err = (q * scale[..., None] + minimum[..., None] - w).square().sum(dim=-1)
+    reach = (minimum - scale / 2 <= lo) & (minimum + 15.5 * scale >= hi)
+    err = torch.where(reach, err, torch.inf)
+    err[0] = 0.0 if err[0].isinf().all() else torch.where(err[0].isfinite(), err[0], 0.0)
+    best = err.argmin(dim=0, keepdim=True)  # ties keep the first, the min-max grid
+    q = q.gather(0, best[..., None].expand(1, *q.shape[1:]))[0]
+    scale, minimum, err = (t.gather(0, best)[0] for t in (scale, minimum, err))
+    err = (q * scale[..., None] + minimum[..., None] - w).square().sum(dim=-1)
+    for _ in range(refits):
+        s, m = _least_squares_grid(w, q, scale, minimum)
+        q_new = ((w - m[..., None]) / s[..., None]).round().clamp(0, 15)
+        e = (q_new * s[..., None] + m[..., None] - w).square().sum(dim=-1)
+        better = (e < err) & (m - s / 2 <= lo) & (m + 15.5 * s >= hi)
+        q = torch.where(better[..., None], q_new, q)
+        scale, minimum, err = (torch.where(better, a, b) for a, b in
+                               ((s, scale), (m, minimum), (e, err)))
+    return q.to(torch.int32).view(n, k), scale, minimum
+
+
+def _least_squares_grid(w: Tensor, q: Tensor, scale: Tensor, minimum: Tensor
+                        ) -> tuple[Tensor, Tensor]:
+    """Per group of w [.., G, group], the (scale, minimum) minimising |q * scale + minimum -
+    w|^2 for the codes q; groups whose codes are all equal keep theirs."""
+    group = w.shape[-1]
+    sq, sqq, sw, sqw = q.sum(-1), q.square().sum(-1), w.sum(-1), (q * w).sum(-1)
+    det = group * sqq - sq * sq
+    solvable = det > 0
+    s = torch.where(solvable, (group * sqw - sq * sw) / det.clamp(min=1e-30), scale)
+    s = s.clamp(min=1e-10)
+    return s, torch.where(solvable, (sw - s * sq) / group, minimum)
 
 
 def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
@@ -409,13 +450,20 @@ def quantize_linears(model: nn.Module, method: str, lm_head_method: str,
 @contextmanager
 def packed_everywhere(model: nn.Module) -> Iterator[None]:
     """Every batch size runs on the packed weights meanwhile: how a weight format's quality is
-    measured (perplexity scores whole chunks, which would otherwise take the dense weight)."""
+    measured (perplexity scores whole chunks, which would otherwise take the dense weight).
+    A model whose compiled decode stack runs big steps on the int8 prompt weights
+    (`int8_decode`) runs them through its layers meanwhile, where the packed weights serve."""
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     saved = [m.max_packed_rows for m in packed]
+    stack_int8 = getattr(model, "int8_decode", None)
     for module in packed:
         module.max_packed_rows = 1 << 62
+    if stack_int8:
+        model.int8_decode = False
     try:
         yield
     finally:
         for module, rows in zip(packed, saved):
             module.max_packed_rows = rows
+        if stack_int8:
+            model.int8_decode = stack_int8

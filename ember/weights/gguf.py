@@ -17,7 +17,7 @@ from gguf import ReaderTensor
 
 from ember.config import ModelConfig, RopeScaling
 from ember.errors import ModelLoadError, UnsupportedModel
-from ember.quant.formats import dequantize, quant_bits
+from ember.quant.formats import dequantize, packing, quant_bits
 from ember.weights.gguf_archs import (ARCHITECTURES, MIXTRAL, ROPE_FACTORS, layer_names,
                                       moe_fields, variant_fields)
 from ember.weights.gguf_metadata import metadata_of, open_reader
@@ -139,6 +139,18 @@ class GGUFFile:
                 bits = quant_bits(t.tensor_type)
                 if bits is not None:
                     weights[bits] += int(t.n_elements)
+        return weights.most_common(1)[0][0] if weights else None
+
+    def linear_packing(self) -> str | None:
+        """What `--quantization auto` packs the decoder's linears in (formats.packing): that
+        of most of their weights, so a Q4_K_M file (Q4_K with some Q6_K) runs int4 and one of
+        3-bit K-quants or IQ4 int8."""
+        weights: Counter[str] = Counter()
+        for t in self._reader.tensors:
+            if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2:
+                packed = packing(t.tensor_type)
+                if packed is not None:
+                    weights[packed] += int(t.n_elements)
         return weights.most_common(1)[0][0] if weights else None
 
     def tensors(self, config: ModelConfig, dtype: torch.dtype = torch.float32

@@ -36,7 +36,8 @@ class ModelReport:
     types: tuple[TypeUsage, ...]     # most bytes first
     context_length: int | None
     has_chat_template: bool
-    linear_bits: int | None          # what `--quantization auto` matches (ember.weights.gguf)
+    linear_bits: int | None          # bits of the type holding most decoder weights
+    linear_packing: str | None       # what `--quantization auto` packs them in (on a CPU)
     runnable: bool
     reasons: tuple[str, ...]         # why ember cannot run it (empty when it can)
     notes: tuple[str, ...]           # what loads, but slowly
@@ -57,7 +58,8 @@ def inspect_gguf(path: Path) -> ModelReport:
         num_params=sum(int(t.n_elements) for t in tensors), types=_type_usage(file),
         context_length=int(context) if context is not None else None,
         has_chat_template=bool(file.metadata.get("tokenizer.chat_template")),
-        linear_bits=file.linear_bits(), runnable=not reasons, reasons=tuple(reasons),
+        linear_bits=file.linear_bits(), linear_packing=file.linear_packing(),
+        runnable=not reasons, reasons=tuple(reasons),
         notes=tuple(_slow_types(file)))
 
 
@@ -134,8 +136,7 @@ def format_report(report: ModelReport) -> str:
     for u in report.types:
         lines.append(f"                {u.qtype:8s} {u.num_tensors:8d} {u.num_params:15,d} "
                      f"{u.num_bytes / 2**20:9.1f} {100 * u.num_bytes / total:6.1f}%")
-    auto = "none" if report.linear_bits is None else \
-        "int4" if report.linear_bits <= 4 else "int8"
+    auto = report.linear_packing or "none"
     lines.append(f"packed decode   --quantization auto: {auto} (CPU, bfloat16)")
     lines.append(f"ember can run   {'yes' if report.runnable else 'no'}")
     lines += [f"  - {reason}" for reason in report.reasons]

@@ -82,14 +82,15 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 def resolve_quantization(name: str, files: ModelFiles, config: ModelConfig,
                          dtype: torch.dtype, device: str) -> str:
-    """'auto' keeps the precision the weights were shipped in: a 4-bit GGUF runs int4, an
-    8-bit (or 5-6 bit) one int8, anything else none; packed kernels need a CPU and bfloat16.
+    """'auto' keeps the values the weights were shipped in: a GGUF whose linears are mostly
+    Q4_0, Q4_1 or Q4_K runs int4, one of any other quantized type int8 (linear_packing),
+    anything else none; packed kernels need a CPU and bfloat16.
     A packed choice is checked here, before anything loads."""
     if name == "auto":
-        bits = files.linear_bits()
-        if bits is None or torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        packed = files.linear_packing()
+        if packed is None or torch.device(device).type != "cpu" or dtype != torch.bfloat16:
             return "none"
-        name = "int4" if bits <= 4 else "int8"
+        name = packed
     if name != "none":
         check_method(name, dtype, device,
                      (config.hidden_size, config.q_size, config.intermediate_size))

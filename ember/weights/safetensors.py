@@ -71,6 +71,9 @@ class SafetensorsFolder:
         """Floating-point weights: nothing to match with packed integer formats."""
         return None
 
+    def linear_packing(self) -> str | None:
+        return None
+
     def tensors(self, config: ModelConfig | None, dtype: torch.dtype = torch.float32
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) pairs, memory-mapped from the files, as stored (`dtype`: the

@@ -415,7 +415,7 @@ def test_int8_linear_a8_is_the_matmul_of_x_rounded_per_group(kernels, m, k, grou
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 11])   # register tiles of each shape, two tiles
 def test_int4_linear_is_the_dequantized_matmul(kernels, m, n):
     """x w^T with w = q * scale + min per group of 32 inputs (scales and minima as the kernel
-    holds them, in bfloat16), in float32 then rounded to bfloat16 once: the kernel's only
+    holds them, in float16), in float32 then rounded to bfloat16 once: the kernel's only
     rounding is that last one and the order of its float32 sums. n = 80: 5 panels, so the
     several-panels-at-once tiles leave one over; n = 720: 45 panels, split between the
     threads (at two or more) in shares of unequal length."""
@@ -426,8 +426,8 @@ def test_int4_linear_is_the_dequantized_matmul(kernels, m, n):
     q = torch.randint(0, 16, (n, k), generator=g)
     scale = torch.rand(n, k // 32, generator=g) / 32
     minimum = -8 * scale + torch.randn(n, k // 32, generator=g) / 100
-    w = (q.view(n, k // 32, 32) * scale.bfloat16().float()[..., None]
-         + minimum.bfloat16().float()[..., None]).view(n, k)
+    w = (q.view(n, k // 32, 32) * scale.half().float()[..., None]
+         + minimum.half().float()[..., None]).view(n, k)
     x = torch.randn(m, 2 * k, generator=g).to(torch.bfloat16)[:, :k]
     want = x.float() @ w.T
     got = kernels.int4_linear(x, *pack_int4_panels(q, scale, minimum))
@@ -543,8 +543,8 @@ def test_int4_panels_unpack_to_what_was_packed():
     scale, minimum = torch.rand(48, 3, generator=g), torch.randn(48, 3, generator=g)
     back = unpack_int4_panels(*pack_int4_panels(q, scale, minimum))
     assert torch.equal(back[0].long(), q)
-    assert torch.equal(back[1], scale.bfloat16().float())     # as the kernel holds them
-    assert torch.equal(back[2], minimum.bfloat16().float())
+    assert torch.equal(back[1], scale.half().float())     # as the kernel holds them
+    assert torch.equal(back[2], minimum.half().float())
 
 
 @pytest.mark.parametrize("pack", [pack_int8_panels, pack_int8_quads])

@@ -143,15 +143,18 @@ def test_greedy_logits_match_transformers_on_the_same_weights(mixed_gguf):
             assert abs(lp.logprob - float(want[step, lp.token_id])) < 1e-4
 
 
-@pytest.mark.parametrize("mix,bits", [("Q4_K_M", 4), ("Q2_K", 2), ("IQ4_XS", 4)])
-def test_linear_bits_is_the_decoder_majority_type(tmp_path, tiny_wide, mix, bits):
-    """What `--quantization auto` packs to (4 bits and below: int4, else int8): the type
-    holding most decoder weights (Q4_K_M: Q4_K, beside Q6_K attn_v and ffn_down)."""
+@pytest.mark.parametrize("mix,bits,packing", [("Q4_K_M", 4, "int4"), ("Q2_K", 2, "int8"),
+                                              ("IQ4_XS", 4, "int8")])
+def test_linear_bits_is_the_decoder_majority_type(tmp_path, tiny_wide, mix, bits, packing):
+    """What `--quantization auto` packs to: int4 where most decoder weights are in a type
+    int4 holds exactly (Q4_K_M: Q4_K, beside Q6_K attn_v and ffn_down), int8 for other
+    quantized types (Q2_K's 16-value sub-blocks, IQ4's non-uniform codebook)."""
     no_vocab = {"tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.token_type": [1, 1],
                 "tokenizer.ggml.merges": []}
     path = tmp_path / "m.gguf"
     write_mixed_gguf(path, tiny_wide, MIXES[mix], no_vocab)
     assert GGUFFile(path).linear_bits() == bits
+    assert GGUFFile(path).linear_packing() == packing
     uniform = {"default": MIXES[mix]["default"], "token_embd": Q.Q8_0, "output": Q.Q8_0}
     write_mixed_gguf(path, tiny_wide, uniform, no_vocab)
     assert GGUFFile(path).linear_bits() == {"Q4_K_M": 4, "Q2_K": 2, "IQ4_XS": 4}[mix]

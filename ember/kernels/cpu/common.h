@@ -69,15 +69,15 @@ inline void check_bf16_rows(const at::Tensor& x) {
               "x must be [m, k] bfloat16 on the CPU with contiguous rows");
 }
 
-// q [n / 16, k / 32, 8, 32] uint8 and scale_min [n / 16, k / 32, 2, 16] bfloat16, from
+// q [n / 16, k / 32, 8, 32] uint8 and scale_min [n / 16, k / 32, 2, 16] float16, from
 // pack_int4_panels (int4w's layout)
 inline void check_int4_panels(const at::Tensor& q, const at::Tensor& scale_min) {
   TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 4 && q.size(2) == 8 &&
                   q.size(3) == 32 && q.is_contiguous(),
               "q must be contiguous [n / 16, k / 32, 8, 32] uint8");
-  TORCH_CHECK(scale_min.scalar_type() == at::kBFloat16 && scale_min.is_contiguous() &&
+  TORCH_CHECK(scale_min.scalar_type() == at::kHalf && scale_min.is_contiguous() &&
                   scale_min.numel() == q.size(0) * q.size(1) * 32,
-              "scale_min must be contiguous [n / 16, k / 32, 2, 16] bfloat16");
+              "scale_min must be contiguous [n / 16, k / 32, 2, 16] float16");
 }
 
 // norm_rope.cpp (instantiated for c10::BFloat16, the decode stack's type)

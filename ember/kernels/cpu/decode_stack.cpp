@@ -502,12 +502,13 @@ DecodeStack::Int4 DecodeStack::int4(at::Tensor q, at::Tensor scale_min) {
   return Int4{q, scale_min, q.size(0) * 16, q.size(1) * 32};
 }
 
+// a bfloat16 or float16 tensor's 16-bit words (the int4 weights' scales are float16)
 const uint16_t* DecodeStack::bits(const at::Tensor& t) {
-  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+  return static_cast<const uint16_t*>(t.const_data_ptr());
 }
 
 uint16_t* DecodeStack::bits(at::Tensor& t) {
-  return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+  return static_cast<uint16_t*>(t.data_ptr());
 }
 
 // w as the int4 kernels take a weight to fetch ahead of its matmul

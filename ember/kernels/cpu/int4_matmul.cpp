@@ -3,7 +3,7 @@
 // weights, and each thread streams its share of the panels, asking for the next ones (and
 // for the weight multiplied next) ahead of their use.
 // Layout: x [m, k] bfloat16 (rows may be strided); the weight as pack_int4_panels makes it,
-// q [n / 16, k / 32, 8, 32] uint8 and scale_min [n / 16, k / 32, 2, 16] bfloat16 (below).
+// q [n / 16, k / 32, 8, 32] uint8 and scale_min [n / 16, k / 32, 2, 16] float16 (below).
 // Reference: x @ (q * scale + min).T in float32, rounded to bfloat16 (ember/quant, the int4
 // formats' dequantized weight; tests/reference/test_cpu_kernels.py).
 #include <ATen/Parallel.h>
@@ -25,7 +25,7 @@ namespace ember {
 // step is bound by reading the weights, 4.5 bits each here). Per panel of 16 rows and group:
 //   q: 8 x 32 bytes; byte i of chunk c holds operand 2c's lane i (low nibble) and operand
 //      2c + 1's (high nibble), operand t being rows x inputs 2t, 2t + 1 pair-interleaved;
-//   scale, min: 16 bfloat16 each.
+//   scale, min: 16 float16 each (GGUF's own precision for them: Q4_0 and Q4_1 stay exact).
 // A nibble q becomes the bfloat16 operand 128 + q by two bitwise ops (exact), the group's sum
 // of x . (128 + q) is taken on bfloat16 dot products, and scale and min are applied once per
 // group:
@@ -88,7 +88,7 @@ void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t
       }
     }
     for (int j = 0; j < P; ++j) {
-      const c10::BFloat16* group_sm = reinterpret_cast<const c10::BFloat16*>(
+      const c10::Half* group_sm = reinterpret_cast<const c10::Half*>(
           sm + j * panel_sm + g * 2 * kPanel);
       const __m512 scale = simd::load16(group_sm);
       const __m512 min = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), scale,  // min - 128 scale
@@ -222,7 +222,7 @@ void matmul_share(const uint16_t* x, int64_t m, int64_t x_stride, const uint8_t*
 #endif  // EMBER_BF16_DOT
 
 // int4_linear(x [m, k] bfloat16 (rows may be strided), q [n / 16, k / 32, 8, 32] uint8,
-// scale_min [n / 16, k / 32, 2, 16] bfloat16) -> [m, n] bfloat16 = x w^T, w as int4w's above.
+// scale_min [n / 16, k / 32, 2, 16] float16) -> [m, n] bfloat16 = x w^T, w as int4w's above.
 // Meant for a few rows (decode); correct for any. Only with AVX-512 BF16.
 at::Tensor int4_linear(at::Tensor x, at::Tensor q, at::Tensor scale_min) {
   TORCH_CHECK(has_bf16_dot(), "int4_linear needs a CPU with AVX-512 BF16");
@@ -235,7 +235,7 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor q, at::Tensor scale_min) {
   if (m > 0) {
     int4w::matmul(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), m,
                   x.stride(0), q.data_ptr<uint8_t>(),
-                  reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::BFloat16>()), n, k,
+                  reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::Half>()), n, k,
                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   }
 #endif

@@ -97,6 +97,9 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 inline void store16(c10::BFloat16* p, __m512 x) {  // round to nearest even, as c10 does
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
