@@ -82,8 +82,9 @@ def quantize_int4(weight: Tensor, group: int = GROUP, refits: int = 3
     the step, so a Q4_0 group whose codes stop short of 15 is not rounded a second time.
     Then `refits` rounds of least squares: the scale and minimum that best fit the codes,
     the codes that best fit them, kept where the error falls and every value stays within
-    half a step (as llama.cpp's quantizers refine theirs). That recovers a GGUF grid from weights rounded to bfloat16 on the way in, and
-    halves the error on 5-6 bit types packed as int4."""
+    half a step (as llama.cpp's quantizers refine theirs). That recovers a GGUF grid from
+    weights rounded to bfloat16 on the way in, and cuts the error of 5-6 bit types packed
+    as int4 by a fifth to a half."""
     n, k = weight.shape
     w = weight.float().view(n, k // group, group)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType as QType
 from gguf import ReaderTensor
 
 from ember.config import ModelConfig, RopeScaling
@@ -133,24 +134,23 @@ class GGUFFile:
         """Bits per weight of the decoder's linear layers as stored (2-8, QUANT_BITS), None if
         unquantized: those of the type holding most of their weights, so a Q4_K_M file (Q4_K
         with some Q6_K) counts 4, as its maker meant it to run."""
-        weights: Counter[int] = Counter()
-        for t in self._reader.tensors:
-            if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2:
-                bits = quant_bits(t.tensor_type)
-                if bits is not None:
-                    weights[bits] += int(t.n_elements)
-        return weights.most_common(1)[0][0] if weights else None
+        return self._most_linear_weights(quant_bits)
 
     def linear_packing(self) -> str | None:
         """What `--quantization auto` packs the decoder's linears in (formats.packing): that
         of most of their weights, so a Q4_K_M file (Q4_K with some Q6_K) runs int4 and one of
         3-bit K-quants or IQ4 int8."""
-        weights: Counter[str] = Counter()
+        return self._most_linear_weights(packing)
+
+    def _most_linear_weights(self, of: Callable[[QType], Any]) -> Any:
+        """The value of `of(tensor type)` (None: float) shared by most of the decoder's linear
+        weights, None if all are float."""
+        weights: Counter[Any] = Counter()
         for t in self._reader.tensors:
             if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2:
-                packed = packing(t.tensor_type)
-                if packed is not None:
-                    weights[packed] += int(t.n_elements)
+                value = of(t.tensor_type)
+                if value is not None:
+                    weights[value] += int(t.n_elements)
         return weights.most_common(1)[0][0] if weights else None
 
     def tensors(self, config: ModelConfig, dtype: torch.dtype = torch.float32
