@@ -10,10 +10,13 @@ tokens after the shared prefix are computed; the copies ride in the step's plan 
 makes them before it writes any KV. Blocks whose tokens are all computed are cached as soon as
 they fill, generated tokens too, and a request's last, partly filled block is cached when it
 finishes (keyed by its parent and the tokens it holds, found only by partial matching), so the
-next turn of a conversation finds the whole previous answer cached.
+next turn of a conversation finds the whole previous answer cached. A request whose next
+uncached block is one a running prompt is still computing waits for it (computing_keys,
+next_block_computing): requests that share a prefix and arrive together compute it once.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ember.kv.block_pool import BlockPool
@@ -89,6 +92,29 @@ class KVCacheManager:
     def _request_keys(self, request: Request) -> list[int]:
         keys = self._keys.setdefault(request.request_id, [])
         return extend_keys(keys, request.all_token_ids, self.block_size, request.cache_salt)
+
+    def computing_keys(self, running: Iterable[Request]) -> set[int]:
+        """Keys of the full prompt blocks that `running` requests have yet to compute or cache:
+        blocks a request sharing the prefix would compute a second time if it started now."""
+        keys: set[int] = set()
+        for request in running:
+            known = self._keys.get(request.request_id)
+            if known:
+                full = min(request.num_prompt_tokens // self.block_size, len(known))
+                keys.update(known[self._num_cached.get(request.request_id, 0):full])
+        return keys
+
+    def next_block_computing(self, request: Request, computing: set[int]) -> bool:
+        """Whether the first block of `request` past what the cache holds is in `computing`
+        (computing_keys): started a step or more later, it finds that block cached. Does not
+        count as a lookup in the hit statistics."""
+        if not computing or not self._uses_cache(request) or request.num_computed_tokens:
+            return False
+        keys = self._request_keys(request)
+        for key in keys[:(request.num_tokens - 1) // self.block_size]:
+            if self.pool.lookup(key) is None:
+                return key in computing
+        return False
 
     def find_prefix(self, request: Request) -> PrefixHit:
         """The longest prefix of `request` the cache holds (possibly nothing).

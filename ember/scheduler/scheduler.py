@@ -154,9 +154,10 @@ class Scheduler:
         decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         return budget if cap is None or decoding == 0 else min(budget, decoding + cap)
 
-    def _next_waiting(self) -> Request | None:
-        waiting = [r for r in self.waiting if r.request_id not in self.held] \
-            if self.held else self.waiting
+    def _next_waiting(self, passed: frozenset[str] = frozenset()) -> Request | None:
+        skip = self.held | passed
+        waiting = [r for r in self.waiting if r.request_id not in skip] \
+            if skip else self.waiting
         if not waiting:
             return None
         if not self.config.fair_share:
@@ -186,10 +187,18 @@ class Scheduler:
             self._preempt(self.running.pop())
 
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        # a request that would compute a prefix block a running prompt is computing waits a
+        # step for it to be cached; those behind it may start meanwhile
+        computing = self.kv.computing_keys(
+            r for r in self.running if r.request_id not in self.held)
+        passed: set[str] = set()
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self._next_waiting()
+            request = self._next_waiting(frozenset(passed))
             if request is None:
                 return
+            if self.kv.next_block_computing(request, computing):
+                passed.add(request.request_id)
+                continue
             hit = self.kv.find_prefix(request) if request.num_computed_tokens == 0 \
                 else PrefixHit()
             num_hit = hit.num_tokens
@@ -205,6 +214,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=rank)
+            computing |= self.kv.computing_keys([request])
             scheduled.append(self._plan(request, num_new))
             self._allocate_lookahead(scheduled[-1], self.spec.max_spec_rows - len(self.running))
             budget -= num_new

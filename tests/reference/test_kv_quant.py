@@ -92,15 +92,17 @@ def test_the_default_cache_is_int8_where_the_kernels_read_it_and_a_fresh_prompt_
     kernels read it (AVX-512 BF16 and VNNI), else the model's dtype (int8 and dense weights
     keep it). A fresh prompt attends over its own k and v as computed, not as rounded into
     the int8 cache: its first token's logprobs are the bfloat16 cache's, bit for bit; later
-    tokens read the int8 cache."""
-    auto = LLM(str(smollm_path))
+    tokens read the int8 cache. (The prompts share the chat template's opening, so with the
+    prefix cache on all but one would start from that prefix as cached: a cache hit, not a
+    fresh prompt.)"""
+    auto = LLM(str(smollm_path), enable_prefix_caching=False)
     assert LLM(str(smollm_path), quantization="int8").engine.cache_info.dtype == "bfloat16"
     kernels = auto.engine.runner.model.model.norm.kernels
     if kernels is None or not kernels.has_bf16_dot:
         assert auto.engine.cache_info.dtype == "bfloat16"
         pytest.skip("this CPU has no AVX-512 BF16 and VNNI: the cache stays bfloat16")
     assert auto.engine.cache_info.dtype == "int8"
-    model = LLM(str(smollm_path), kv_cache_dtype="model")
+    model = LLM(str(smollm_path), kv_cache_dtype="model", enable_prefix_caching=False)
     assert model.engine.cache_info.dtype == "bfloat16"
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     prompts = [auto.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]

@@ -256,6 +256,34 @@ def test_a_cached_prefix_is_skipped():
     assert copy.src not in sched.kv.block_table("c")
 
 
+def test_requests_arriving_together_compute_a_shared_prefix_once():
+    """b and c share a's first 48 tokens: while a computes them (in chunks of the budget),
+    they wait; d, whose prompt is its own, starts at once. Once a's blocks are cached, b and
+    c start from them and compute only their own tokens."""
+    sched = make_scheduler(token_budget=40, num_blocks=64, block_size=16)
+    shared = list(range(500, 548))
+    for name, tail in (("a", 1), ("b", 2), ("c", 3)):
+        sched.add(make_request(name, 56, prompt=shared + [tail] * 8))
+    sched.add(make_request("d", 10))
+    assert step(sched).num_new_tokens == {"a": 40}        # b and c wait on a's blocks
+    assert step(sched).num_new_tokens == {"a": 16, "d": 10}   # d's own prompt: no wait
+    plan = step(sched)                                    # a's 48 shared tokens are cached
+    assert plan.num_new_tokens == {"a": 1, "d": 1, "b": 8, "c": 8}
+    assert [sched.requests[r].num_cached_tokens for r in "bc"] == [48, 48]
+
+
+def test_a_request_never_waits_on_a_prefix_no_running_request_computes():
+    """The wait is only for blocks a running prompt is computing: with a's prompt done (and
+    cached), or with the prefix cache off, b starts in the step it arrives."""
+    for caching in (True, False):
+        sched = make_scheduler(token_budget=64, caching=caching)
+        shared = list(range(500, 548))
+        sched.add(make_request("a", 56, prompt=shared + [1] * 8, max_tokens=4))
+        step(sched)
+        sched.add(make_request("b", 56, prompt=shared + [2] * 8))
+        assert "b" in step(sched).num_new_tokens
+
+
 def test_priority_orders_the_queue():
     sched = make_scheduler(max_num_seqs=1)
     sched.add(make_request("low", 4, max_tokens=2, priority=5))
