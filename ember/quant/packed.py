@@ -8,9 +8,8 @@
           decode sizes; elsewhere aten._weight_int4pack_mm_for_cpu, which takes (s, m + 8 s))
 
 int4 with groups of 32 is GGUF's Q4_1 layout, and Q4_0's with the minimum at -8 steps; the
-kernels keep scales and minima in float16 as GGUF does, so both convert without loss from
-their values (quantize_int4 finds Q4_0's grid; from the bfloat16 copies the loader hands
-over, to about 1e-4 of the weights' size). The torch fallback takes them in bfloat16.
+kernels keep scales and minima in float16 as GGUF does, so both convert without loss
+(quantize_int4 finds Q4_0's grid). The torch fallback takes them in bfloat16.
 
 Why two weights per layer: at a few rows (decode) a matmul is memory-bound and the packed
 kernels read 2-4x fewer bytes than bfloat16; at many rows (prefill, large batches) it is
@@ -81,11 +80,11 @@ def quantize_int4(weight: Tensor, group: int = GROUP, refits: int = 3
     to within half a step: its min-max range in 15 steps, or the signed grid d * (q - 8)
     with the group's largest magnitude at q = 0 (GGUF's Q4_0), where that end alone sets
     the step, so a Q4_0 group whose codes stop short of 15 is not rounded a second time.
-    Groups that are not on such a grid (to within bfloat16's rounding) then get `refits`
-    rounds of least squares: the scale and minimum that best fit the codes, the codes that
-    best fit them, kept where the error falls and every value stays within half a step (as
-    llama.cpp's quantizers refine theirs). That cuts the error of 3-6 bit types packed as
-    int4 by a tenth to a half."""
+    Then `refits` rounds of least squares: the scale and minimum that best fit the codes,
+    the codes that best fit them, kept where the error falls and every value stays within
+    half a step (as llama.cpp's quantizers refine theirs). That recovers a GGUF grid from
+    weights rounded to bfloat16 on the way in, and cuts the error of 5-6 bit types packed
+    as int4 by a fifth to a half."""
     n, k = weight.shape
     w = weight.float().view(n, k // group, group)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
@@ -100,14 +99,11 @@ def quantize_int4(weight: Tensor, group: int = GROUP, refits: int = 3
     q = q.gather(0, best[..., None].expand(1, *q.shape[1:]))[0]
     scale, minimum, err = (t.gather(0, best)[0] for t in (scale, minimum, err))
     err = (q * scale[..., None] + minimum[..., None] - w).square().sum(dim=-1)
-    # a group its grid reproduces to within bfloat16's rounding is on a GGUF grid already:
-    # refitting it would fit that rounding instead
-    on_grid = err <= group * (torch.maximum(lo.abs(), hi.abs()) * 2.0 ** -8).square()
     for _ in range(refits):
         s, m = _least_squares_grid(w, q, scale, minimum)
         q_new = ((w - m[..., None]) / s[..., None]).round().clamp(0, 15)
         e = (q_new * s[..., None] + m[..., None] - w).square().sum(dim=-1)
-        better = (e < err) & ~on_grid & (m - s / 2 <= lo) & (m + 15.5 * s >= hi)
+        better = (e < err) & (m - s / 2 <= lo) & (m + 15.5 * s >= hi)
         q = torch.where(better[..., None], q_new, q)
         scale, minimum, err = (torch.where(better, a, b) for a, b in
                                ((s, scale), (m, minimum), (e, err)))

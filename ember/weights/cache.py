@@ -37,7 +37,7 @@ from ember.quant.packed import Int8Embedding, KernelInt8Linear, PackedLinear, pr
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # raised whenever packing's results change, so older caches rebuild
+FORMAT = 4  # raised whenever packing's results change, so older caches rebuild
 TENSORS, META = "model.safetensors", "model.json"
 SUMMARIES = "files"   # the model files' summaries (ember/engine/files_summary.py), kept apart
 KEEP = 4                  # cached models kept (most recently written); older ones are removed
