@@ -110,11 +110,20 @@ class KVCacheManager:
         count as a lookup in the hit statistics."""
         if not computing or not self._uses_cache(request) or request.num_computed_tokens:
             return False
-        keys = self._request_keys(request)
-        for key in keys[:(request.num_tokens - 1) // self.block_size]:
-            if self.pool.lookup(key) is None:
-                return key in computing
-        return False
+        keys, hits = self._cached_blocks(request)
+        return len(hits) < len(keys) and keys[len(hits)] in computing
+
+    def _cached_blocks(self, request: Request) -> tuple[list[int], list[int]]:
+        """The keys of the request's full blocks that a hit may cover (never its last token)
+        and the cached blocks that match their start."""
+        keys = self._request_keys(request)[:(request.num_tokens - 1) // self.block_size]
+        hits = []
+        for key in keys:
+            block_id = self.pool.lookup(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return keys, hits
 
     def find_prefix(self, request: Request) -> PrefixHit:
         """The longest prefix of `request` the cache holds (possibly nothing).
@@ -123,14 +132,8 @@ class KVCacheManager:
         """
         if not self._uses_cache(request):
             return PrefixHit()
-        keys = self._request_keys(request)
+        keys, hits = self._cached_blocks(request)
         max_tokens = request.num_tokens - 1  # the last token is recomputed
-        hits = []
-        for key in keys[:max_tokens // self.block_size]:
-            block_id = self.pool.lookup(key)
-            if block_id is None:
-                break
-            hits.append(block_id)
         hit = PrefixHit(hits, len(hits) * self.block_size)
         if hits:  # partial matches hang off a cached parent: the first block has none
             start = hit.num_tokens

@@ -91,24 +91,37 @@ def quantize_int4(weight: Tensor, group: int = GROUP, refits: int = 3
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
     scale = torch.stack([(hi - lo) / 15.0, -lo / 8.0, hi / 8.0]).clamp(min=1e-10)
     minimum = torch.stack([lo, lo, -7.0 * scale[2]])
-    q = ((w - minimum[..., None]) / scale[..., None]).round().clamp(0, 15)
-    err = (q * scale[..., None] + minimum[..., None] - w).square().sum(dim=-1)
-    reach = (minimum - scale / 2 <= lo) & (minimum + 15.5 * scale >= hi)
-    err = torch.where(reach, err, torch.inf)
-    err[0] = 0.0 if err[0].isinf().all() else torch.where(err[0].isfinite(), err[0], 0.0)
-    best = err.argmin(dim=0, keepdim=True)  # ties keep the first, the min-max grid
+    q = _codes(w, scale, minimum)
+    err = _group_error(w, q, scale, minimum)
+    reach = _reaches(lo, hi, scale, minimum)
+    reach[0] = True   # the min-max grid spans its group by construction
+    best = torch.where(reach, err, torch.inf).argmin(dim=0, keepdim=True)  # ties: min-max
     q = q.gather(0, best[..., None].expand(1, *q.shape[1:]))[0]
     scale, minimum, err = (t.gather(0, best)[0] for t in (scale, minimum, err))
-    err = (q * scale[..., None] + minimum[..., None] - w).square().sum(dim=-1)
     for _ in range(refits):
         s, m = _least_squares_grid(w, q, scale, minimum)
-        q_new = ((w - m[..., None]) / s[..., None]).round().clamp(0, 15)
-        e = (q_new * s[..., None] + m[..., None] - w).square().sum(dim=-1)
-        better = (e < err) & (m - s / 2 <= lo) & (m + 15.5 * s >= hi)
+        q_new = _codes(w, s, m)
+        e = _group_error(w, q_new, s, m)
+        better = (e < err) & _reaches(lo, hi, s, m)
         q = torch.where(better[..., None], q_new, q)
         scale, minimum, err = (torch.where(better, a, b) for a, b in
                                ((s, scale), (m, minimum), (e, err)))
     return q.to(torch.int32).view(n, k), scale, minimum
+
+
+def _codes(w: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
+    """The nearest of 16 levels minimum + q * scale per value of each group (float q)."""
+    return ((w - minimum[..., None]) / scale[..., None]).round().clamp(0, 15)
+
+
+def _group_error(w: Tensor, q: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
+    """Per group, the squared error of the codes q on the grid (scale, minimum)."""
+    return (q * scale[..., None] + minimum[..., None] - w).square().sum(dim=-1)
+
+
+def _reaches(lo: Tensor, hi: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
+    """Whether the grid puts every value of a group in [lo, hi] within half a step."""
+    return (minimum - scale / 2 <= lo) & (minimum + 15.5 * scale >= hi)
 
 
 def _least_squares_grid(w: Tensor, q: Tensor, scale: Tensor, minimum: Tensor

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Set as AbstractSet
 
 from ember.config import SchedulerConfig, SpecConfig
 from ember.errors import ContextTooLong, InvalidRequest
@@ -154,7 +155,7 @@ class Scheduler:
         decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         return budget if cap is None or decoding == 0 else min(budget, decoding + cap)
 
-    def _next_waiting(self, passed: frozenset[str] = frozenset()) -> Request | None:
+    def _next_waiting(self, passed: AbstractSet[str] = frozenset()) -> Request | None:
         skip = self.held | passed
         waiting = [r for r in self.waiting if r.request_id not in skip] \
             if skip else self.waiting
@@ -193,7 +194,7 @@ class Scheduler:
             r for r in self.running if r.request_id not in self.held)
         passed: set[str] = set()
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self._next_waiting(frozenset(passed))
+            request = self._next_waiting(passed)
             if request is None:
                 return
             if self.kv.next_block_computing(request, computing):
