@@ -28,7 +28,7 @@ from ember.weights.paths import default_model_path
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2
+FORMAT = 3
 KEEP = 16   # summaries kept (most recently written)
 
 

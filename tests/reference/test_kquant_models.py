@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGUFReader, quants
 from gguf import GGMLQuantizationType as Q
+from gguf import LlamaFileType
 
 from ember import LLM, SamplingParams
 from ember.weights.gguf import GGUFFile, hf_name
@@ -54,11 +55,15 @@ def random_tensor(qtype: Q, shape: tuple[int, int], rng: np.random.Generator) ->
     return raw.reshape(shape[0], -1)
 
 
-def write_mixed_gguf(path: Path, hf_model, mix: dict[str, Q], source: dict) -> None:
+def write_mixed_gguf(path: Path, hf_model, mix: dict[str, Q], source: dict,
+                     file_type: LlamaFileType | None = None) -> None:
     """A llama GGUF with the hyperparameters and tensor names of `hf_model` (its values
-    unused: the 2-D weights are random blocks of the mix's types) and `source`'s tokenizer."""
+    unused: the 2-D weights are random blocks of the mix's types), `source`'s tokenizer and,
+    if given, the general.file_type its maker declared."""
     cfg = hf_model.config
     writer = llama_gguf_writer(path, cfg, source)
+    if file_type is not None:
+        writer.add_file_type(file_type)
     rng = np.random.default_rng(0)
     for name, shape in gguf_shapes(cfg).items():
         if len(shape) == 1:
@@ -158,6 +163,22 @@ def test_linear_bits_is_the_decoder_majority_type(tmp_path, tiny_wide, mix, bits
     uniform = {"default": MIXES[mix]["default"], "token_embd": Q.Q8_0, "output": Q.Q8_0}
     write_mixed_gguf(path, tiny_wide, uniform, no_vocab)
     assert GGUFFile(path).linear_bits() == {"Q4_K_M": 4, "Q2_K": 2, "IQ4_XS": 4}[mix]
+
+
+def test_files_made_below_4_bits_pack_int8_whatever_their_majority(tmp_path, tiny_wide):
+    """llama-quantize's Q2_K/Q3_K files of a model whose rows are not whole 256-value blocks
+    hold mostly Q4_0 (its fallback) beside Q3_K; int4 would round the Q3_K tensors again, so
+    auto packs the file int8 when it declares a 2-3 bit file type, int4 when it does not."""
+    no_vocab = {"tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.token_type": [1, 1],
+                "tokenizer.ggml.merges": []}
+    fallback = {"token_embd": Q.Q4_0, "output": Q.Q6_K, "attn_v": Q.Q3_K, "ffn_down": Q.Q3_K,
+                "default": Q.Q4_0}
+    path = tmp_path / "m.gguf"
+    expected = [(None, "int4"), (LlamaFileType.MOSTLY_Q4_0, "int4"),
+                (LlamaFileType.MOSTLY_Q2_K, "int8"), (LlamaFileType.MOSTLY_Q3_K_M, "int8")]
+    for file_type, packing in expected:
+        write_mixed_gguf(path, tiny_wide, fallback, no_vocab, file_type)
+        assert GGUFFile(path).linear_packing() == packing, file_type
 
 
 @pytest.mark.parametrize("mixed_gguf", ["Q4_K_M"], indirect=True)
