@@ -412,13 +412,12 @@ def test_int8_linear_a8_is_the_matmul_of_x_rounded_per_group(kernels, m, k, grou
 
 
 @pytest.mark.parametrize("n", [80, 720])
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 11])   # register tiles of each shape, two tiles
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 11])   # register tiles of each size, several
 def test_int4_linear_is_the_dequantized_matmul(kernels, m, n):
     """x w^T with w = q * scale + min per group of 32 inputs (scales and minima as the kernel
     holds them, in float16), in float32 then rounded to bfloat16 once: the kernel's only
-    rounding is that last one and the order of its float32 sums. n = 80: 5 panels, so the
-    several-panels-at-once tiles leave one over; n = 720: 45 panels, split between the
-    threads (at two or more) in shares of unequal length."""
+    rounding is that last one and the order of its float32 sums. n = 80: 5 panels; n = 720:
+    45 panels, split between the threads (at two or more) in shares of unequal length."""
     if not kernels.has_bf16_dot:
         pytest.skip("this CPU has no AVX-512 BF16: int4 runs on torch's packed kernel")
     k = 96
@@ -435,6 +434,25 @@ def test_int4_linear_is_the_dequantized_matmul(kernels, m, n):
     torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-4 * want.abs().max())
     with pytest.raises(RuntimeError, match="inputs"):
         kernels.int4_linear(x[:, :64].contiguous(), *pack_int4_panels(q, scale, minimum))
+
+
+def test_int4_linear_rows_do_not_depend_on_their_neighbours(kernels):
+    """Each row of an m-row product equals that row multiplied alone, bit for bit, for every
+    m up to two register tiles and over: a step verifying speculative drafts (several rows of
+    one request) then computes each as a one-row decode step would, which greedy identity
+    with speculation off rests on. Reference: the kernel's own one-row product."""
+    if not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX-512 BF16: int4 runs on torch's packed kernel")
+    n, k = 3072, 1536   # a float32 sum taken in another order shows in a few of 3M outputs
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scale = torch.rand(n, k // 32, generator=g) / 32
+    minimum = -8 * scale + torch.randn(n, k // 32, generator=g) / 100
+    packed = pack_int4_panels(q, scale, minimum)
+    x = torch.randn(11, k, generator=g).to(torch.bfloat16)
+    alone = torch.cat([kernels.int4_linear(x[r:r + 1], *packed) for r in range(11)])
+    for m in range(2, 12):
+        assert torch.equal(kernels.int4_linear(x[:m], *packed), alone[:m]), m
 
 
 def _w8a8_reference(x, q, scales, smooth):

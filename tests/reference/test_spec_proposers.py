@@ -121,21 +121,18 @@ def test_self_draft_layers_must_leave_some_out(models):
 @pytest.mark.parametrize("spec", ["self", "draft"])
 def test_default_model_greedy_is_identical(smollm_path, spec):
     """The default model as served (bfloat16, int4 weights, int8 KV, compiled kernels) with
-    its first layers, or itself, drafting: tokens and logprobs match exactly, and the model
-    drafting for itself is accepted nearly always. One request at a time and one draft a
-    step: a step of 3 or more rows (more drafts, or other requests beside) still rounds
-    differently from a step of fewer, whatever proposes."""
-    common = dict(kv_cache_gib=0.05, num_speculative_tokens=1)
+    its first layers, or itself, drafting 4 tokens a step for two requests at once: tokens
+    and logprobs match exactly (each row of a verification step is computed as a one-row
+    decode step would), and the model drafting for itself is accepted nearly always."""
     off = LLM(str(smollm_path), kv_cache_gib=0.05)
-    on = LLM(str(smollm_path), min_acceptance=0.0,
-             speculative="self" if spec == "self" else f"draft:{smollm_path}", **common)
+    on = LLM(str(smollm_path), min_acceptance=0.0, kv_cache_gib=0.05,
+             speculative="self" if spec == "self" else f"draft:{smollm_path}")
     prompts = [off.tokenizer.encode("Once upon a time"),
                off.tokenizer.encode("The three primary colours are")]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=1)
-    for prompt in prompts:
-        want, got = outputs(off, [prompt], params)[0][0], outputs(on, [prompt], params)[0][0]
-        assert want.token_ids == got.token_ids
-        assert [t.logprob for t in want.logprobs] == [t.logprob for t in got.logprobs]
+    for want, got in zip(outputs(off, prompts, params), outputs(on, prompts, params)):
+        assert want[0].token_ids == got[0].token_ids
+        assert [t.logprob for t in want[0].logprobs] == [t.logprob for t in got[0].logprobs]
     stats = on.engine.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0
     if spec == "draft":

@@ -35,108 +35,94 @@ namespace int4w {
 // (kPanel, kGroupK, kAhead and Next: common.h)
 namespace {
 
-// R input rows against P panels (P x 2 x S chains of dot products per row, S = 2 where
-// P = 1 and R <= 2, so that the instruction's latency is hidden even at one row).
+// R input rows against one panel: 4 chains of dot products per row (each operand half's
+// products over the group's even and odd chunks apart), enough to hide the instruction's
+// latency even at one row. Every row is summed in the same order whatever R is, so a row's
+// output does not depend on the rows beside it: a step that verifies speculative drafts
+// (several rows of one request) computes each row as a one-row decode step would, bit for bit.
 // While they run, `ahead` panels at pf_q / pf_sm are prefetched, a group's share per group:
 // the weights stream from DRAM (they do not fit in cache), and the hardware prefetcher alone
 // leaves a step's weight reads at ~30 GB/s where a plain read reaches ~50-70. Into L2 (T1),
 // not L1 (32 KB here; the decode stack at one row 0.97x the time, paired, docs/benchmarks.md).
-template <int R, int P>
-void panels_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t groups,
-                 const uint8_t* q, const uint16_t* sm, int64_t panel_q, int64_t panel_sm,
-                 uint16_t* out, int64_t out_stride, const char* pf_q, const char* pf_sm,
-                 int64_t ahead) {
+template <int R>
+void panel_rows(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t groups,
+                const uint8_t* q, const uint16_t* sm, uint16_t* out, int64_t out_stride,
+                const char* pf_q, const char* pf_sm, int64_t ahead) {
   // bfloat16 0x4300 | q is exactly 128 + q (7 mantissa bits, exponent 7): two bitwise ops
   // make an operand, and the group's 128 * sum(x) comes off with the minimum below
   const __m512i low = _mm512_set1_epi16(0x0F), bias = _mm512_set1_epi16(0x4300);
-  __m512 acc[R][P];
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
-  }
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t i = 0; i < ahead * 4; ++i) {
       _mm_prefetch(pf_q + (g * ahead * 4 + i) * 64, _MM_HINT_T1);
     }
     for (int64_t i = 0; i < ahead; ++i) _mm_prefetch(pf_sm + (g * ahead + i) * 64, _MM_HINT_T1);
-    constexpr int S = P == 1 && R <= 2 ? 2 : 1;   // chains per operand half
-    __m512 even[S][R][P], odd[S][R][P];
-    for (int s = 0; s < S; ++s) {
-      for (int r = 0; r < R; ++r) {
-        for (int j = 0; j < P; ++j) even[s][r][j] = odd[s][r][j] = _mm512_setzero_ps();
-      }
+    // chains: the even chunks' and the odd chunks' products, per operand half
+    __m512 even0[R], even1[R], odd0[R], odd1[R];
+    for (int r = 0; r < R; ++r) {
+      even0[r] = even1[r] = odd0[r] = odd1[r] = _mm512_setzero_ps();
     }
-    for (int c = 0; c < 8; ++c) {
-      for (int j = 0; j < P; ++j) {
-        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(q + j * panel_q + (g * 8 + c) * 32)));
-        // (w & low) | bias, and (w >> 4) | bias
-        const __m512bh b0 = simd::as_bh(_mm512_ternarylogic_epi32(w, low, bias, 0xEA));
-        const __m512bh b1 = simd::as_bh(_mm512_or_si512(_mm512_srli_epi16(w, 4), bias));
-        for (int r = 0; r < R; ++r) {
-          const uint16_t* xr = x + r * x_stride + g * kGroupK + 4 * c;
-          even[c % S][r][j] = _mm512_dpbf16_ps(even[c % S][r][j], simd::pair_of(xr), b0);
-          odd[c % S][r][j] = _mm512_dpbf16_ps(odd[c % S][r][j], simd::pair_of(xr + 2), b1);
-        }
-      }
-    }
-    for (int s = 1; s < S; ++s) {
+    auto chunk = [&](int c, __m512* even, __m512* odd) __attribute__((always_inline)) {
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(q + (g * 8 + c) * 32)));
+      // (w & low) | bias, and (w >> 4) | bias
+      const __m512bh b0 = simd::as_bh(_mm512_ternarylogic_epi32(w, low, bias, 0xEA));
+      const __m512bh b1 = simd::as_bh(_mm512_or_si512(_mm512_srli_epi16(w, 4), bias));
       for (int r = 0; r < R; ++r) {
-        for (int j = 0; j < P; ++j) {
-          even[0][r][j] = _mm512_add_ps(even[0][r][j], even[s][r][j]);
-          odd[0][r][j] = _mm512_add_ps(odd[0][r][j], odd[s][r][j]);
-        }
+        const uint16_t* xr = x + r * x_stride + g * kGroupK + 4 * c;
+        even[r] = _mm512_dpbf16_ps(even[r], simd::pair_of(xr), b0);
+        odd[r] = _mm512_dpbf16_ps(odd[r], simd::pair_of(xr + 2), b1);
       }
+    };
+    for (int c = 0; c < 8; c += 2) {
+      chunk(c, even0, odd0);
+      chunk(c + 1, even1, odd1);
     }
-    for (int j = 0; j < P; ++j) {
-      const c10::Half* group_sm = reinterpret_cast<const c10::Half*>(
-          sm + j * panel_sm + g * 2 * kPanel);
-      const __m512 scale = simd::load16(group_sm);
-      const __m512 min = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), scale,  // min - 128 scale
-                                          simd::load16(group_sm + kPanel));
-      for (int r = 0; r < R; ++r) {
-        acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(even[0][r][j], odd[0][r][j]), scale, acc[r][j]);
-        acc[r][j] = _mm512_fmadd_ps(min, _mm512_set1_ps(xsum[r * groups + g]), acc[r][j]);
-      }
+    const c10::Half* group_sm = reinterpret_cast<const c10::Half*>(sm + g * 2 * kPanel);
+    const __m512 scale = simd::load16(group_sm);
+    const __m512 min = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), scale,  // min - 128 scale
+                                        simd::load16(group_sm + kPanel));
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(even0[r], even1[r]),
+                                       _mm512_add_ps(odd0[r], odd1[r]));
+      acc[r] = _mm512_fmadd_ps(sum, scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < P; ++j) {
-      simd::store16(reinterpret_cast<c10::BFloat16*>(out + r * out_stride + j * kPanel),
-                    acc[r][j]);
-    }
+    simd::store16(reinterpret_cast<c10::BFloat16*>(out + r * out_stride), acc[r]);
   }
 }
 
-// Rows r0 .. r0 + rows of the output for panels [begin, end).
-template <int R, int P>
-void run_panels(const uint16_t* x, int64_t x_stride, const float* xsum, int64_t groups,
-                const uint8_t* q, const uint16_t* sm, int64_t begin, int64_t end,
-                uint16_t* out, int64_t n) {
+// Rows at once: R x 4 chains and R accumulators, 27 of the 32 vector registers at 4 rows
+constexpr int kTileRows = 4;
+
+// Every row of x against panels [begin, end): per panel, its rows kTileRows at a time, so
+// the panel is read from memory once and from L1 for the other tiles. A thread reads its
+// panels as one stream (four panels side by side made four short streams that DRAM served
+// at ~0.8x the rate: a batch-1 decode step 0.83x the time with one; docs/benchmarks.md).
+void run_panels(const uint16_t* x, int64_t m, int64_t x_stride, const float* xsum,
+                int64_t groups, const uint8_t* q, const uint16_t* sm, int64_t begin,
+                int64_t end, uint16_t* out, int64_t n) {
   const int64_t panel_q = groups * 8 * 32, panel_sm = groups * 2 * kPanel;
   const int64_t first = std::min(kAhead, end - begin);  // nothing before them fetched these
   simd::prefetch_bytes(q + begin * panel_q, first * panel_q);
   simd::prefetch_bytes(sm + begin * panel_sm, first * panel_sm * 2);
-  auto run = [&](auto panels, int64_t p) {
-    constexpr int J = decltype(panels)::value;
-    const int64_t ahead = std::clamp<int64_t>(end - p - kAhead, 0, J);
-    panels_rows<R, J>(x, x_stride, xsum, groups, q + p * panel_q, sm + p * panel_sm, panel_q,
-                      panel_sm, out + p * kPanel, n,
-                      reinterpret_cast<const char*>(q + (p + kAhead) * panel_q),
-                      reinterpret_cast<const char*>(sm + (p + kAhead) * panel_sm), ahead);
-  };
-  int64_t p = begin;
-  for (; p + P <= end; p += P) run(std::integral_constant<int, P>{}, p);
-  for (; p < end; ++p) run(std::integral_constant<int, 1>{}, p);
+  for (int64_t p = begin; p < end; ++p) {
+    const int64_t ahead = p + kAhead < end ? 1 : 0;
+    const char* pf_q = reinterpret_cast<const char*>(q + (p + kAhead) * panel_q);
+    const char* pf_sm = reinterpret_cast<const char*>(sm + (p + kAhead) * panel_sm);
+    for (int64_t r = 0; r < m; r += kTileRows) {
+      with_rows<kTileRows>(m - r, [&](auto rows) {
+        panel_rows<decltype(rows)::value>(x + r * x_stride, x_stride, xsum + r * groups,
+                                          groups, q + p * panel_q, sm + p * panel_sm,
+                                          out + r * n + p * kPanel, n, pf_q, pf_sm,
+                                          r == 0 ? ahead : 0);
+      });
+    }
+  }
 }
-
-// Panels multiplied at once. At one or two rows (the weights' bytes bound the step) one: a
-// thread then reads its panels as one stream, where four panels side by side made four
-// short streams that DRAM served at ~0.8x the rate (a batch-1 decode step 0.83x the time
-// with one; docs/benchmarks.md); the latency of the dot products is hidden by two chains per
-// operand half instead (S in panels_rows). At 3-4 rows the products bound it and two panels
-// at once keep the registers busy (R x P x (1 + 2 S) accumulators in panels_rows).
-template <int R>
-constexpr int kPanelsAtOnce = R <= 2 ? 1 : R <= 4 ? 2 : 1;
 
 // Grain of matmul's parallel_for: at least 8 panels (128 outputs) per task.
 constexpr int64_t kGrain = 8;
@@ -182,27 +168,13 @@ inline std::vector<float> group_sums(const uint16_t* x, int64_t m, int64_t x_str
   return xsum;
 }
 
-// Output panels [begin, end) of every row of x
-inline void panels_of_rows(const uint16_t* x, int64_t m, int64_t x_stride, const float* xsum,
-                           const uint8_t* q, const uint16_t* sm, int64_t n, int64_t k,
-                           int64_t begin, int64_t end, uint16_t* out) {
-  const int64_t groups = k / kGroupK;
-  for (int64_t r = 0; r < m; r += 8) {
-    with_rows<8>(m - r, [&](auto rows) {
-      constexpr int R = decltype(rows)::value;
-      run_panels<R, kPanelsAtOnce<R>>(x + r * x_stride, x_stride, xsum + r * groups, groups, q,
-                                      sm, begin, end, out + r * n, n);
-    });
-  }
-}
-
 }  // namespace
 
 void matmul(const uint16_t* x, int64_t m, int64_t x_stride, const uint8_t* q,
             const uint16_t* sm, int64_t n, int64_t k, uint16_t* out, const Next& next) {
   const auto xsum = group_sums(x, m, x_stride, k / kGroupK);
   at::parallel_for(0, n / kPanel, kGrain, [&](int64_t begin, int64_t end) {
-    panels_of_rows(x, m, x_stride, xsum.data(), q, sm, n, k, begin, end, out);
+    run_panels(x, m, x_stride, xsum.data(), k / kGroupK, q, sm, begin, end, out, n);
     if (next.q != nullptr) prefetch_next_share(next);
   });
 }
@@ -213,7 +185,7 @@ void matmul_share(const uint16_t* x, int64_t m, int64_t x_stride, const uint8_t*
   const auto [begin, end] = share_of(n / kPanel, threads, thread);
   if (begin < end) {
     const auto xsum = group_sums(x, m, x_stride, k / kGroupK);
-    panels_of_rows(x, m, x_stride, xsum.data(), q, sm, n, k, begin, end, out);
+    run_panels(x, m, x_stride, xsum.data(), k / kGroupK, q, sm, begin, end, out, n);
   }
   if (next.q != nullptr) prefetch_next_share(next, 0, kAhead, thread, threads);
 }
