@@ -19,7 +19,7 @@ from ember.engine.embed import EMBED_PARAMS, check_embedding_input, resolve_pool
 from ember.engine.encoder import build_encoder, is_encoder
 from ember.engine.memory import (advise_huge_pages, huge_page_copies,
                                  large_blocks_mapped_alone, lazy_zeros, move_to_huge_pages,
-                                 return_free_memory)
+                                 return_free_memory, temporaries_from_the_heaps)
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kernels import CpuKernels, load_kernels
 from ember.kv.kv_manager import KVCacheManager
@@ -121,8 +121,9 @@ class EngineCore:
         self.weights_cached = model is not None   # final weights mapped: no calibration
         with large_blocks_mapped_alone():  # weights and load temporaries in separate mappings
             if model is None:
-                model = apply_quantization(load_model(files, self.model_config, self.dtype,
-                                                      config.device), self.quantization, kernels)
+                model = load_model(files, self.model_config, self.dtype, config.device)
+                with temporaries_from_the_heaps():
+                    model = apply_quantization(model, self.quantization, kernels)
             move_to_huge_pages(step_weights(model))
         model.use_kernels(kernels)  # (the decode stack takes the weights where they are now)
         self.load_phases.mark("weights")

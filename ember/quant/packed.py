@@ -73,6 +73,11 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
+# values of a weight quantize_int4 takes at once (float32: 512 KB, some 6 MB of
+# intermediates at its widest, the three candidate grids)
+QUANTIZE_CHUNK = 1 << 17
+
+
 def quantize_int4(weight: Tensor, group: int = GROUP, refits: int = 3
                   ) -> tuple[Tensor, Tensor, Tensor]:
     """[N, K] float -> (q int32 [N, K] in 0..15, scales [N, K/group], minima [N, K/group]).
@@ -85,19 +90,34 @@ def quantize_int4(weight: Tensor, group: int = GROUP, refits: int = 3
     the codes that best fit them, kept where the error falls and every value stays within
     half a step (as llama.cpp's quantizers refine theirs). That cuts the error of 3-6 bit
     types packed as int4 by a tenth to a half; a GGUF Q4_0 or Q4_1 group handed over in
-    bfloat16 comes back within about 1e-3 of its size, bfloat16's own rounding."""
+    bfloat16 comes back within about 1e-3 of its size, bfloat16's own rounding.
+
+    Groups are independent, so the rows go through in chunks of QUANTIZE_CHUNK values whose
+    intermediates stay in cache (~3x faster than whole tensors, which stream each of the
+    dozens of steps through DRAM), with the same result."""
+    rows = max(1, QUANTIZE_CHUNK // weight.shape[1])
+    parts = [_quantize_int4_rows(chunk, group, refits) for chunk in weight.split(rows)]
+    q, scale, minimum = (torch.cat(t) for t in zip(*parts))
+    return q, scale, minimum
+
+
+def _quantize_int4_rows(weight: Tensor, group: int, refits: int
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """quantize_int4 of a few rows."""
     n, k = weight.shape
     w = weight.float().view(n, k // group, group)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scale = torch.stack([(hi - lo) / 15.0, -lo / 8.0, hi / 8.0]).clamp(min=1e-10)
-    minimum = torch.stack([lo, lo, -7.0 * scale[2]])
-    q = _codes(w, scale, minimum)
-    err = _group_error(w, q, scale, minimum)
-    reach = _reaches(lo, hi, scale, minimum)
-    reach[0] = True   # the min-max grid spans its group by construction
-    best = torch.where(reach, err, torch.inf).argmin(dim=0, keepdim=True)  # ties: min-max
-    q = q.gather(0, best[..., None].expand(1, *q.shape[1:]))[0]
-    scale, minimum, err = (t.gather(0, best)[0] for t in (scale, minimum, err))
+    q = scale = minimum = err = None
+    for s, m in _candidate_grids(lo, hi):
+        q_c = _codes(w, s, m)
+        e = _group_error(w, q_c, s, m)
+        if q is None:   # the min-max grid spans its group by construction
+            q, scale, minimum, err = q_c, s, m, e
+            continue
+        better = (e < err) & _reaches(lo, hi, s, m)   # ties: the earlier grid
+        q = torch.where(better[..., None], q_c, q)
+        scale, minimum, err = (torch.where(better, x, y) for x, y in
+                               ((s, scale), (m, minimum), (e, err)))
     for _ in range(refits):
         s, m = _least_squares_grid(w, q, scale, minimum)
         q_new = _codes(w, s, m)
@@ -107,6 +127,15 @@ def quantize_int4(weight: Tensor, group: int = GROUP, refits: int = 3
         scale, minimum, err = (torch.where(better, a, b) for a, b in
                                ((s, scale), (m, minimum), (e, err)))
     return q.to(torch.int32).view(n, k), scale, minimum
+
+
+def _candidate_grids(lo: Tensor, hi: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+    """(scale, minimum) per group: its min-max range in 15 steps, then Q4_0's signed grid
+    d * (q - 8) with the most negative value at q = 0, then with the largest at q = 15."""
+    yield ((hi - lo) / 15.0).clamp(min=1e-10), lo
+    yield (-lo / 8.0).clamp(min=1e-10), lo
+    d = (hi / 8.0).clamp(min=1e-10)
+    yield d, -7.0 * d
 
 
 def _codes(w: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:

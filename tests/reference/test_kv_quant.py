@@ -61,7 +61,7 @@ def test_second_half_scoring_with_a_first_token_equals_transformers(smollm_llm, 
 def bf16_pair(smollm_path):
     """The default model in bf16 with bf16 and int8 KV, stepping 32 tokens at a time so that
     most tokens attend over cached K and V."""
-    return {kv: LLM(str(smollm_path), dtype="bfloat16", kv_cache_dtype=kv,
+    return {kv: LLM(str(smollm_path), dtype="bfloat16", kv_cache_dtype=kv, kv_cache_gib=0.25,
                     max_num_batched_tokens=32) for kv in ("model", "int8")}
 
 
@@ -95,14 +95,16 @@ def test_the_default_cache_is_int8_where_the_kernels_read_it_and_a_fresh_prompt_
     tokens read the int8 cache. (The prompts share the chat template's opening, so with the
     prefix cache on all but one would start from that prefix as cached: a cache hit, not a
     fresh prompt.)"""
-    auto = LLM(str(smollm_path), enable_prefix_caching=False)
-    assert LLM(str(smollm_path), quantization="int8").engine.cache_info.dtype == "bfloat16"
+    small = dict(kv_cache_gib=0.05, enable_prefix_caching=False)
+    auto = LLM(str(smollm_path), **small)
+    assert LLM(str(smollm_path), quantization="int8", **small).engine.cache_info.dtype == \
+        "bfloat16"
     kernels = auto.engine.runner.model.model.norm.kernels
     if kernels is None or not kernels.has_bf16_dot:
         assert auto.engine.cache_info.dtype == "bfloat16"
         pytest.skip("this CPU has no AVX-512 BF16 and VNNI: the cache stays bfloat16")
     assert auto.engine.cache_info.dtype == "int8"
-    model = LLM(str(smollm_path), kv_cache_dtype="model", enable_prefix_caching=False)
+    model = LLM(str(smollm_path), kv_cache_dtype="model", **small)
     assert model.engine.cache_info.dtype == "bfloat16"
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     prompts = [auto.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
