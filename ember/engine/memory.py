@@ -21,7 +21,7 @@ import functools
 import math
 import mmap
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
@@ -58,20 +58,27 @@ def return_free_memory() -> None:
 
 
 @contextmanager
-def large_blocks_mapped_alone() -> Iterator[None]:
+def _malloc_options(during: dict[int, int], after: dict[int, int]) -> Iterator[None]:
+    """mallopt's `during` options meanwhile, its `after` ones at the end (no-ops without
+    glibc)."""
+    libc = _libc()
+    for option, value in during.items() if libc is not None else ():
+        libc.mallopt(option, value)
+    try:
+        yield
+    finally:
+        for option, value in after.items() if libc is not None else ():
+            libc.mallopt(option, value)
+
+
+def large_blocks_mapped_alone() -> AbstractContextManager[None]:
     """Meanwhile, blocks of 128 KiB or more get their own mappings (unmapped when freed);
     after, blocks up to 32 MiB come from the heaps again, as glibc's adaptive threshold has
     them once a process has freed a large block, and up to 64 MiB free at a heap's top stay
     there for the next step."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(M_MMAP_THRESHOLD, LOADING_THRESHOLD)
-    try:
-        yield
-    finally:
-        if libc is not None:
-            libc.mallopt(M_MMAP_THRESHOLD, RUNNING_THRESHOLD)
-            libc.mallopt(M_TRIM_THRESHOLD, RUNNING_TRIM_THRESHOLD)
+    return _malloc_options({M_MMAP_THRESHOLD: LOADING_THRESHOLD},
+                           {M_MMAP_THRESHOLD: RUNNING_THRESHOLD,
+                            M_TRIM_THRESHOLD: RUNNING_TRIM_THRESHOLD})
 
 
 @contextmanager
@@ -79,16 +86,12 @@ def temporaries_from_the_heaps() -> Iterator[None]:
     """Inside large_blocks_mapped_alone, blocks up to 32 MiB come from the heaps again
     meanwhile: for work that makes many short-lived temporaries, each of which would
     otherwise be a fresh mapping whose pages fault in on first touch (the int4 quantizer
-    took 6x its time so, 13 s of a cold load of the default model)."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(M_MMAP_THRESHOLD, RUNNING_THRESHOLD)
-    try:
+    took 6x its time so, 13 s of a cold load of the default model). Their freed pages go
+    back to the OS at the end."""
+    with _malloc_options({M_MMAP_THRESHOLD: RUNNING_THRESHOLD},
+                         {M_MMAP_THRESHOLD: LOADING_THRESHOLD}):
         yield
-    finally:
-        if libc is not None:
-            libc.mallopt(M_MMAP_THRESHOLD, LOADING_THRESHOLD)
-            return_free_memory()
+    return_free_memory()
 
 
 def _advise_huge_pages(buffer: torch.Tensor) -> int:
