@@ -107,26 +107,28 @@ def _quantize_int4_rows(weight: Tensor, group: int, refits: int
     n, k = weight.shape
     w = weight.float().view(n, k // group, group)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    q = scale = minimum = err = None
-    for s, m in _candidate_grids(lo, hi):
-        q_c = _codes(w, s, m)
-        e = _group_error(w, q_c, s, m)
-        if q is None:   # the min-max grid spans its group by construction
-            q, scale, minimum, err = q_c, s, m, e
-            continue
-        better = (e < err) & _reaches(lo, hi, s, m)   # ties: the earlier grid
-        q = torch.where(better[..., None], q_c, q)
-        scale, minimum, err = (torch.where(better, x, y) for x, y in
-                               ((s, scale), (m, minimum), (e, err)))
+    grids = _candidate_grids(lo, hi)
+    scale, minimum = next(grids)   # the min-max grid spans its group by construction
+    q = _codes(w, scale, minimum)
+    fit = (q, scale, minimum, _group_error(w, q, scale, minimum))
+    for s, m in grids:
+        fit = _better_fit(w, lo, hi, fit, s, m)
     for _ in range(refits):
-        s, m = _least_squares_grid(w, q, scale, minimum)
-        q_new = _codes(w, s, m)
-        e = _group_error(w, q_new, s, m)
-        better = (e < err) & _reaches(lo, hi, s, m)
-        q = torch.where(better[..., None], q_new, q)
-        scale, minimum, err = (torch.where(better, a, b) for a, b in
-                               ((s, scale), (m, minimum), (e, err)))
+        fit = _better_fit(w, lo, hi, fit, *_least_squares_grid(w, *fit[:3]))
+    q, scale, minimum, _ = fit
     return q.to(torch.int32).view(n, k), scale, minimum
+
+
+def _better_fit(w: Tensor, lo: Tensor, hi: Tensor, fit: tuple[Tensor, Tensor, Tensor, Tensor],
+                scale: Tensor, minimum: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """fit = (codes, scale, minimum, error) per group, with the grid (scale, minimum) taken
+    where it reaches its group and fits it strictly better (ties keep the old grid)."""
+    q, s, m, err = fit
+    q_new = _codes(w, scale, minimum)
+    e = _group_error(w, q_new, scale, minimum)
+    better = (e < err) & _reaches(lo, hi, scale, minimum)
+    return (torch.where(better[..., None], q_new, q), torch.where(better, scale, s),
+            torch.where(better, minimum, m), torch.where(better, e, err))
 
 
 def _candidate_grids(lo: Tensor, hi: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
