@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import uvicorn
@@ -15,24 +16,38 @@ from ember.router.fleet import Fleet
 from ember.router.gateway import Gateway, create_gateway
 from ember.router.prompts import PromptKeys, load_tokenizer
 from ember.router.proxy import Proxy
-from ember.router.replicas import Launcher, LocalLauncher, RemoteHandle, Replica
+from ember.router.replicas import (Launcher, LocalLauncher, RemoteHandle, Replica,
+                                  replica_environment)
 from ember.router.rollout import Rollout, parse_spec
 from ember.server.exit import GracefulServer
 from ember.tokenizer.tokenizer import Tokenizer
 
 
-def make_launcher(args: argparse.Namespace, argv: list[str]) -> Launcher:
+def make_launcher(args: argparse.Namespace, argv: list[str], env: dict[str, str] | None
+                  ) -> Launcher:
     if args.ray is not None:
         from ember.router.ray_replicas import RayLauncher  # ray loads only when asked for
         return RayLauncher(argv, None if args.ray == "auto" else args.ray)
-    return LocalLauncher(argv)
+    return LocalLauncher(argv, env=env)
+
+
+def local_replicas(args: argparse.Namespace, config: RouterConfig) -> int:
+    """How many replicas may run at once on this machine: the primary set at its largest
+    (unless it is remote or on Ray), and a local canary and shadow."""
+    primary = 0 if args.replica_url or args.ray is not None else \
+        max(args.replicas, config.autoscale.max_replicas)
+    candidates = sum(1 for option, group in ((args.canary, "canary"), (args.shadow, "shadow"))
+                     if option is not None and not parse_spec(option, f"--{group}")[0]
+                     .startswith(("http://", "https://")))
+    return primary + candidates
 
 
 def build_fleet(args: argparse.Namespace, argv: list[str], config: RouterConfig
                 ) -> tuple[Fleet, Rollout]:
     launchers: dict[str, Launcher] = {}
+    env = replica_environment(os.environ, local_replicas(args, config))
     if not args.replica_url:
-        launchers["primary"] = make_launcher(args, argv)
+        launchers["primary"] = make_launcher(args, argv, env)
     fleet = Fleet(config, launchers)
     for i, url in enumerate(args.replica_url):
         fleet.add(Replica(f"r{i + 1}", RemoteHandle(url.rstrip("/"))))
@@ -44,7 +59,7 @@ def build_fleet(args: argparse.Namespace, argv: list[str], config: RouterConfig
         if spec.startswith(("http://", "https://")):
             fleet.add(Replica(f"{group}1", RemoteHandle(spec.rstrip("/")), group))
         else:
-            launchers[group] = LocalLauncher(with_model(argv, spec))
+            launchers[group] = LocalLauncher(with_model(argv, spec), env=env)
         setattr(rollout, f"{group}_percent", percent)
     return fleet, rollout
 
