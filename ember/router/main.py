@@ -23,31 +23,25 @@ from ember.server.exit import GracefulServer
 from ember.tokenizer.tokenizer import Tokenizer
 
 
-def make_launcher(args: argparse.Namespace, argv: list[str], env: dict[str, str] | None
-                  ) -> Launcher:
+def make_launcher(args: argparse.Namespace, argv: list[str]) -> Launcher:
     if args.ray is not None:
         from ember.router.ray_replicas import RayLauncher  # ray loads only when asked for
         return RayLauncher(argv, None if args.ray == "auto" else args.ray)
-    return LocalLauncher(argv, env=env)
+    return LocalLauncher(argv)
 
 
-def local_replicas(args: argparse.Namespace, config: RouterConfig) -> int:
-    """How many replicas may run at once on this machine: the primary set at its largest
-    (unless it is remote or on Ray), and a local canary and shadow."""
-    primary = 0 if args.replica_url or args.ray is not None else \
-        max(args.replicas, config.autoscale.max_replicas)
-    candidates = sum(1 for option, group in ((args.canary, "canary"), (args.shadow, "shadow"))
-                     if option is not None and not parse_spec(option, f"--{group}")[0]
-                     .startswith(("http://", "https://")))
-    return primary + candidates
+def local_replicas(launchers: dict[str, Launcher], primary_replicas: int) -> int:
+    """How many replicas the local launchers may run at once on this machine: the primary
+    set at its largest, and a local canary and shadow (one each)."""
+    return sum(primary_replicas if group == "primary" else 1
+               for group, launcher in launchers.items() if isinstance(launcher, LocalLauncher))
 
 
 def build_fleet(args: argparse.Namespace, argv: list[str], config: RouterConfig
                 ) -> tuple[Fleet, Rollout]:
     launchers: dict[str, Launcher] = {}
-    env = replica_environment(os.environ, local_replicas(args, config))
     if not args.replica_url:
-        launchers["primary"] = make_launcher(args, argv, env)
+        launchers["primary"] = make_launcher(args, argv)
     fleet = Fleet(config, launchers)
     for i, url in enumerate(args.replica_url):
         fleet.add(Replica(f"r{i + 1}", RemoteHandle(url.rstrip("/"))))
@@ -59,8 +53,13 @@ def build_fleet(args: argparse.Namespace, argv: list[str], config: RouterConfig
         if spec.startswith(("http://", "https://")):
             fleet.add(Replica(f"{group}1", RemoteHandle(spec.rstrip("/")), group))
         else:
-            launchers[group] = LocalLauncher(with_model(argv, spec), env=env)
+            launchers[group] = LocalLauncher(with_model(argv, spec))
         setattr(rollout, f"{group}_percent", percent)
+    env = replica_environment(os.environ, local_replicas(
+        launchers, max(args.replicas, config.autoscale.max_replicas)))
+    for launcher in launchers.values():
+        if isinstance(launcher, LocalLauncher):
+            launcher.env = env
     return fleet, rollout
 
 

@@ -159,15 +159,15 @@ def replica_environment(environ: Mapping[str, str], local_replicas: int
 
 class LocalLauncher:
     """`ember serve` subprocesses on free ports of `host`, each with `serve_args` and `env`
-    (None: the gateway's environment). Their output goes to a log file per replica in
-    `log_dir`."""
+    (None: the gateway's environment; the fleet sets it once it knows how many local
+    replicas share the machine). Their output goes to a log file per replica in `log_dir`."""
 
     def __init__(self, serve_args: list[str], host: str = "127.0.0.1",
-                 log_dir: str | None = None, env: Mapping[str, str] | None = None) -> None:
+                 log_dir: str | None = None) -> None:
         self.serve_args = list(serve_args)
         self.host = host
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="ember-fleet-")
-        self.env = None if env is None else dict(env)
+        self.env: dict[str, str] | None = None
 
     def command(self, port: int) -> list[str]:
         return [sys.executable, "-m", "ember.cli", "serve", "--host", self.host,

@@ -5,14 +5,18 @@ from __future__ import annotations
 import pytest
 
 from ember.cli import build_parser, server_config
-from ember.router.cli import router_config
-from ember.router.main import local_replicas
+from ember.router.cli import router_config, serve_argv
+from ember.router.main import build_fleet, local_replicas
 from ember.router.replicas import LocalLauncher, replica_environment
 
 
-def route_args(*argv: str) -> tuple[object, int]:
-    args = build_parser().parse_args(["route", "--model", "m.gguf", *argv])
-    return args, local_replicas(args, router_config(args, server_config(args)))
+def route_fleet(*argv: str):
+    parser = build_parser()
+    args = parser.parse_args(["route", "--model", "m.gguf", *argv])
+    config = router_config(args, server_config(args))
+    fleet, _ = build_fleet(args, serve_argv(args.route_parser, args), config)
+    return fleet, local_replicas(fleet.launchers,
+                                 max(args.replicas, config.autoscale.max_replicas))
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -24,11 +28,24 @@ def route_args(*argv: str) -> tuple[object, int]:
     (("--canary", "new.gguf:10"), 2),                            # a local candidate
     (("--shadow", "http://10.0.0.9:8000:5"), 1),                 # a remote one runs elsewhere
     (("--replica-url", "http://10.0.0.8:8000"), 0),
-    (("--replicas", "2", "--ray"), 0),                           # Ray places its actors
     (("--replica-url", "http://10.0.0.8:8000", "--canary", "new.gguf:10"), 1),
 ])
-def test_local_replicas_counts_what_may_run_on_this_machine_at_once(argv, expected):
-    assert route_args(*argv)[1] == expected
+def test_local_replicas_counts_what_may_run_on_this_machine_at_once(argv, expected, monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    fleet, count = route_fleet(*argv)
+    assert count == expected
+    passive = {"OMP_WAIT_POLICY": "passive"}.items()
+    for launcher in fleet.launchers.values():                  # what each local one starts with
+        assert (launcher.env is not None and passive <= launcher.env.items()) == (expected >= 2)
+
+
+def test_replicas_placed_by_ray_are_not_local():
+    class RayLike:                                              # any launcher but a local one
+        def start(self, replica_id):
+            raise AssertionError("not started here")
+    assert local_replicas({"primary": RayLike()}, 4) == 0
+    assert local_replicas({"primary": RayLike(),
+                           "canary": LocalLauncher([], log_dir="unused")}, 4) == 1
 
 
 def test_replicas_sharing_the_cores_wait_passively():
@@ -42,8 +59,8 @@ def test_replicas_sharing_the_cores_wait_passively():
 
 
 def test_a_local_launcher_starts_its_replicas_with_that_environment(tmp_path):
-    launcher = LocalLauncher(["--help"], log_dir=str(tmp_path),
-                             env={"PATH": "/usr/bin", "OMP_WAIT_POLICY": "passive"})
+    launcher = LocalLauncher(["--help"], log_dir=str(tmp_path))
+    launcher.env = {"PATH": "/usr/bin", "OMP_WAIT_POLICY": "passive"}
     launcher.command = lambda port: ["/usr/bin/env"]             # prints the environment
     handle = launcher.start("p1")
     handle.proc.wait(timeout=30)
