@@ -214,6 +214,12 @@ class LlamaForCausalLM(nn.Module):
         cache = kv_caches[0]
         return cache.data.dtype == (torch.bfloat16 if cache.scale is None else torch.int8)
 
+    def attends_chunks_alone(self, kv_caches: list[PagedKV]) -> bool:
+        """Whether prompt chunks attend on the compiled prefill kernel over these caches: then
+        a continued chunk attends alone whatever its length (prepare_inputs' chunks_alone)."""
+        attention = self.model.layers[0].self_attn
+        return prefill_in_kernel(attention.kernels, self.model.norm.weight.dtype, kv_caches[0])
+
     def use_int8_decode(self) -> None:
         """After the int8 prompt matmuls are set up (use_int8_dense): decode steps of more than
         max_packed_rows rows run the decode stack on the same int8 weights (w8a8_linear's

@@ -62,13 +62,15 @@ def _slots(item: ScheduledRequest, block_size: int) -> list[int]:
             for pos in range(item.start, item.end)]
 
 
-def group_members(members: list[_Member]) -> list[list[_Member]]:
+def group_members(members: list[_Member], chunks_alone: bool = False) -> list[list[_Member]]:
     """Sort by shape and cut into groups whose padded work stays within GROUP_WASTE times
-    the members' own work (new tokens x context)."""
-    # a member with many new tokens (a continued prompt) attends alone: one member's plain
-    # matmuls beat a padded multi-member kernel call at these sizes
-    alone = [[m] for m in members if m.num_new > MATMUL_MAX_QUERIES]
-    members = [m for m in members if m.num_new <= MATMUL_MAX_QUERIES]
+    the members' own work (new tokens x context). A continued prompt chunk attends alone:
+    with `chunks_alone` (the prefill kernel attends prompt chunks) any member of several new
+    tokens, else one of more than MATMUL_MAX_QUERIES (one member's plain matmuls beat a
+    padded multi-member call at those sizes)."""
+    least = 1 if chunks_alone else MATMUL_MAX_QUERIES
+    alone = [[m] for m in members if m.num_new > least]
+    members = [m for m in members if m.num_new <= least]
     if members and _cheap_enough(members):
         return [members] + alone  # in batch order: a step of decodes needs no row indexing
     groups: list[list[_Member]] = alone
@@ -171,14 +173,14 @@ def queue_group(members: list[_Member], block_size: int, num_rows: int,
 
 
 def _queue_prompt_step(fresh: list[tuple[int, int, int]], members: list[_Member],
-                       block_size: int, columns: _LongColumns
+                       block_size: int, columns: _LongColumns, chunks_alone: bool
                        ) -> tuple[int, int, int, int, list[int]] | None:
     """A step with prompt chunks as PromptStep lays it out (its columns queued): where the
-    decodes lie on adjacent rows and every continued chunk has more than MATMUL_MAX_QUERIES
-    new tokens (it attends alone, as the layers do it too); else None."""
+    decodes lie on adjacent rows and every continued chunk attends alone, as the layers
+    attend it too (group_members); else None."""
     decodes = [m for m in members if m.num_new == 1]
     chunks = [m for m in members if m.num_new > 1]
-    if any(m.num_new <= MATMUL_MAX_QUERIES for m in chunks):
+    if not chunks_alone and any(m.num_new <= MATMUL_MAX_QUERIES for m in chunks):
         return None
     first = decodes[0].row if decodes else 0
     if [m.row for m in decodes] != list(range(first, first + len(decodes))):
@@ -254,9 +256,14 @@ def _is_decode(item: ScheduledRequest) -> bool:
 
 
 def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
-                   decode_stack: bool = False) -> ModelInputs:
+                   decode_stack: bool = False, chunks_alone: bool = False) -> ModelInputs:
     """The step's flat inputs. With `decode_stack` (the model runs every step of decodes in
-    its decode stack), such a step gets only what the stack reads (no attention groups)."""
+    its decode stack), such a step gets only what the stack reads (no attention groups).
+    With `chunks_alone` (the model attends prompt chunks on the compiled prefill kernel),
+    every continued chunk attends alone, however few its new tokens: after a prefix-cache
+    hit a prompt's own tokens may be only a few, and a chunk grouped with decodes made the
+    whole step leave the decode stack and attend each chunk's context apart (a step of 8
+    such prompts 1.3x the time)."""
     if decode_stack and plan.scheduled and all(_is_decode(item) for item in plan.scheduled):
         return _decode_inputs(plan, block_size, device)
     token_ids: list[int] = []
@@ -286,7 +293,7 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
                                      row + item.num_new_tokens))
             sampling.append(item.request)
     queued = [queue_group(g, block_size, len(token_ids), columns)
-              for g in group_members(members)]
+              for g in group_members(members, chunks_alone)]
     decode_columns = None
     if not fresh and all(m.num_new == 1 for m in members):
         if len(queued) == 1 and queued[0].whole_batch:  # the usual case: that group is it
@@ -295,7 +302,7 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
             decode_columns = (_block_tables(members, block_size, columns),
                               columns.add([m.seq_len for m in members]))
     prompt_columns = None if decode_columns is not None else \
-        _queue_prompt_step(fresh, members, block_size, columns)
+        _queue_prompt_step(fresh, members, block_size, columns, chunks_alone)
     flat = [columns.add(c) for c in (token_ids, positions, slots)]
     # a step whose every row samples, in order, takes its logits from all of them
     logits = None if logits_rows == list(range(len(token_ids))) else columns.add(logits_rows)

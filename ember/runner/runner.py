@@ -56,7 +56,8 @@ class ModelRunner:
         """
         self._copy_blocks(plan)
         inputs = prepare_inputs(plan, self.block_size, self.device,
-                                self.model.stack_runs_decodes(self.kv_caches))
+                                self.model.stack_runs_decodes(self.kv_caches),
+                                self.model.attends_chunks_alone(self.kv_caches))
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
                             self._lora_step(plan))
         if pooled is not None:

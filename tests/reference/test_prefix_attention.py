@@ -112,18 +112,21 @@ def test_chunks_refuse_rows_outside_q_or_in_two_chunks(kernels):
                                              [table], 0.125, None, torch.empty_like(q))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["model", "int8"])
-def test_shared_prefix_steps_through_the_stack_equal_the_layers(smollm_path, kv_cache_dtype):
-    """Six prompts of one cached 200-token prefix and 20 tokens each: their chunks attend in
-    one prompt step of the decode stack, over the prefix packed once (they share its
-    blocks); tokens and logprobs equal the layers run one by one (each chunk attended alone,
-    packing its whole context), bit for bit."""
+@pytest.mark.parametrize(("kv_cache_dtype", "suffix_len"),
+                         [("model", 20), ("int8", 20), ("int8", 6)])
+def test_shared_prefix_steps_through_the_stack_equal_the_layers(smollm_path, kv_cache_dtype,
+                                                                suffix_len):
+    """Six prompts of one cached 200-token prefix (192 tokens in whole blocks) and 20 tokens
+    each, or 6 (chunks of 14 new tokens, as few as a decode group takes): their chunks
+    attend in one prompt step of the decode stack, over the prefix packed once (they share
+    its blocks); tokens and logprobs equal the layers run one by one (each chunk attended
+    alone, packing its whole context), bit for bit."""
     llm = LLM(str(smollm_path), kv_cache_dtype=kv_cache_dtype)
     model = llm.engine.runner.model
     if model.decode_stack is None or not model.int8_decode:
         pytest.skip("prompt steps in the stack need AVX-512 BF16 and VNNI")
     prefix = [100 + (13 * j) % 20000 for j in range(200)]
-    prompts = [prefix + [300 + 50 * i + j for j in range(20)] for i in range(6)]
+    prompts = [prefix + [300 + 50 * i + j for j in range(suffix_len)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
     stack, shared_steps = model.decode_stack, []
 

@@ -94,6 +94,21 @@ def test_a_prompt_step_without_decodes_or_that_the_stack_cannot_lay_out():
     assert prompt_step(SchedulerOutput([decode("a", 40, 0), decode("b", 44, 20)])) is None
 
 
+def test_short_continued_chunks_attend_alone_where_the_prefill_kernel_takes_them():
+    """With chunks_alone, a continued chunk of a few tokens (a prompt's suffix after a
+    prefix-cache hit) is laid out for the stack and is a group of its own, apart from the
+    decodes; without, the stack gets no prompt step."""
+    plan = SchedulerOutput([decode("a", 40, 0), decode("b", 44, 10), chunk("p", 32, 5, 20)])
+    cpu = torch.device("cpu")
+    alone = prepare_inputs(plan, BLOCK, cpu, chunks_alone=True).attn
+    assert alone.prompt_step is not None and alone.prompt_step.decode_first == 0
+    assert alone.prompt_step.chunk_info.tolist() == [[2, 5, 37, 0]]
+    assert sorted(g.rows.shape[0] for g in alone.groups) == [1, 2]
+    chunk_group = next(g for g in alone.groups if g.rows.shape[0] == 1)
+    assert chunk_group.lone == (2, 37) and chunk_group.rows.tolist() == [[2, 3, 4, 5, 6]]
+    assert prepare_inputs(plan, BLOCK, cpu).attn.prompt_step is None
+
+
 def test_a_step_of_decodes_for_the_stack_gets_the_same_columns_and_no_groups():
     """With decode_stack, a step that only decodes gets what the stack reads, equal to the
     general layout's columns, and no attention groups; any other step ignores the flag."""
