@@ -6,8 +6,9 @@ Starts `ember serve` (the default model and KV budget unless --serve-args says o
 reads VmRSS from /proc/PID/status every 0.2 s, and drives it with `ember bench serve`: the
 standard concurrency-32 workload (64 requests, input U(100,400), output U(64,192); --rounds
 times, other seeds), then one 1024-token prompt. Reports MB (10^6 bytes) and GiB: after
-loading, the highest sample under load, after the burst (the engine hands freed memory back
-when it goes idle), and VmHWM (the peak over the process's life, loading included). Linux only.
+loading (once the idle engine has faulted its KV cache in), the highest sample under load,
+after the burst (the engine hands freed memory back when it goes idle), and VmHWM (the peak
+over the process's life, loading included). Linux only.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from ember.bench.cli import results_dir
+from ember.bench.peers import Server, settle
 
 VENV_BIN = Path(sys.executable).parent
 GIB = 1 << 30
@@ -105,7 +107,7 @@ def main() -> None:
                             env=os.environ.copy())
     try:
         wait_ready(url, proc)
-        time.sleep(2)
+        settle([Server("ember", "", port, proc)], timeout_s=60)  # its KV cache faulted in
         loaded = status_kb(proc.pid, "VmRSS")
         sampler = Sampler(proc.pid)
         sampler.start()

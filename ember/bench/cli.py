@@ -145,6 +145,9 @@ def add_bench_parser(sub: argparse._SubParsersAction, out_dir: Path) -> None:
     peers.add_argument("--ember-args", default="", help="extra `ember serve` arguments")
     peers.add_argument("--repeats", type=int, default=1)
     peers.add_argument("--ready-timeout", type=float, default=300.0)
+    peers.add_argument("--settle-timeout", type=float, default=60.0,
+                       help="at most this long, wait for the ready servers to go idle "
+                       "before the first repeat (seconds)")
     add_load_args(peers, base_url=False)
     add_workload_args(peers)
     add_output_args(peers, out_dir / "peers.json")

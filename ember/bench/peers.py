@@ -1,9 +1,9 @@
 """`ember bench peers`: ember beside peer servers, identical workloads, run alternately.
 
 Starts `ember serve` and each peer command the user gives (with {port} and {model} filled in)
-on 127.0.0.1, waits until each answers /v1/models, then runs the same requests against each
-in turn, --repeats times, and prints ember's ratio to every peer. It runs only the commands it
-is given: it never downloads or builds anything.
+on 127.0.0.1, waits until each answers /v1/models and then until all are idle (settle), then
+runs the same requests against each in turn, --repeats times, and prints ember's ratio to
+every peer. It runs only the commands it is given: it never downloads or builds anything.
 
 Repeats are paired: repeat r sends every server the same fresh requests (seed + r, so that no
 server answers a repeat from its prefix cache), in an order that alternates from one repeat to
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import socket
 import statistics
@@ -78,6 +79,35 @@ def ready(server: Server) -> bool:
             return True
     except (httpx.HTTPError, KeyError, IndexError, ValueError):
         pass
+    return False
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time process `pid` has used (Linux /proc), or None where it cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def settle(servers: list[Server], timeout_s: float, busy: float = 0.1,
+           window_s: float = 1.0) -> bool:
+    """Wait until every server is idle, each using under `busy` of a core over `window_s`:
+    a server may go on working after it is ready (ember faults its KV cache in while idle,
+    about a second of a core), and that work would land in the first repeat of the server
+    run beside it. True once idle, False at `timeout_s` or where /proc is not readable."""
+    pids = [s.process.pid for s in servers if s.process is not None]
+    deadline = time.monotonic() + timeout_s
+    before = [cpu_seconds(pid) for pid in pids]
+    while time.monotonic() < deadline and None not in before:
+        time.sleep(window_s)
+        after = [cpu_seconds(pid) for pid in pids]
+        if None in after:
+            return False
+        if all(b - a < busy * window_s for a, b in zip(before, after)):  # type: ignore[operator]
+            return True
+        before = after
     return False
 
 
@@ -150,6 +180,9 @@ def run_peers(args: argparse.Namespace) -> None:
     try:
         for server in servers:
             start(server, model_file, out.parent, args.ready_timeout)
+        if not settle(servers, args.settle_timeout):
+            print(f"the servers were still busy {args.settle_timeout:g} s after they were "
+                  "ready; measuring anyway", file=sys.stderr)
         ember, by_name = servers[0], {s.name: s for s in servers}
         for repeat in range(args.repeats):
             rargs = repeat_args(args, repeat)

@@ -301,11 +301,14 @@ class AsyncEngine:
             self._publish_stats(stepped=False)
             self._loaded.set()
             worked = True  # since the engine was last idle (the warm-up counts)
+            unfaulted = self.core.kv_pages_to_fault()
             while self._handle_inbox():
                 if not self.core.has_unfinished():
                     if worked:  # a burst ended: its freed activations go back to the OS
                         return_free_memory()  # (~5 ms; a request arriving meanwhile waits)
                         worked = False
+                    if next(unfaulted, False) is None:  # idle: one more KV huge page in
+                        continue                        # (~1 ms), then the inbox again
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from ember.engine.cold_start import PhaseClock
 from ember.engine.draft import build_drafter
 from ember.engine.embed import EMBED_PARAMS, check_embedding_input, resolve_pooling
 from ember.engine.encoder import build_encoder, is_encoder
-from ember.engine.memory import (advise_huge_pages, huge_page_copies,
+from ember.engine.memory import (advise_huge_pages, fault_in, huge_page_copies,
                                  large_blocks_mapped_alone, lazy_zeros, move_to_huge_pages,
                                  return_free_memory, temporaries_from_the_heaps)
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
@@ -187,6 +188,17 @@ class EngineCore:
         small until the kernel merges them."""
         caches = getattr(self.runner, "kv_caches", None) or []
         advise_huge_pages([t for kv in caches for t in (kv.data, kv.scale) if t is not None])
+
+    def kv_pages_to_fault(self) -> Iterator[None]:
+        """The KV cache's pages not yet in memory, faulted in one huge page per next()
+        (engine/memory.py's fault_in), for an idle engine to step through; none off the
+        CPU."""
+        caches = getattr(self.runner, "kv_caches", None) or []
+        if not caches or caches[0].data.device.type != "cpu":
+            return iter(())
+        planes = caches[0].data.shape[0] * caches[0].data.shape[1]   # K/V x kv_heads
+        return fault_in([t for kv in caches for t in (kv.data, kv.scale) if t is not None],
+                        planes)
 
     def _init_encoder(self, config: EngineConfig, files: SafetensorsFolder) -> None:
         encoder = build_encoder(config, files)

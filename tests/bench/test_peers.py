@@ -3,10 +3,14 @@ ember's ratio to a peer is taken within each pair."""
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from ember.bench.peers import paired_ratios, parse_peers, repeat_args, run_order
+from ember.bench.peers import (Server, paired_ratios, parse_peers, repeat_args, run_order,
+                               settle)
 
 
 def test_each_repeat_has_its_own_seed_and_the_options_are_not_changed():
@@ -39,3 +43,31 @@ def test_ratios_are_taken_pair_by_pair_and_their_median_reported():
 def test_a_peer_needs_a_name_of_its_own_and_a_command(specs):
     with pytest.raises(SystemExit, match="--peer-cmd"):
         parse_peers(specs)
+
+
+SPIN_THEN_IDLE = """
+import sys, time
+n = 0
+while n < 30_000_000:   # about a second of a core, then idle
+    n += 1
+open(sys.argv[1], "w").write("spun")
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux /proc")
+def test_settle_waits_for_a_ready_server_still_at_work_to_go_idle(tmp_path):
+    """A server that keeps a core busy after it is ready (as ember faulting its KV cache in)
+    is waited for: settle returns once it has gone idle, not before; one that never does
+    makes settle give up at its timeout."""
+    marker = tmp_path / "spun"
+    spinner = subprocess.Popen([sys.executable, "-c", SPIN_THEN_IDLE, str(marker)])
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert settle([Server("spins", "", 0, spinner)], timeout_s=120, window_s=0.5)
+        assert marker.read_text() == "spun"
+        assert not settle([Server("busy", "", 0, busy)], timeout_s=2, window_s=0.5)
+    finally:
+        for p in (spinner, busy):
+            p.kill()
+            p.wait()

@@ -3,6 +3,7 @@ a tiny cache, smaller than the tiny model's 512-token context)."""
 from __future__ import annotations
 
 import logging
+import time
 
 import httpx
 import pytest
@@ -61,3 +62,26 @@ def test_the_api_reports_the_clipped_length_and_refuses_longer_requests(small_ca
     ok = httpx.post(small_cache_server.url + "/v1/completions", timeout=60,
                     json={"prompt": [5] * (CAPACITY - 8), "max_tokens": 8})
     assert ok.status_code == 200, ok.text
+
+
+def test_an_idle_server_faults_its_kv_cache_in_and_what_it_cached_survives(tiny_llama_dir):
+    """Idle, the engine maps its lazily allocated KV cache in, a huge page at a time, so that
+    serving does not fault it in; blocks a request wrote before are kept: the same greedy
+    request after it, served from the prefix cache, gets the same tokens."""
+    from tests.unit.test_kv import _resident_fraction
+    folder, _ = tiny_llama_dir
+    live = LiveServer(folder)
+    try:
+        body = {"prompt": " ".join(f"item {i}" for i in range(40)), "max_tokens": 8,
+                "temperature": 0}
+        first = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
+        caches = live.engine.core.runner.kv_caches
+        deadline = time.monotonic() + 120   # a bound for slow machines, not a speed
+        while any(_resident_fraction(kv.data) < 1 for kv in caches):
+            assert time.monotonic() < deadline, "the idle engine never faulted its cache in"
+            time.sleep(0.1)
+        again = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
+        assert again["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) > 0
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    finally:
+        live.close()

@@ -402,6 +402,64 @@ def _vma_flags(address: int) -> list[str]:
     return flags
 
 
+def _resident_fraction(t: torch.Tensor) -> float:
+    """The fraction of the 4 KiB pages under `t` mapped (Linux mincore; a page only read
+    maps the shared zero page, and counts)."""
+    import ctypes
+    import ctypes.util
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    start = t.data_ptr() // 4096 * 4096
+    pages = -(-(t.data_ptr() + t.nbytes - start) // 4096)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * 4096), vec) == 0
+    return sum(v & 1 for v in vec) / pages
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux only")
+def test_fault_in_brings_a_lazy_cache_into_memory_a_huge_page_a_step_keeping_it():
+    """An idle engine faults its lazily mapped KV cache in (fault_in): one huge page of one
+    plane per step, the cache resident at the end, and what requests wrote there kept."""
+    from ember.engine.memory import HUGE_PAGE, fault_in, lazy_zeros
+    shape = (2, 3, 2500, 16, 64)          # 6 planes of 2.4 MiB: two huge pages each
+    cache = lazy_zeros(shape, torch.int8, "cpu")
+    scale = lazy_zeros(shape[:-1], torch.float16, "cpu")
+    before = (torch.zeros(shape, dtype=torch.int8), torch.zeros(shape[:-1], dtype=torch.float16))
+    g = torch.Generator().manual_seed(5)
+    written = torch.randint(-127, 128, (2, 3, 16, 64), generator=g, dtype=torch.int8)
+    for c, s in (cache, scale), before:   # (read, even a zero page counts as mapped)
+        c[:, :, 7] = written
+        c[1, 2, 2400] = 9                 # past the first huge page of the last plane
+        s[:, :, 7] = 0.5
+    assert _resident_fraction(cache) < 0.5
+    steps = fault_in([cache, scale], planes=6)
+    for _ in range(6):                    # the first huge page of each of the cache's planes
+        next(steps)
+    assert 0.5 < _resident_fraction(cache) < 1
+    assert all(_resident_fraction(cache[w, h, :2048]) == 1 for w in range(2) for h in range(3))
+    rest = sum(1 for _ in steps)
+    assert rest == 6 + 6                  # the cache's second huge pages, the scales' pages
+    assert _resident_fraction(cache) == 1 and _resident_fraction(scale) == 1
+    assert torch.equal(cache, before[0]) and torch.equal(scale, before[1])
+    assert HUGE_PAGE < cache.nbytes // 6 < 2 * HUGE_PAGE
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux only")
+def test_fault_in_without_madvise_rewrites_each_page_with_itself(monkeypatch):
+    """Where the kernel lacks MADV_POPULATE_WRITE (or there is no libc to ask), each page's
+    first byte is written back as it is: resident, and unchanged."""
+    from ember.engine import memory
+    monkeypatch.setattr(memory, "_libc", lambda: None)
+    cache = memory.lazy_zeros((2, 1, 700, 16, 64), torch.int8, "cpu")
+    before = torch.zeros(cache.shape, dtype=torch.int8)
+    for c in cache, before:
+        c[0, 0, 3] = 5
+        c[1, 0, 0, 0, 0] = -3             # the first byte of a plane, on a page boundary
+    assert _resident_fraction(cache) < 0.5
+    assert sum(1 for _ in memory.fault_in([cache], planes=2)) == 2
+    assert _resident_fraction(cache) == 1
+    assert torch.equal(cache, before)
+
+
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux only")
 def test_the_kv_cache_is_advised_as_huge_pages_only_when_asked():
     """lazy_zeros maps the cache without the huge-page advice (the warm-up's first block
@@ -437,6 +495,42 @@ def test_weights_moved_to_huge_pages_keep_their_values_on_their_modules():
         assert torch.equal(g_t, w_t) and g_t.dtype == w_t.dtype and g_t.is_contiguous()
         assert g_t.data_ptr() % 64 == 0
     assert dict(modules[0].named_buffers())["packed"] is got[0]
+
+
+def _mapping_rss_kib(path: str) -> int:
+    """The resident KiB of this process's mappings of the file `path` (Linux smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                inside = len(fields) == 6 and fields[5] == path
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux only")
+def test_weights_moved_out_of_a_file_leave_its_pages(tmp_path):
+    """The weight cache's tensors are a mapping of its file: once move_to_huge_pages has
+    copied one, the file's pages under it leave the process (else they stay resident beside
+    the copy); the copy holds the values, and the old tensor reads them back from the file."""
+    from safetensors.torch import load_file, save_file
+
+    from ember.engine.memory import move_to_huge_pages
+    g = torch.Generator().manual_seed(4)
+    want = torch.randint(-128, 128, (2048, 1024), generator=g, dtype=torch.int8)   # 2 MiB
+    path = tmp_path / "weights.safetensors"
+    save_file({"w": want}, path)
+    loaded = load_file(path)["w"]
+    module = torch.nn.Module()
+    module.register_buffer("w", loaded)
+    assert torch.equal(module.w, want)                 # read: the file's pages mapped
+    assert _mapping_rss_kib(str(path)) >= 2048
+    move_to_huge_pages([(module, "w")])
+    assert _mapping_rss_kib(str(path)) < 64            # at most the pages at its ends
+    assert torch.equal(module.w, want) and module.w.data_ptr() != loaded.data_ptr()
+    assert torch.equal(loaded, want)
 
 
 def test_a_shared_weight_moved_to_huge_pages_is_copied_once_and_stays_shared():
