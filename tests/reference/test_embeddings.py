@@ -18,6 +18,7 @@ from ember.engine.async_engine import AsyncEngine, Finished
 from ember.engine.embed import EmbeddingOutput
 from ember.errors import InvalidRequest, RequestFailed
 from ember.request import PoolingParams
+from tests.server.conftest import TEST_KV_GIB
 
 PROMPTS = [list(range(5, 45)), list(range(100, 107)), [3], list(range(1000, 1033))]
 
@@ -170,7 +171,8 @@ def test_a_fault_pooling_one_request_fails_it_alone(llm, tiny_llama_dir, monkeyp
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want_tokens = llm.generate([PROMPTS[3]], params)[0].outputs[0].token_ids
     engine = AsyncEngine(EngineConfig.from_options(model=str(folder), dtype="float32",
-                                                   max_num_batched_tokens=16))
+                                                   max_num_batched_tokens=16,
+                                                   kv_cache_gib=TEST_KV_GIB))
     engine.start()
     asyncio.run(engine.wait_ready())
     try:

@@ -19,6 +19,7 @@ from ember.engine.async_engine import AsyncEngine, EngineState, Finished
 from ember.errors import EngineDead, RequestFailed
 from ember.request import SamplingParams
 from ember.runner import runner as runner_module
+from tests.server.conftest import TEST_KV_GIB
 
 PROMPTS = [[1, 5, 9, 13], [2, 6, 10], [3, 7, 11, 15, 19], [4, 8], [5, 9, 14, 20, 21, 22]]
 VICTIM = 2  # the prompt whose request the fault hits
@@ -32,7 +33,8 @@ class Injected(RuntimeError):
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
     folder, _ = tiny_llama_dir
-    engine = AsyncEngine(EngineConfig.from_options(model=str(folder), dtype="float32"))
+    engine = AsyncEngine(EngineConfig.from_options(model=str(folder), dtype="float32",
+                                                   kv_cache_gib=TEST_KV_GIB))
     engine.start()
     asyncio.run(engine.wait_ready())
     yield engine
@@ -147,7 +149,8 @@ def test_a_fault_in_one_request_fails_it_alone(engine, monkeypatch, stage):
 
 def test_a_fault_in_every_step_kills_the_engine(tiny_llama_dir, monkeypatch):
     folder, _ = tiny_llama_dir
-    engine = AsyncEngine(EngineConfig.from_options(model=str(folder), dtype="float32"))
+    engine = AsyncEngine(EngineConfig.from_options(model=str(folder), dtype="float32",
+                                                   kv_cache_gib=TEST_KV_GIB))
     engine.start()
     asyncio.run(engine.wait_ready())
     try:

@@ -13,9 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.server.conftest import free_port
+from tests.server.conftest import TEST_KV_GIB, free_port
 
-REPLICA_OPTIONS = ["--dtype", "float32", "--kernels", "torch", "--max-model-len", "512", "-q"]
+REPLICA_OPTIONS = ["--dtype", "float32", "--kernels", "torch", "--max-model-len", "512", "-q",
+                   "--kv-cache-gib", str(TEST_KV_GIB)]
 
 
 class Route:

@@ -17,6 +17,11 @@ from ember.engine.async_engine import AsyncEngine
 from ember.server.app import create_app
 
 
+# a test server's KV cache: the tiny models' tokens are small, and an idle server pages
+# its whole cache in (1 GiB: ~4 s of a core on a shared 2-core machine)
+TEST_KV_GIB = 0.125
+
+
 class ThreadedServer:
     """An ASGI app served by uvicorn in a daemon thread, on a free port of 127.0.0.1."""
 
@@ -42,8 +47,9 @@ class LiveServer(ThreadedServer):
     def __init__(self, model: Path | str, engine_options: dict | None = None,
                  wait_ready: bool = True, **server_options) -> None:
         self.config = ServerConfig(port=0, **server_options)
+        options = {"kv_cache_gib": TEST_KV_GIB, **(engine_options or {})}
         self.engine = AsyncEngine(EngineConfig.from_options(model=str(model), dtype="float32",
-                                                            **(engine_options or {})),
+                                                            **options),
                                   max_waiting=self.config.max_waiting,
                                   request_timeout_s=self.config.request_timeout_s,
                                   stall_timeout_s=self.config.stall_timeout_s)
@@ -118,10 +124,13 @@ def free_port() -> int:
 
 
 def start_server(folder, port: int, *extra: str, script: str | None = None) -> subprocess.Popen:
-    """`ember serve` as a process on 127.0.0.1 (or `script` run with serve's arguments)."""
+    """`ember serve` as a process on 127.0.0.1 (or `script` run with serve's arguments), with
+    a test-sized KV cache unless `extra` sets one."""
     head = [sys.executable, "-c", script] if script else [sys.executable, "-m", "ember.cli"]
+    kv = [] if "--kv-cache-gib" in extra else ["--kv-cache-gib", str(TEST_KV_GIB)]
     return subprocess.Popen([*head, "serve", "--model", str(folder), "--port", str(port), "-q",
-                             *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             *kv, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 120) -> None:
