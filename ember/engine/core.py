@@ -186,19 +186,23 @@ class EngineCore:
         warm-up, whose first block touches every layer, head, K and V: on 2 MiB pages that
         faulted in ~600 MB of zeros, 0.6-0.9 s of a start's CPU. The pages it touched stay
         small until the kernel merges them."""
-        caches = getattr(self.runner, "kv_caches", None) or []
-        advise_huge_pages([t for kv in caches for t in (kv.data, kv.scale) if t is not None])
+        advise_huge_pages(self._kv_tensors())
 
     def kv_pages_to_fault(self) -> Iterator[None]:
         """The KV cache's pages not yet in memory, faulted in one huge page per next()
         (engine/memory.py's fault_in), for an idle engine to step through; none off the
         CPU."""
-        caches = getattr(self.runner, "kv_caches", None) or []
-        if not caches or caches[0].data.device.type != "cpu":
+        tensors = self._kv_tensors()
+        if not tensors or tensors[0].device.type != "cpu":
             return iter(())
-        planes = caches[0].data.shape[0] * caches[0].data.shape[1]   # K/V x kv_heads
-        return fault_in([t for kv in caches for t in (kv.data, kv.scale) if t is not None],
-                        planes)
+        planes = tensors[0].shape[0] * tensors[0].shape[1]   # K/V x kv_heads
+        return fault_in(tensors, planes)
+
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        """Every layer's KV cache tensors (values, and scales where int8); none where the
+        runner keeps no cache."""
+        caches = getattr(self.runner, "kv_caches", None) or []
+        return [t for kv in caches for t in (kv.data, kv.scale) if t is not None]
 
     def _init_encoder(self, config: EngineConfig, files: SafetensorsFolder) -> None:
         encoder = build_encoder(config, files)

@@ -267,13 +267,13 @@ def fault_in(tensors: list[torch.Tensor], planes: int) -> Iterator[None]:
     the kernel lacks it (before Linux 5.14), each 4 KiB page's first byte is rewritten with
     itself (no other thread may write the tensors meanwhile)."""
     libc = _libc()
-    tensors = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous()]
-    plane_bytes = [t.nbytes // planes for t in tensors]
+    raws = [t.view(-1).view(torch.uint8) for t in tensors
+            if t.device.type == "cpu" and t.is_contiguous()]
+    plane_bytes = [raw.numel() // planes for raw in raws]
     for offset in range(0, max(plane_bytes, default=0), HUGE_PAGE):
-        for t, size in zip(tensors, plane_bytes):
+        for raw, size in zip(raws, plane_bytes):
             if offset >= size:
                 continue
-            raw = t.view(-1).view(torch.uint8)
             for plane in range(planes):
                 start = plane * size + offset
                 _populate(libc, raw[start:start + min(HUGE_PAGE, size - offset)])

@@ -62,15 +62,20 @@ def _slots(item: ScheduledRequest, block_size: int) -> list[int]:
             for pos in range(item.start, item.end)]
 
 
-def group_members(members: list[_Member], chunks_alone: bool = False) -> list[list[_Member]]:
+def alone_above(chunks_alone: bool) -> int:
+    """The new tokens past which a member (a continued prompt chunk) attends alone: any
+    several where the prefill kernel attends prompt chunks (`chunks_alone`), else more than
+    MATMUL_MAX_QUERIES (one member's plain matmuls beat a padded multi-member call there)."""
+    return 1 if chunks_alone else MATMUL_MAX_QUERIES
+
+
+def group_members(members: list[_Member], alone_past: int = MATMUL_MAX_QUERIES
+                  ) -> list[list[_Member]]:
     """Sort by shape and cut into groups whose padded work stays within GROUP_WASTE times
-    the members' own work (new tokens x context). A continued prompt chunk attends alone:
-    with `chunks_alone` (the prefill kernel attends prompt chunks) any member of several new
-    tokens, else one of more than MATMUL_MAX_QUERIES (one member's plain matmuls beat a
-    padded multi-member call at those sizes)."""
-    least = 1 if chunks_alone else MATMUL_MAX_QUERIES
-    alone = [[m] for m in members if m.num_new > least]
-    members = [m for m in members if m.num_new <= least]
+    the members' own work (new tokens x context); a member of more than `alone_past` new
+    tokens (alone_above) attends alone."""
+    alone = [[m] for m in members if m.num_new > alone_past]
+    members = [m for m in members if m.num_new <= alone_past]
     if members and _cheap_enough(members):
         return [members] + alone  # in batch order: a step of decodes needs no row indexing
     groups: list[list[_Member]] = alone
@@ -173,14 +178,14 @@ def queue_group(members: list[_Member], block_size: int, num_rows: int,
 
 
 def _queue_prompt_step(fresh: list[tuple[int, int, int]], members: list[_Member],
-                       block_size: int, columns: _LongColumns, chunks_alone: bool
+                       block_size: int, columns: _LongColumns, alone_past: int
                        ) -> tuple[int, int, int, int, list[int]] | None:
     """A step with prompt chunks as PromptStep lays it out (its columns queued): where the
     decodes lie on adjacent rows and every continued chunk attends alone, as the layers
     attend it too (group_members); else None."""
     decodes = [m for m in members if m.num_new == 1]
     chunks = [m for m in members if m.num_new > 1]
-    if not chunks_alone and any(m.num_new <= MATMUL_MAX_QUERIES for m in chunks):
+    if any(m.num_new <= alone_past for m in chunks):
         return None
     first = decodes[0].row if decodes else 0
     if [m.row for m in decodes] != list(range(first, first + len(decodes))):
@@ -292,8 +297,9 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
             logits_rows.extend(range(row + item.num_new_tokens - num_rows,
                                      row + item.num_new_tokens))
             sampling.append(item.request)
+    past = alone_above(chunks_alone)
     queued = [queue_group(g, block_size, len(token_ids), columns)
-              for g in group_members(members, chunks_alone)]
+              for g in group_members(members, past)]
     decode_columns = None
     if not fresh and all(m.num_new == 1 for m in members):
         if len(queued) == 1 and queued[0].whole_batch:  # the usual case: that group is it
@@ -302,7 +308,7 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
             decode_columns = (_block_tables(members, block_size, columns),
                               columns.add([m.seq_len for m in members]))
     prompt_columns = None if decode_columns is not None else \
-        _queue_prompt_step(fresh, members, block_size, columns, chunks_alone)
+        _queue_prompt_step(fresh, members, block_size, columns, past)
     flat = [columns.add(c) for c in (token_ids, positions, slots)]
     # a step whose every row samples, in order, takes its logits from all of them
     logits = None if logits_rows == list(range(len(token_ids))) else columns.add(logits_rows)
