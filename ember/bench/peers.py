@@ -95,7 +95,7 @@ def settle(servers: list[Server], timeout_s: float, busy: float = 0.1,
            window_s: float = 1.0) -> bool:
     """Wait until every server is idle, each using under `busy` of a core over `window_s`:
     a server may go on working after it is ready (ember faults its KV cache in while idle,
-    about a second of a core), and that work would land in the first repeat of the server
+    a few seconds of a core), and that work would land in the first repeat of the server
     run beside it. True once idle, False at `timeout_s` or where /proc is not readable."""
     pids = [s.process.pid for s in servers if s.process is not None]
     deadline = time.monotonic() + timeout_s
