@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from ember.config import ServerConfig
 from ember.router.config import RouterConfig
 from ember.router.kv_index import BlockIndex, TextIndex
 from ember.router.metrics import RouterMetrics
@@ -44,9 +45,17 @@ class RouteKeys:
     counted: bool = True    # False: not a generation (/tokenize...), kept out of the stats
 
 
+def replica_auth(server: ServerConfig) -> dict[str, str]:
+    """The header of the gateway's own calls to replicas: they take the gateway's options,
+    so any key the gateway accepts is one they accept (/kv/events is behind it)."""
+    key = server.api_key or next((k.key for k in server.api_keys), None)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 class Fleet:
     def __init__(self, config: RouterConfig, launchers: dict[str, Launcher]) -> None:
         self.config = config
+        self.auth = replica_auth(config.server)
         self.launchers = launchers              # group -> launcher
         self.replicas: dict[str, Replica] = {}
         self.blocks: dict[str, BlockIndex] = {}
@@ -59,6 +68,7 @@ class Fleet:
         self._restart_at: dict[str, float] = {}
         self._drains: set[asyncio.Task] = set()
         self._serial = 0
+        self._poll_warned: set[tuple[str, str]] = set()   # (replica, status) already logged
 
     # -- membership -------------------------------------------------------------------------
 
@@ -279,18 +289,32 @@ class Fleet:
         for _ in range(4):  # a resync, or a long backlog, takes a few rounds
             try:
                 async with self.session.get(f"{r.url}/kv/events?after={index.cursor}",
-                                            timeout=aiohttp.ClientTimeout(
+                                            headers=self.auth, timeout=aiohttp.ClientTimeout(
                                                 total=PROBE_TIMEOUT_S)) as resp:
                     if resp.status == 404:
                         r.supports_events = False
                         return
                     if resp.status != 200:
+                        self._poll_failed(r, str(resp.status))
                         return
                     payload = await resp.json()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+                self._poll_failed(r, "timeout" if isinstance(e, asyncio.TimeoutError)
+                                  else "error")
                 return
             if index.apply(payload) and not payload.get("events"):
                 return
+
+    def _poll_failed(self, r: Replica, status: str) -> None:
+        """Count it; say it once per replica and status (it repeats every poll)."""
+        self.metrics.event_polls_failed.labels(r.id, status).inc()
+        if (r.id, status) in self._poll_warned:
+            return
+        self._poll_warned.add((r.id, status))
+        fix = ("; give the gateway the replicas' key (--api-key or --api-keys)"
+               if status in ("401", "403") else "")
+        log.warning("replica %s: GET /kv/events failed (%s), so only what the gateway sent it "
+                    "is known of its cache%s", r.id, status, fix)
 
     def supervise(self) -> None:
         """Mark replicas whose process died, and restart them with backoff."""

@@ -61,6 +61,10 @@ class RouterMetrics:
         self.cold_start = Histogram("ember_router_cold_start_seconds", "From a replica's start "
                                     "to its first ready probe", buckets=COLD_START_BUCKETS,
                                     registry=r)
+        self.event_polls_failed = Counter("ember_router_kv_event_polls_failed", "Polls of a "
+                                          "replica's /kv/events that failed, by HTTP status "
+                                          "(or timeout, error)", ["replica", "status"],
+                                          registry=r)
         self.held = Gauge("ember_router_held_requests", "Requests waiting for a ready replica",
                           registry=r)
         self.rejected = Counter("ember_router_rejected", "Requests refused by the gateway "

@@ -36,11 +36,11 @@ class LiveGateway(ThreadedServer):
         """Until `count` replicas (default: all) are ready and routable."""
         deadline = time.monotonic() + timeout_s
         while True:
-            ready = [r for r in httpx.get(self.url + "/fleet").json()["replicas"]
-                     if r["state"] == "ready"]
+            fleet = httpx.get(self.url + "/fleet", headers=self.fleet.auth).json()
+            ready = [r for r in fleet["replicas"] if r["state"] == "ready"]
             if len(ready) >= (count or len(self.fleet.replicas)):
                 return
-            assert time.monotonic() < deadline, httpx.get(self.url + "/fleet").json()
+            assert time.monotonic() < deadline, fleet
             time.sleep(0.05)
 
     def metric(self, name: str) -> float:

@@ -1,0 +1,78 @@
+"""Promises `ember serve` keeps that the gateway must keep too: keyed replicas' KV events,
+request faults told from replica faults, client disconnects, fleet-wide gauges. The reference
+is a replica on its own."""
+from __future__ import annotations
+
+import logging
+import time
+
+import httpx
+import pytest
+
+from ember.config import ServerConfig
+from ember.server.protocol import CompletionRequest
+from tests.router.conftest import LiveGateway
+from tests.server.conftest import LiveServer
+
+KEY = "k3y-of-the-fleet"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+TINY = {"max_model_len": 512, "kernels": "torch"}
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_llama_dir):
+    """A replica behind an API key."""
+    folder, _ = tiny_llama_dir
+    live = LiveServer(folder, engine_options=TINY, api_key=KEY)
+    yield live
+    live.close()
+
+
+def wait_for(predicate, what: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"never {what}"
+        time.sleep(0.05)
+
+
+def test_a_keyed_replicas_events_reach_the_gateway_and_drive_routing(keyed, replicas,
+                                                                     tiny_llama_dir):
+    """A prefix the replica cached before the gateway started (so never routed by it) is
+    learned from the keyed replica's /kv/events, and the next request with it goes there."""
+    folder, _ = tiny_llama_dir
+    system = "Keyed tenant's long system prompt, answered by one replica only. " * 6
+    warm = httpx.post(keyed.url + "/v1/completions", headers=AUTH, json={
+        "prompt": system + "First?", "max_tokens": 2, "temperature": 0})
+    assert warm.status_code == 200
+    gw = LiveGateway({"r1": replicas[0].url, "r2": keyed.url}, model=str(folder),
+                     server=ServerConfig(api_key=KEY))
+    try:
+        gw.wait_ready()
+        keys = gw.gateway.prompts.route_keys(CompletionRequest(prompt=system + "First?"),
+                                             None, {16}, {}, True).block_keys[16]
+        assert len(keys) >= 4
+        wait_for(lambda: set(keys) <= gw.fleet.blocks["r2"].blocks,
+                 "learned the keyed replica's blocks")
+        answer = httpx.post(gw.url + "/v1/completions", headers=AUTH, json={
+            "prompt": system + "Second?", "max_tokens": 2, "temperature": 0})
+        assert answer.status_code == 200
+        assert gw.metric('ember_router_routing_decisions_total{reason="prefix_hit",'
+                         'replica="r2"}') == 1
+        assert gw.metric("ember_router_kv_event_polls_failed_total") == 0
+    finally:
+        gw.close()
+
+
+def test_refused_event_polls_are_counted_by_status_and_logged_once(keyed, caplog):
+    gw = LiveGateway({"r1": keyed.url})       # the gateway has no key; its replica wants one
+    try:
+        with caplog.at_level(logging.WARNING, logger="ember.router.fleet"):
+            gw.wait_ready()
+            failed = 'ember_router_kv_event_polls_failed_total{replica="r1",status="401"}'
+            wait_for(lambda: gw.metric(failed) >= 3, "counted three refused polls")
+        warnings = [r for r in caplog.records if "/kv/events" in r.getMessage()]
+        assert len(warnings) == 1
+        assert "401" in warnings[0].getMessage() and "--api-key" in warnings[0].getMessage()
+        assert gw.fleet.blocks["r1"].block_size is None
+    finally:
+        gw.close()
