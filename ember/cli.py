@@ -21,7 +21,7 @@ from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, P
                           EngineConfig, SchedulerConfig, ServerConfig, SpecConfig, parse_api_keys)
 from ember.errors import ConfigError, EmberError, InvalidRequest
 from ember.request import SamplingParams
-from ember.router.cli import add_route_args
+from ember.router.cli import add_route_args, route_only_options
 
 if TYPE_CHECKING:  # the engine (and torch) load only for commands that run it
     from ember.engine.llm import LLM
@@ -287,7 +287,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def cmd_route(args: argparse.Namespace) -> None:
     from ember.router.main import cmd_route as route  # the gateway loads only when routing
-    route(args.route_parser, args, server_config(args))
+    tokens = args.argv[args.argv.index("route") + 1:]
+    route(args, server_config(args), tokens)
 
 
 def cmd_perplexity(args: argparse.Namespace) -> None:
@@ -353,12 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(serve)
     _server_args(serve)
     serve.set_defaults(func=cmd_serve)
+    # no abbreviated options: the tokens it passes on to replicas must be the ones it parsed
     route = sub.add_parser("route", help="a gateway over many `ember serve` replicas: "
-                           "cache-aware routing, failover, autoscaling, rollouts")
+                           "cache-aware routing, failover, autoscaling, rollouts",
+                           allow_abbrev=False)
     _engine_args(route)
     _server_args(route)
-    add_route_args(route)
-    route.set_defaults(func=cmd_route, route_parser=route)
+    route.set_defaults(func=cmd_route, route_only=route_only_options(add_route_args(route)))
     add_bench_parser(sub, results_dir(os.environ, Path.home()))
     ppl = sub.add_parser("perplexity", help="perplexity of a text: the quality check for "
                          "weight and KV formats")
@@ -401,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # `ember route` passes it on
     logging.basicConfig(level=logging.WARNING, format="ember: %(message)s")
     logging.getLogger("ember").setLevel(logging.WARNING if getattr(args, "quiet", False)
                                         else logging.INFO)

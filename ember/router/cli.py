@@ -11,11 +11,25 @@ import argparse
 from ember.config import ServerConfig
 from ember.router.config import POLICIES, AutoscaleConfig, RouterConfig
 
-GATEWAY_ONLY = {"host", "port", "help"}
+GATEWAY_ONLY = {"--host": 1, "--port": 1, "-h": 0, "--help": 0}   # serve options it keeps
 
 
-def add_route_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("fleet")
+class _Recorded:
+    """An argument group that keeps the actions added to it."""
+
+    def __init__(self, group: argparse._ArgumentGroup, actions: list[argparse.Action]) -> None:
+        self.group, self.actions = group, actions
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        action = self.group.add_argument(*args, **kwargs)
+        self.actions.append(action)
+        return action
+
+
+def add_route_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Add the gateway's own options; returns them (they are not passed on to replicas)."""
+    actions: list[argparse.Action] = []
+    g = _Recorded(parser.add_argument_group("fleet"), actions)
     g.add_argument("--replicas", type=int, default=1,
                    help="local `ember serve` replicas to start (on free ports)")
     g.add_argument("--replica-url", action="append", default=[], metavar="URL",
@@ -32,7 +46,7 @@ def add_route_args(parser: argparse.ArgumentParser) -> None:
                    help="requests held while no replica is ready, then 503")
     g.add_argument("--hold-timeout", type=float, default=RouterConfig.hold_timeout_s,
                    help="seconds a held request waits for a replica, then 503")
-    a = parser.add_argument_group("autoscaling")
+    a = _Recorded(parser.add_argument_group("autoscaling"), actions)
     a.add_argument("--min-replicas", type=int, default=None, help="default: --replicas")
     a.add_argument("--max-replicas", type=int, default=None, help="default: --replicas")
     a.add_argument("--target-ongoing", type=float, default=AutoscaleConfig.target_ongoing,
@@ -46,31 +60,49 @@ def add_route_args(parser: argparse.ArgumentParser) -> None:
                    help="with --min-replicas 0: stop every replica after S idle seconds")
     a.add_argument("--ttft-slo", type=float, default=None, metavar="S",
                    help="add a replica while the median time to first byte is above S")
-    r = parser.add_argument_group("rollouts")
+    r = _Recorded(parser.add_argument_group("rollouts"), actions)
     r.add_argument("--canary", default=None, metavar="SPEC:PERCENT",
                    help="send PERCENT of requests to a replica of SPEC (a model path, or a "
                         "replica URL); POST /fleet/promote or /fleet/rollback ends it")
     r.add_argument("--shadow", default=None, metavar="SPEC:PERCENT",
                    help="mirror PERCENT of requests to SPEC; its answers are discarded, "
                         "its latency and greedy agreement are recorded in /metrics")
+    return actions
 
 
-def serve_argv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """The `ember serve` options the user changed, to pass on to each replica."""
+def serve_argv(tokens: list[str], route_only: dict[str, int | str]) -> list[str]:
+    """The user's own `ember serve` tokens among `ember route`'s (`tokens`, after the command),
+    verbatim and in order: every token but the gateway's own options and their values.
+    `route_only` maps each gateway option string to its argument count (an int, or "?" for
+    an optional one). `ember route` takes no abbreviated options, so every token is exact."""
     argv: list[str] = []
-    for group in parser._action_groups:
-        if group.title not in ("engine", "server"):
-            continue
-        for action in group._group_actions:
-            value = getattr(args, action.dest)
-            if action.dest in GATEWAY_ONLY or value == action.default:
-                continue
-            flag = action.option_strings[-1]
-            if isinstance(action, argparse._StoreTrueAction):
-                argv.append(flag)
-            else:
-                argv += [flag, str(value)]
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        i += 1
+        flag, has_value, _ = token.partition("=")
+        nargs = route_only.get(flag) if flag.startswith("-") else None
+        if nargs is None:
+            argv.append(token)
+        elif has_value:
+            continue                            # --port=8000: the value came with it
+        elif nargs == "?":
+            if i < len(tokens) and not tokens[i].startswith("-"):
+                i += 1
+        else:
+            i += int(nargs)
     return argv
+
+
+def route_only_options(actions: list[argparse.Action]) -> dict[str, int | str]:
+    """Each option string of `actions` and of GATEWAY_ONLY (the options that are the
+    gateway's alone) -> its argument count."""
+    out: dict[str, int | str] = dict(GATEWAY_ONLY)
+    for action in actions:
+        nargs = action.nargs if action.nargs is not None else 1
+        for option in action.option_strings:
+            out[option] = nargs
+    return out
 
 
 def router_config(args: argparse.Namespace, server: ServerConfig) -> RouterConfig:
@@ -89,12 +121,5 @@ def router_config(args: argparse.Namespace, server: ServerConfig) -> RouterConfi
 
 
 def with_model(argv: list[str], model: str) -> list[str]:
-    out, skip = [], False
-    for item in argv:
-        if skip:
-            skip = False
-        elif item == "--model":
-            skip = True
-        else:
-            out.append(item)
-    return out + ["--model", model]
+    """`argv` serving `model` instead of the model it names, if any."""
+    return serve_argv(argv, {"--model": 1}) + ["--model", model]

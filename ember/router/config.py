@@ -99,6 +99,7 @@ class RouterConfig:
     max_in_flight: int = 4096           # requests the gateway carries at once, then 429
     hold_timeout_s: float = 120.0       # how long a held request waits for a replica
     restart_backoff_s: float = 1.0      # a dead local replica's first restart delay; doubles
+    max_early_deaths: int = 3           # exits in a row before ready, then no more restarts
     replica_timeout_s: float = 600.0    # one upstream request, end to end
     server: ServerConfig = field(default_factory=ServerConfig)  # listen, keys, body limits
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
@@ -108,8 +109,9 @@ class RouterConfig:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy {self.policy!r} is unknown; use one of "
                               f"{', '.join(POLICIES)}")
-        if min(self.max_tries, self.max_queue, self.max_in_flight) < 1:
-            raise ConfigError("max_tries, max_queue and max_in_flight must be at least 1")
+        if min(self.max_tries, self.max_queue, self.max_in_flight, self.max_early_deaths) < 1:
+            raise ConfigError("max_tries, max_queue, max_in_flight and max_early_deaths must "
+                              "be at least 1")
         for name in ("backoff_s", "probe_interval_s", "events_interval_s", "eject_s",
                      "hold_timeout_s", "restart_backoff_s", "replica_timeout_s"):
             if getattr(self, name) <= 0:

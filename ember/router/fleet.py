@@ -28,6 +28,7 @@ from ember.router.replicas import Launcher, Replica, ReplicaState
 log = logging.getLogger(__name__)
 
 MAX_RESTART_BACKOFF_S = 30.0
+PORT_TAKEN = "address already in use"   # a replica's log line when its port was taken
 PROBE_TIMEOUT_S = 2.0
 STARTING_PROBE_S = 0.1
 REPLICA_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
@@ -69,6 +70,7 @@ class Fleet:
         self._drains: set[asyncio.Task] = set()
         self._serial = 0
         self._poll_warned: set[tuple[str, str]] = set()   # (replica, status) already logged
+        self.failures: dict[str, str] = {}   # group -> why its replicas are not started
 
     # -- membership -------------------------------------------------------------------------
 
@@ -83,7 +85,7 @@ class Fleet:
 
     def start_replica(self, group: str = "primary") -> Replica | None:
         launcher = self.launchers.get(group)
-        if launcher is None:
+        if launcher is None or group in self.failures:
             return None
         self._serial += 1
         replica_id = f"{group[0]}{self._serial}"
@@ -106,7 +108,8 @@ class Fleet:
     def can_serve_soon(self, group: str = "primary") -> bool:
         """A replica of `group` is ready, starting, or can be started."""
         live = (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.DEAD)
-        return bool(self.group(group, live)) or group in self.launchers
+        return bool(self.group(group, live)) or (group in self.launchers
+                                                 and group not in self.failures)
 
     # -- routing ----------------------------------------------------------------------------
 
@@ -220,8 +223,8 @@ class Fleet:
 
     async def probe_all(self) -> None:
         self.supervise()
-        replicas = [r for r in self.replicas.values()
-                    if r.state not in (ReplicaState.STOPPED, ReplicaState.DEAD)]
+        replicas = [r for r in self.replicas.values() if r.state not in
+                    (ReplicaState.STOPPED, ReplicaState.DEAD, ReplicaState.FAILED)]
         await asyncio.gather(*(self.probe(r) for r in replicas))
         if any(r.routable(time.monotonic()) for r in self.replicas.values()):
             self.ready_event.set()
@@ -244,7 +247,7 @@ class Fleet:
 
     def mark_ready(self, r: Replica) -> None:
         if r.state is ReplicaState.STARTING:
-            r.ready_at = time.monotonic()
+            r.ready_at, r.early_deaths = time.monotonic(), 0
             self.metrics.cold_start.observe(r.ready_at - r.started_at)
             log.info("replica %s ready after %.1f s", r.id, r.ready_at - r.started_at)
         r.state, r.ejected_until = ReplicaState.READY, 0.0
@@ -320,16 +323,42 @@ class Fleet:
         """Mark replicas whose process died, and restart them with backoff."""
         now = time.monotonic()
         for r in list(self.replicas.values()):
-            if r.state in (ReplicaState.STOPPED, ReplicaState.DRAINING):
+            if r.state in (ReplicaState.STOPPED, ReplicaState.DRAINING, ReplicaState.FAILED):
                 continue
             if r.state is not ReplicaState.DEAD and not r.handle.alive():
-                r.state = ReplicaState.DEAD
-                delay = min(MAX_RESTART_BACKOFF_S,
-                            self.config.restart_backoff_s * 2 ** r.restarts)
-                self._restart_at[r.id] = now + delay
-                log.warning("replica %s died; restarting in %.1f s", r.id, delay)
+                self._died(r, now)
             elif r.state is ReplicaState.DEAD and now >= self._restart_at.get(r.id, 0.0):
                 self._restart(r)
+
+    def _died(self, r: Replica, now: float) -> None:
+        r.state, r.last_exit = ReplicaState.DEAD, r.handle.exit_report()
+        if r.ready_at is not None:
+            delay = min(MAX_RESTART_BACKOFF_S, self.config.restart_backoff_s * 2 ** r.restarts)
+            log.warning("replica %s died; restarting in %.1f s", r.id, delay)
+        elif any(PORT_TAKEN in line.lower() for line in r.last_exit["log_tail"]):
+            # its port was free when picked and taken before it bound: a new one, at once
+            delay = 0.0
+            log.warning("replica %s found its port taken; restarting on another", r.id)
+        else:
+            r.early_deaths += 1
+            delay = min(MAX_RESTART_BACKOFF_S, self.config.restart_backoff_s * 2 ** r.restarts)
+            log.warning("replica %s exited with status %s before it was ready; its last lines:"
+                        "\n%s", r.id, r.last_exit["code"], "\n".join(r.last_exit["log_tail"]))
+            if r.early_deaths >= self.config.max_early_deaths:
+                self._give_up(r)
+                return
+        self._restart_at[r.id] = now + delay
+
+    def _give_up(self, r: Replica) -> None:
+        """Stop restarting `r`, and starting its group's replicas: they take the same
+        options, so they would fail alike."""
+        r.state = ReplicaState.FAILED
+        last = r.last_exit["log_tail"][-1] if r.last_exit["log_tail"] else "no output"
+        self.failures[r.group] = (
+            f"replica {r.id} exited {r.early_deaths} times in a row before it was ready "
+            f"(status {r.last_exit['code']}: {last}); fix the options it was given and "
+            "restart the gateway (GET /fleet has its last log lines)")
+        log.error("giving up on the %s replicas: %s", r.group, self.failures[r.group])
 
     def _restart(self, r: Replica) -> None:
         launcher = self.launchers.get(r.group)

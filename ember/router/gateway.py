@@ -63,7 +63,8 @@ class Gateway:
         if any(r.routable(now) for r in primaries):
             return True
         live = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DEAD)
-        return not any(r.state in live for r in primaries) and "primary" in self.fleet.launchers
+        return not any(r.state in live for r in primaries) and \
+            self.fleet.can_serve_soon("primary")
 
 
 def create_gateway(gw: Gateway) -> FastAPI:
@@ -119,8 +120,10 @@ def _add_probes(app: FastAPI, gw: Gateway) -> None:
     async def ready() -> JSONResponse:
         if gw.ready():
             return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "no replica ready"}, status_code=503,
-                            headers={"Retry-After": "1"})
+        failure = gw.fleet.failures.get("primary")
+        return JSONResponse({"status": "no replica ready"} | ({"reason": failure} if failure
+                                                             else {}),
+                            status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -136,7 +139,7 @@ def _add_admin(app: FastAPI, gw: Gateway, guard: Callable[[Request], Awaitable[N
                              "replicas": gw.fleet.snapshot(),
                              "canary_percent": gw.rollout.canary_percent,
                              "shadow_percent": gw.rollout.shadow_percent,
-                             "held": gw.proxy.held})
+                             "held": gw.proxy.held, "failures": gw.fleet.failures})
 
     @app.post("/fleet/promote", dependencies=[Depends(guard)])
     async def promote() -> JSONResponse:

@@ -63,11 +63,11 @@ def build_fleet(args: argparse.Namespace, argv: list[str], config: RouterConfig
     return fleet, rollout
 
 
-def cmd_route(parser: argparse.ArgumentParser, args: argparse.Namespace,
-              server: ServerConfig) -> None:
+def cmd_route(args: argparse.Namespace, server: ServerConfig, tokens: list[str]) -> None:
+    """`tokens`: `ember route`'s own, as typed after the command."""
     if args.replicas < 0 or (args.replicas == 0 and not args.scale_to_zero_after):
         raise ConfigError("--replicas must be at least 1 (0 needs --scale-to-zero-after)")
-    argv = serve_argv(parser, args)
+    argv = serve_argv(tokens, args.route_only)
     config = router_config(args, server)
     fleet, rollout = build_fleet(args, argv, config)
     initial = 0 if args.replica_url else args.replicas

@@ -22,7 +22,7 @@ class FleetCollector(Collector):
         replicas = self.snapshot()
         by_state = GaugeMetricFamily("ember_router_replicas", "Replicas by state",
                                      labels=["state"])
-        for state in ("starting", "ready", "draining", "stopped", "dead"):
+        for state in ("starting", "ready", "draining", "stopped", "dead", "failed"):
             by_state.add_metric([state], sum(r["state"] == state for r in replicas))
         yield by_state
         for name, key, doc in (("in_flight", "in_flight", "Gateway requests on the replica"),

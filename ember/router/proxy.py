@@ -74,7 +74,8 @@ class Proxy:
             if picked is not None:
                 return picked[0], picked[1], waited
             if not self.fleet.can_serve_soon(group):
-                raise Unavailable("no replica can serve this request now; retry later")
+                raise Unavailable(self.fleet.failures.get(group)
+                                  or "no replica can serve this request now; retry later")
             if self.held >= self.config.max_queue:
                 self.fleet.metrics.rejected.labels("hold_queue_full").inc()
                 raise Unavailable(f"{self.held} requests are already waiting for a replica "

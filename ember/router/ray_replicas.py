@@ -78,6 +78,9 @@ class RayHandle:
     def kill(self) -> None:
         ray.kill(self.actor, no_restart=True)
 
+    def exit_report(self) -> dict:
+        return {"code": None, "log_tail": []}   # its output is in the Ray node's logs
+
 
 class RayLauncher:
     """Starts each replica as a `ReplicaActor` on the Ray cluster at `address` (None: the

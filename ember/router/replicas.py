@@ -7,6 +7,8 @@ prefill/decode pair is one more handle whose url fronts both halves.
 
     states:  starting -> ready <-> (ejected while failing) -> draining -> stopped
                   \\-> dead (exited; a local or Ray replica is restarted with backoff)
+                        \\-> failed (exited before it was ready, a few times in a row:
+                                   not restarted; its last log lines say why)
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class ReplicaState(str, enum.Enum):
     DRAINING = "draining"
     STOPPED = "stopped"
     DEAD = "dead"
+    FAILED = "failed"
 
 
 class ReplicaHandle(Protocol):
@@ -43,6 +46,10 @@ class ReplicaHandle(Protocol):
         """Ask it to drain and exit (SIGTERM for a process)."""
 
     def kill(self) -> None: ...
+
+    def exit_report(self) -> dict:
+        """Once it has exited: {"code": its exit status or None, "log_tail": its last log
+        lines} (empty where the gateway cannot see its output)."""
 
 
 class Launcher(Protocol):
@@ -68,6 +75,8 @@ class Replica:
     supports_events: bool = True    # False once /kv/events answered 404: text tree instead
     first_byte_at: float | None = None  # the first answer's first byte since (re)start
     load_phases: dict[str, float] = field(default_factory=dict)  # its own start-up report
+    early_deaths: int = 0           # exits in a row before it was ready
+    last_exit: dict | None = None   # the last exit's status and log lines (exit_report)
 
     @property
     def url(self) -> str:
@@ -81,7 +90,8 @@ class Replica:
         return {"id": self.id, "url": self.url, "pid": self.handle.pid, "group": self.group,
                 "state": self.state.value, "running": self.running, "waiting": self.waiting,
                 "kv_usage": self.kv_usage, "in_flight": self.in_flight,
-                "restarts": self.restarts, "cold_start": self.cold_start()}
+                "restarts": self.restarts, "cold_start": self.cold_start(),
+                "last_exit": self.last_exit}
 
     def cold_start(self) -> dict:
         """Seconds from the launch to ready and to the first byte, and the replica's own
@@ -108,6 +118,9 @@ class RemoteHandle:
 
     def kill(self) -> None:
         pass
+
+    def exit_report(self) -> dict:
+        return {"code": None, "log_tail": []}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -142,6 +155,20 @@ class ProcessHandle:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+
+    def exit_report(self, num_lines: int = 20) -> dict:
+        return {"code": self.proc.poll(), "log_tail": log_tail(self.log_path, num_lines)}
+
+
+def log_tail(path: str, num_lines: int, max_bytes: int = 16384) -> list[str]:
+    """The last `num_lines` lines of the file at `path` (read from its last `max_bytes`)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - max_bytes))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.strip()][-num_lines:]
 
 
 def replica_environment(environ: Mapping[str, str], local_replicas: int

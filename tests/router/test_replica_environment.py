@@ -11,10 +11,10 @@ from ember.router.replicas import LocalLauncher, replica_environment
 
 
 def route_fleet(*argv: str):
-    parser = build_parser()
-    args = parser.parse_args(["route", "--model", "m.gguf", *argv])
+    tokens = ["--model", "m.gguf", *argv]
+    args = build_parser().parse_args(["route", *tokens])
     config = router_config(args, server_config(args))
-    fleet, _ = build_fleet(args, serve_argv(args.route_parser, args), config)
+    fleet, _ = build_fleet(args, serve_argv(tokens, args.route_only), config)
     return fleet, local_replicas(fleet.launchers,
                                  max(args.replicas, config.autoscale.max_replicas))
 
