@@ -12,6 +12,9 @@ from ember.config import ServerConfig
 from ember.router.config import POLICIES, AutoscaleConfig, RouterConfig
 
 GATEWAY_ONLY = {"--host": 1, "--port": 1, "-h": 0, "--help": 0}   # serve options it keeps
+# the gateway waits this much longer than the replicas' --request-timeout, so that a slow
+# request ends with the replica's own 504 (the request's outcome), not a gateway timeout
+REPLICA_TIMEOUT_SLACK_S = 30.0
 
 
 class _Recorded:
@@ -115,9 +118,11 @@ def router_config(args: argparse.Namespace, server: ServerConfig) -> RouterConfi
                             scale_down_delay_s=args.scale_down_delay,
                             scale_to_zero_after_s=args.scale_to_zero_after,
                             ttft_slo_s=args.ttft_slo)
+    limit = server.request_timeout_s
     return RouterConfig(policy=args.policy, session_header=args.session_header.lower(),
                         max_tries=args.max_tries, max_queue=args.max_queue,
-                        hold_timeout_s=args.hold_timeout, server=server, autoscale=scale)
+                        hold_timeout_s=args.hold_timeout, server=server, autoscale=scale,
+                        replica_timeout_s=limit + REPLICA_TIMEOUT_SLACK_S if limit else None)
 
 
 def with_model(argv: list[str], model: str) -> list[str]:

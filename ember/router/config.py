@@ -100,7 +100,9 @@ class RouterConfig:
     hold_timeout_s: float = 120.0       # how long a held request waits for a replica
     restart_backoff_s: float = 1.0      # a dead local replica's first restart delay; doubles
     max_early_deaths: int = 3           # exits in a row before ready, then no more restarts
-    replica_timeout_s: float = 600.0    # one upstream request, end to end
+    # one upstream request, end to end (None: no limit); past the replicas' own
+    # --request-timeout, which answers the request's own 504 first
+    replica_timeout_s: float | None = 600.0
     server: ServerConfig = field(default_factory=ServerConfig)  # listen, keys, body limits
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
@@ -114,5 +116,5 @@ class RouterConfig:
                               "be at least 1")
         for name in ("backoff_s", "probe_interval_s", "events_interval_s", "eject_s",
                      "hold_timeout_s", "restart_backoff_s", "replica_timeout_s"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")

@@ -1,6 +1,7 @@
 """Forward one request to a replica: retry before the first byte, stream after it.
 
     pick -> send -> status?  connection error, 5xx, 429: eject, back off, pick another
+                   -> 5xx the replica marks as the request's own fault: answered as it is
                    -> 2xx/4xx: a plain answer is read whole and returned
                    -> 2xx SSE: wait for its first chunk (still retryable), then relay chunk
                       by chunk; a failure after that ends the stream with an SSE error event
@@ -27,7 +28,7 @@ from ember.router.fleet import Fleet, RouteKeys
 from ember.router.policies import Decision
 from ember.router.replicas import Replica
 from ember.router.rollout import Capture
-from ember.server.errors import Unavailable, error_body
+from ember.server.errors import FAULT_HEADER, Unavailable, error_body
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,10 @@ class Proxy:
             if tap is not None:
                 tap.feed(upstream.first)
             _finish(tap, on_done)
+            fault = resp.headers.get(FAULT_HEADER)
             return Response(upstream.first, status_code=resp.status,
-                            media_type=resp.content_type)
+                            media_type=resp.content_type,
+                            headers={FAULT_HEADER: fault} if fault else None)
         relay = Relay(self, upstream, tap, on_done)
         return RelayResponse(relay, status_code=resp.status, media_type="text/event-stream",
                              headers=SSE_HEADERS)
@@ -168,7 +171,7 @@ class Proxy:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise Attempt("connect") from e
         try:
-            if resp.status in RETRYABLE:
+            if resp.status in RETRYABLE and not _request_fault(resp):
                 body = await resp.read()
                 resp.release()
                 raise Attempt(f"status_{resp.status}", resp.status, body,
@@ -258,6 +261,13 @@ def _finish(tap: Capture | None, on_done: Callable[[], None] | None) -> None:
         tap.close()
     if on_done is not None:
         on_done()
+
+
+def _request_fault(resp: aiohttp.ClientResponse) -> bool:
+    """The replica says this request failed on its own (ember's RequestFailed, or its
+    --request-timeout): answered as it is, never retried, and the replica stays in rotation,
+    or one poison request would take every replica it reaches out of routing."""
+    return resp.headers.get(FAULT_HEADER, "").lower() == "request"
 
 
 def _retry_after(value: str | None) -> float | None:

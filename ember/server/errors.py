@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ember.errors import EmberError, InvalidRequest
+from ember.errors import EmberError, InvalidRequest, RequestFailed
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,17 @@ class ClientDisconnected(Exception):
 
 
 RETRY_AFTER_S = 1
+# Says whose fault a 5xx is, for a router in front: "request" means this request failed (or
+# ran past its time limit) and the server is fine, so sending it elsewhere would fail the
+# same way and the server must stay in rotation. A 5xx without it is the server's own.
+FAULT_HEADER = "X-Ember-Fault"
+REQUEST_FAULT = {FAULT_HEADER: "request"}
+
+
+def is_request_fault(error: EmberError) -> bool:
+    """Whether `error` is the one request's own outcome (the engine keeps serving others):
+    RequestFailed, or the request's time limit (504)."""
+    return isinstance(error, RequestFailed) or error.http_status == 504
 
 
 def error_body(status: int, message: str, error_type: str, param: str | None = None,
@@ -74,6 +85,8 @@ def error_response(error: EmberError) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if error.http_status in (429, 503) else None
     if error.http_status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
+    if is_request_fault(error):
+        headers = REQUEST_FAULT
     body = error_body(error.http_status, error.message, error.error_type, error.param)
     return JSONResponse(body, status_code=error.http_status, headers=headers)
 
@@ -100,7 +113,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        # a bug this request ran into: every replica runs the same code on the same body,
+        # and the server itself is fine (a dead engine answers 503 EngineDead)
         log.exception("internal error")
         return JSONResponse(error_body(500, "internal server error; the request was not "
                                             "completed, and the server logged the cause",
-                                       "server_error"), status_code=500)
+                                       "server_error"), status_code=500,
+                            headers=REQUEST_FAULT)

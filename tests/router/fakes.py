@@ -7,11 +7,22 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 
+from ember.errors import EmberError
+from ember.server.errors import error_response
 from tests.server.conftest import ThreadedServer
+
+
+class RequestTimeout(EmberError):
+    """What ember answers a request that ran past --request-timeout (the engine's own class
+    needs torch)."""
+
+    http_status = 504
+    error_type = "timeout_error"
 
 
 class FakeReplica(ThreadedServer):
     """Answers probes as a healthy replica; `mode` says what a request gets: "status_500",
+    "request_timeout" (ember's 504 past --request-timeout, marked the request's own fault),
     or "break_stream" (two SSE chunks, then the connection drops)."""
 
     def __init__(self, mode: str) -> None:
@@ -33,6 +44,8 @@ class FakeReplica(ThreadedServer):
             self.hits += 1
             if self.mode == "status_500":
                 return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+            if self.mode == "request_timeout":
+                return error_response(RequestTimeout("the request ran past its time limit"))
 
             async def chunks():
                 for i in range(2):

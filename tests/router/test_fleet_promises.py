@@ -3,6 +3,7 @@ request faults told from replica faults, client disconnects, fleet-wide gauges. 
 is a replica on its own."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -10,8 +11,11 @@ import httpx
 import pytest
 
 from ember.config import ServerConfig
+from ember.errors import RequestFailed
+from ember.server.errors import FAULT_HEADER
 from ember.server.protocol import CompletionRequest
 from tests.router.conftest import LiveGateway
+from tests.router.fakes import FakeReplica
 from tests.server.conftest import LiveServer
 
 KEY = "k3y-of-the-fleet"
@@ -76,3 +80,70 @@ def test_refused_event_polls_are_counted_by_status_and_logged_once(keyed, caplog
         assert gw.fleet.blocks["r1"].block_size is None
     finally:
         gw.close()
+
+
+POISON_SEED = 4242   # the request the fault hits, wherever it goes
+
+
+@contextlib.contextmanager
+def poisoned(servers: list[LiveServer]):
+    """Each server's engine fails the poison request, as ember fails one request that fails
+    a step by itself (RequestFailed), and keeps serving the others. Yields the count of
+    poison requests the servers received."""
+    hits = [0]
+    originals = [live.engine.submit for live in servers]
+
+    def failing(submit):
+        def submit_or_fail(request_id, prompt, params, *args, **kwargs):
+            if params.seed == POISON_SEED:
+                hits[0] += 1
+                raise RequestFailed("the server failed while serving this request (injected)")
+            return submit(request_id, prompt, params, *args, **kwargs)
+        return submit_or_fail
+    for live, submit in zip(servers, originals):
+        live.engine.submit = failing(submit)
+    try:
+        yield hits
+    finally:
+        for live, submit in zip(servers, originals):
+            live.engine.submit = submit
+
+
+def test_a_poison_request_fails_once_and_takes_no_replica_out_of_routing(replicas):
+    gw = LiveGateway({"r1": replicas[0].url, "r2": replicas[1].url}, policy="round-robin",
+                     eject_s=60, hold_timeout_s=2)
+    try:
+        gw.wait_ready()
+        with poisoned(replicas) as hits:
+            poison = httpx.post(gw.url + "/v1/completions", json={
+                "prompt": "poison", "max_tokens": 2, "seed": POISON_SEED})
+            assert poison.status_code == 500 and "injected" in poison.json()["error"]["message"]
+            assert poison.headers[FAULT_HEADER] == "request"
+            assert hits[0] == 1                          # not retried on the other replica
+            statuses = [httpx.post(gw.url + "/v1/completions", json={
+                "prompt": f"fine {i}", "max_tokens": 2}).status_code for i in range(20)]
+        assert statuses == [200] * 20
+        assert gw.metric("ember_router_retries_total") == 0
+        assert gw.metric("ember_router_ejections_total") == 0
+        for replica_id in ("r1", "r2"):                   # both stayed in rotation
+            assert gw.metric(f'ember_router_requests_total{{replica="{replica_id}",'
+                             'status="200"}') == 10
+    finally:
+        gw.close()
+
+
+def test_a_replicas_request_timeout_is_the_requests_outcome(replicas):
+    slow = FakeReplica("request_timeout")
+    gw = LiveGateway({"r0": slow.url, "r1": replicas[0].url}, policy="round-robin",
+                     eject_s=60)
+    try:
+        gw.wait_ready()
+        answers = [httpx.post(gw.url + "/v1/completions", json={
+            "prompt": f"q{i}", "max_tokens": 2}) for i in range(4)]
+        assert sorted(a.status_code for a in answers) == [200, 200, 504, 504]
+        assert slow.hits == 2                          # kept in rotation, never retried
+        assert gw.metric("ember_router_retries_total") == 0
+        assert gw.metric("ember_router_ejections_total") == 0
+    finally:
+        gw.close()
+        slow.close()
