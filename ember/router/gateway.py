@@ -23,10 +23,11 @@ from ember.errors import Overloaded
 from ember.router.autoscale import Autoscaler
 from ember.router.fleet import Fleet, RouteKeys
 from ember.router.prompts import PromptKeys
-from ember.router.proxy import HOP_HEADERS, Proxy
+from ember.router.proxy import CLIENT_CLOSED_REQUEST, HOP_HEADERS, Proxy
 from ember.router.replicas import ReplicaState
 from ember.router.rollout import Capture, Rollout
-from ember.server.errors import install_error_handlers, read_body
+from ember.server.disconnect import unless_disconnected
+from ember.server.errors import ClientDisconnected, install_error_handlers, read_body
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from ember.server.tenants import match_key
 
@@ -80,6 +81,10 @@ def create_gateway(gw: Gateway) -> FastAPI:
 
     app = FastAPI(title="ember route", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_left(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     async def guard(request: Request) -> None:
         request.state.tenant = gw.check_key(request)
@@ -177,8 +182,12 @@ async def route(gw: Gateway, request: Request, model: type, path: str) -> Respon
         gw.autoscaler.note_request()
     gw.in_flight += 1
     try:
-        return await gw.proxy.forward(path, raw, headers, keys, gw.rollout.group_for(gw.fleet),
-                                      body.stream, arrival, capture, on_done=gw.left)
+        # until the first byte (all of a plain answer) a client that leaves cancels the
+        # forward, which hangs up on the replica, so it aborts the request as a client's
+        # leaving aborts it there; a stream after its first byte stops with its relay
+        return await unless_disconnected(request, gw.proxy.forward(
+            path, raw, headers, keys, gw.rollout.group_for(gw.fleet), body.stream, arrival,
+            capture, on_done=gw.left))
     except BaseException:
         gw.left()
         raise

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 HOP_HEADERS = {"content-type", "authorization", "x-request-id"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 RETRYABLE = {429, 500, 502, 503, 504}
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 
 
 @dataclass
@@ -156,6 +157,9 @@ class Proxy:
                 last = failed
                 self.fleet.release(replica)
                 self._eject_after(replica, failed)
+            except BaseException:   # cancelled: the client left, the replica was hung up on
+                self._done(replica, CLIENT_CLOSED_REQUEST)
+                raise
         self._done_status(last.status)
         return Response(last.body or json.dumps(error_body(
             last.status, f"every replica tried failed ({last.reason}); retry later",
@@ -186,7 +190,7 @@ class Proxy:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             resp.close()
             raise Attempt("disconnect") from e
-        except Attempt:
+        except BaseException:   # an Attempt, or cancelled: the connection goes, not reused
             resp.close()
             raise
         return Upstream(replica, resp, first)

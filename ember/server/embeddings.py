@@ -24,7 +24,8 @@ from ember.errors import EmberError, InvalidRequest
 from ember.request import MAX_INT32, PoolingParams, RequestOptions
 from ember.server.engine_input import adapter_options, tenant_options
 from ember.server.errors import ClientDisconnected
-from ember.server.generation import end_reason, unless_disconnected
+from ember.server.disconnect import unless_disconnected
+from ember.server.generation import end_reason
 from ember.server.protocol import Strict, _in_range
 from ember.server.state import (ServerState, arrival_time, read_json_body, request_tenant,
                                 server_state)

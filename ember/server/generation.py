@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Request
 
@@ -14,12 +13,11 @@ from ember.engine.async_engine import Finished, RequestStream
 from ember.errors import EmberError
 from ember.request import CompletionOutput, TokenLogprob
 from ember.server.engine_input import EngineInput
+from ember.server.disconnect import unless_disconnected
 from ember.server.errors import ClientDisconnected
 from ember.server.metrics import RequestTracker
 from ember.server.state import ServerState
 from ember.tokenizer.answers import AnswerTokens
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -127,27 +125,6 @@ async def _merge(streams: list[RequestStream]
     finally:
         for task in tasks:
             task.cancel()
-
-
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and so aborting its requests) if the client leaves."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    raise ClientDisconnected()
 
 
 def end_reason(error: EmberError) -> str:

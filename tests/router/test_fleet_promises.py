@@ -147,3 +147,43 @@ def test_a_replicas_request_timeout_is_the_requests_outcome(replicas):
     finally:
         gw.close()
         slow.close()
+
+
+@pytest.fixture(scope="module")
+def slow(tiny_llama_dir):
+    """A replica whose steps take 0.1 s: a long answer is still running when its client
+    leaves."""
+    folder, _ = tiny_llama_dir
+    live = LiveServer(folder, engine_options=TINY)
+    live.delay_steps(0.1)
+    yield live
+    live.close()
+
+
+LONG_ASK = {"max_tokens": 300, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "go on"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go on"}]}),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_aborts_its_request_on_the_replica(slow, path, body, stream):
+    gw = LiveGateway({"r1": slow.url})
+    aborts = 'ember_request_aborts_total{reason="client_disconnect"}'
+    try:
+        gw.wait_ready()
+        before = slow.metric(aborts)
+        ask = body | LONG_ASK | {"stream": stream}
+        if stream:
+            with httpx.stream("POST", gw.url + path, json=ask) as resp:
+                next(resp.iter_lines())          # the stream has started; now hang up
+        else:
+            with pytest.raises(httpx.ReadTimeout):   # the client gives up and hangs up
+                httpx.post(gw.url + path, json=ask, timeout=httpx.Timeout(5, read=1))
+        wait_for(lambda: slow.metric(aborts) >= before + 1, "aborted on the replica", 10)
+        slow.wait_idle()
+        wait_for(lambda: gw.fleet.replicas["r1"].in_flight == 0 and gw.gateway.in_flight == 0,
+                 "released at the gateway", 5)
+    finally:
+        gw.close()
