@@ -10,7 +10,6 @@ Import this module only when --ray is given: `import ray` is slow and ray is opt
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -20,18 +19,12 @@ from dataclasses import dataclass
 
 import ray
 
+from ember.router.replicas import die_with_parent
+
 ACTOR_RESTARTS = 3
 # what a replica needs from the gateway's environment to run the same ember the same way
 FORWARDED_ENV = ("PYTHONPATH", "TORCH_EXTENSIONS_DIR", "EMBER_MODEL", "EMBER_API_KEY")
 CALL_TIMEOUT_S = 10.0
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM it when its actor process dies (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @ray.remote(num_cpus=1, max_restarts=ACTOR_RESTARTS, max_task_retries=0)
@@ -46,7 +39,8 @@ class ReplicaActor:
         self.url = f"http://{host}:{port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ember.cli", "serve", "--host", "0.0.0.0", "--port",
-             str(port), *serve_args], stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+             str(port), *serve_args], stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(os.getpid()))
 
     def info(self) -> tuple[str, int, bool]:
         return self.url, self.proc.pid, self.proc.poll() is None

@@ -12,6 +12,7 @@ prefill/decode pair is one more handle whose url fronts both halves.
 """
 from __future__ import annotations
 
+import ctypes
 import enum
 import os
 import signal
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -184,6 +185,25 @@ def replica_environment(environ: Mapping[str, str], local_replicas: int
     return {**environ, "OMP_WAIT_POLICY": "passive"}
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """For Popen's preexec_fn: the child gets SIGTERM when the process that started it dies,
+    even of SIGKILL, so a gateway's replicas never outlive it as orphans holding their KV
+    cache and cores (Linux's parent-death signal; elsewhere nothing). The signal follows the
+    thread that started the child: replicas are started on the gateway's main thread, which
+    lives as long as the process."""
+    def arm() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):   # no prctl here
+            return
+        if os.getppid() != parent_pid:      # the parent died before the signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
+
+
 class LocalLauncher:
     """`ember serve` subprocesses on free ports of `host`, each with `serve_args` and `env`
     (None: the gateway's environment; the fleet sets it once it knows how many local
@@ -206,5 +226,5 @@ class LocalLauncher:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env=self.env)
+                                    env=self.env, preexec_fn=die_with_parent(os.getpid()))
         return ProcessHandle(proc, f"http://{self.host}:{port}", log_path)
