@@ -62,7 +62,8 @@ class Fleet:
         self.blocks: dict[str, BlockIndex] = {}
         self.texts: dict[str, TextIndex] = {}
         self.picker = Picker(config.policy, config.prefix)
-        self.metrics = RouterMetrics(self.snapshot)
+        self.held = 0                           # requests waiting for a ready replica
+        self.metrics = RouterMetrics(self.snapshot, lambda: self.held)
         self.ready_event = asyncio.Event()
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
@@ -276,6 +277,7 @@ class Fleet:
                 attr = REPLICA_GAUGES.get(sample.name)
                 if attr is not None:
                     setattr(r, attr, int(sample.value) if attr != "kv_usage" else sample.value)
+                    r.model_name = sample.labels.get("model_name", r.model_name)
 
     async def poll_events(self) -> None:
         if self.config.policy != "prefix":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -13,13 +13,18 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class FleetCollector(Collector):
-    """Replicas by state and each replica's load, read from the fleet at scrape time."""
+    """Replicas by state, each replica's load, and the fleet's totals under a replica's own
+    gauge names, read from the fleet at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], list[dict]]) -> None:
+    def __init__(self, snapshot: Callable[[], list[dict]], held: Callable[[], int]) -> None:
         self.snapshot = snapshot
+        self.held = held
 
     def collect(self) -> Iterator[Metric]:
         replicas = self.snapshot()
+        yield from fleet_totals(replicas, self.held())
+        yield GaugeMetricFamily("ember_router_held_requests", "Requests waiting for a ready "
+                                "replica", value=self.held())
         by_state = GaugeMetricFamily("ember_router_replicas", "Replicas by state",
                                      labels=["state"])
         for state in ("starting", "ready", "draining", "stopped", "dead", "failed"):
@@ -35,8 +40,32 @@ class FleetCollector(Collector):
             yield gauge
 
 
+def fleet_totals(replicas: list[dict], held: int) -> Iterator[Metric]:
+    """`vllm:num_requests_running` and `vllm:num_requests_waiting` summed over the replicas
+    that serve clients (not a shadow's mirrored copies), by model, the held requests counted
+    as waiting for the primary replicas' model: dashboards and autoscalers made for one
+    server read the fleet as one server."""
+    serving = [r for r in replicas if r["group"] != "shadow"
+               and r["state"] in ("ready", "draining")]
+    primary = [r["model"] for r in replicas if r["group"] == "primary" and r["model"]]
+    held_model = primary[0] if primary else ""
+    models = sorted({r["model"] or "" for r in serving} | ({held_model} if held else set()))
+    running = GaugeMetricFamily("vllm:num_requests_running", "Requests running in the "
+                                "fleet's replicas", labels=["model_name"])
+    waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting in the fleet's "
+                                "replicas, and held by the gateway for one to be ready",
+                                labels=["model_name"])
+    for model in models:
+        mine = [r for r in serving if (r["model"] or "") == model]
+        running.add_metric([model], sum(r["running"] for r in mine))
+        waiting.add_metric([model], sum(r["waiting"] for r in mine)
+                           + (held if model == held_model else 0))
+    yield running
+    yield waiting
+
+
 class RouterMetrics:
-    def __init__(self, snapshot: Callable[[], list[dict]]) -> None:
+    def __init__(self, snapshot: Callable[[], list[dict]], held: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ember_router_requests", "Requests answered, by replica and "
@@ -65,8 +94,6 @@ class RouterMetrics:
                                           "replica's /kv/events that failed, by HTTP status "
                                           "(or timeout, error)", ["replica", "status"],
                                           registry=r)
-        self.held = Gauge("ember_router_held_requests", "Requests waiting for a ready replica",
-                          registry=r)
         self.rejected = Counter("ember_router_rejected", "Requests refused by the gateway "
                                 "itself, by reason", ["reason"], registry=r)
         self.stream_errors = Counter("ember_router_stream_errors", "Streams ended with an "
@@ -76,4 +103,4 @@ class RouterMetrics:
         self.shadow_latency = Histogram("ember_router_shadow_latency_seconds", "Mirrored "
                                         "requests' latency on the shadow",
                                         buckets=LATENCY_BUCKETS, registry=r)
-        r.register(FleetCollector(snapshot))
+        r.register(FleetCollector(snapshot, held))

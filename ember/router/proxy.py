@@ -63,7 +63,11 @@ class Proxy:
         self.config = fleet.config
         self.on_demand = on_demand     # asks the autoscaler for a replica of a group now
         self.on_first_byte: Callable[[float], None] | None = None  # gets each TTFT (s)
-        self.held = 0
+
+    @property
+    def held(self) -> int:
+        """Requests waiting for a replica to become ready."""
+        return self.fleet.held
 
     async def acquire(self, group: str, keys: RouteKeys, exclude: set[str], deadline: float
                       ) -> tuple[Replica, Decision, bool]:
@@ -91,8 +95,7 @@ class Proxy:
             waited = True
 
     async def _hold(self, remaining: float) -> None:
-        self.held += 1
-        self.fleet.metrics.held.set(self.held)
+        self.fleet.held += 1
         try:
             if self.fleet.ready_event.is_set():
                 await asyncio.sleep(min(0.05, remaining))  # ready, but not for this request
@@ -101,8 +104,7 @@ class Proxy:
         except asyncio.TimeoutError:
             pass
         finally:
-            self.held -= 1
-            self.fleet.metrics.held.set(self.held)
+            self.fleet.held -= 1
 
     async def forward(self, path: str, raw: bytes, headers: dict[str, str], keys: RouteKeys,
                       group: str, stream: bool, arrival: float, tap: Capture | None = None,

@@ -76,6 +76,7 @@ class Replica:
     supports_events: bool = True    # False once /kv/events answered 404: text tree instead
     first_byte_at: float | None = None  # the first answer's first byte since (re)start
     load_phases: dict[str, float] = field(default_factory=dict)  # its own start-up report
+    model_name: str | None = None   # the model its gauges name
     early_deaths: int = 0           # exits in a row before it was ready
     last_exit: dict | None = None   # the last exit's status and log lines (exit_report)
 
@@ -89,8 +90,8 @@ class Replica:
     def view(self) -> dict:
         """This replica in GET /fleet."""
         return {"id": self.id, "url": self.url, "pid": self.handle.pid, "group": self.group,
-                "state": self.state.value, "running": self.running, "waiting": self.waiting,
-                "kv_usage": self.kv_usage, "in_flight": self.in_flight,
+                "model": self.model_name, "state": self.state.value, "running": self.running,
+                "waiting": self.waiting, "kv_usage": self.kv_usage, "in_flight": self.in_flight,
                 "restarts": self.restarts, "cold_start": self.cold_start(),
                 "last_exit": self.last_exit}
 

@@ -187,3 +187,48 @@ def test_a_client_that_leaves_aborts_its_request_on_the_replica(slow, path, body
                  "released at the gateway", 5)
     finally:
         gw.close()
+
+
+def test_the_fleets_totals_are_exported_under_a_replicas_gauge_names(slow):
+    """Running requests as the replica counts them itself; held ones as waiting."""
+    gw = LiveGateway({"r1": slow.url})
+    running = "vllm:num_requests_running"
+    streams, lines = [], []
+    try:
+        gw.wait_ready()
+        for i in range(3):
+            stream = httpx.stream("POST", gw.url + "/v1/completions", json={
+                "prompt": f"run {i}", "stream": True} | LONG_ASK)
+            streams.append(stream)
+            lines.append(stream.__enter__().iter_lines())   # (dropped, it would hang up)
+            next(lines[-1])                                  # running on the replica
+        name = slow.state.model_name
+        assert slow.metric(f'{running}{{model_name="{name}"}}') == 3      # the reference
+        wait_for(lambda: gw.metric(f'{running}{{model_name="{name}"}}') == 3,
+                 "counted the replica's running requests")
+        assert gw.metric("vllm:num_requests_waiting") == 0
+    finally:
+        for stream in streams:
+            stream.__exit__(None, None, None)
+        gw.close()
+    slow.wait_idle()
+
+
+def test_held_requests_count_as_waiting():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ember.router.config import AutoscaleConfig
+    from tests.router.test_gateway import NeverReady
+    gw = LiveGateway({}, launchers={"primary": NeverReady()}, hold_timeout_s=3,
+                     autoscale=AutoscaleConfig(min_replicas=0, max_replicas=1,
+                                               scale_to_zero_after_s=60))
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(httpx.post, gw.url + "/v1/completions",
+                                   json={"prompt": f"q{i}"}, timeout=30) for i in range(2)]
+            wait_for(lambda: gw.metric("vllm:num_requests_waiting") == 2, "counted held", 3)
+            assert gw.metric("ember_router_held_requests") == 2
+            assert [a.result().status_code for a in answers] == [503, 503]
+        assert gw.metric("vllm:num_requests_waiting") == 0
+    finally:
+        gw.close()
