@@ -1,7 +1,8 @@
 # A CPU replica: `ember serve` with the default model and its compiled kernels built in.
 #   docker build -t ember .
 #   docker run -p 8000:8000 ember                       # one replica on port 8000
-#   docker run -p 8000:8000 ember route --replicas 2    # or a small fleet behind a gateway
+#   docker run -p 8000:8000 ember route --replicas 2 --host 0.0.0.0 --port 8000
+#                                                       # or a small fleet behind a gateway
 FROM python:3.11-slim
 
 RUN apt-get update -q && apt-get install -y -q --no-install-recommends g++ \

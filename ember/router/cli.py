@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from ember.config import ServerConfig
+from ember.errors import ConfigError
 from ember.router.config import POLICIES, AutoscaleConfig, RouterConfig
 
 GATEWAY_ONLY = {"--host": 1, "--port": 1, "-h": 0, "--help": 0}   # serve options it keeps
@@ -95,6 +96,22 @@ def serve_argv(tokens: list[str], route_only: dict[str, int | str]) -> list[str]
         else:
             i += int(nargs)
     return argv
+
+
+# what --replica-url makes meaningless: the gateway neither starts nor scales those servers
+LOCAL_FLEET_OPTIONS = ("--replicas", "--ray", "--min-replicas", "--max-replicas",
+                       "--target-ongoing", "--scale-up-delay", "--scale-down-delay",
+                       "--look-back", "--scale-to-zero-after", "--ttft-slo")
+
+
+def check_remote_fleet(tokens: list[str]) -> None:
+    """With --replica-url, a local fleet's options would be ignored: refuse them instead."""
+    typed = {token.partition("=")[0] for token in tokens if token.startswith("--")}
+    ignored = [option for option in LOCAL_FLEET_OPTIONS if option in typed]
+    if "--replica-url" in typed and ignored:
+        raise ConfigError(f"--replica-url routes over servers started elsewhere, which the "
+                          f"gateway neither starts nor scales, so {', '.join(ignored)} would "
+                          "be ignored; drop them, or drop --replica-url to start replicas here")
 
 
 def route_only_options(actions: list[argparse.Action]) -> dict[str, int | str]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -46,6 +46,14 @@ class Gateway:
     in_flight: int = 0
     stop_replicas: bool = True
     draining: bool = False             # stopping: not ready, in-flight requests finish
+    # tasks no request awaits (shadow mirrors): the loop keeps only weak references to tasks
+    background: set[asyncio.Task] = field(default_factory=set)
+
+    def in_background(self, work: Coroutine) -> asyncio.Task:
+        task = asyncio.create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
 
     def check_key(self, request: Request) -> ApiKey | None:
         if not self.keys:
@@ -177,7 +185,7 @@ async def route(gw: Gateway, request: Request, model: type, path: str) -> Respon
     capture = None
     if gw.rollout.shadow_wanted(gw.fleet):
         capture = Capture()
-        asyncio.create_task(gw.rollout.mirror(gw.fleet, path, raw, headers, capture))
+        gw.in_background(gw.rollout.mirror(gw.fleet, path, raw, headers, capture))
     if gw.autoscaler is not None:
         gw.autoscaler.note_request()
     gw.in_flight += 1

@@ -10,7 +10,7 @@ import uvicorn
 from ember.config import ApiKey, ServerConfig
 from ember.errors import ConfigError
 from ember.router.autoscale import Autoscaler
-from ember.router.cli import router_config, serve_argv, with_model
+from ember.router.cli import check_remote_fleet, router_config, serve_argv, with_model
 from ember.router.config import RouterConfig
 from ember.router.fleet import Fleet
 from ember.router.gateway import Gateway, create_gateway
@@ -65,6 +65,7 @@ def build_fleet(args: argparse.Namespace, argv: list[str], config: RouterConfig
 
 def cmd_route(args: argparse.Namespace, server: ServerConfig, tokens: list[str]) -> None:
     """`tokens`: `ember route`'s own, as typed after the command."""
+    check_remote_fleet(tokens)
     if args.replicas < 0 or (args.replicas == 0 and not args.scale_to_zero_after):
         raise ConfigError("--replicas must be at least 1 (0 needs --scale-to-zero-after)")
     argv = serve_argv(tokens, args.route_only)

@@ -232,3 +232,19 @@ def test_held_requests_count_as_waiting():
         assert gw.metric("vllm:num_requests_waiting") == 0
     finally:
         gw.close()
+
+
+def test_a_shadow_mirror_is_held_until_it_is_done(replicas, slow):
+    from ember.router.rollout import Rollout
+    gw = LiveGateway({"r1": replicas[0].url, "shadow1": slow.url},
+                     rollout=Rollout(shadow_percent=100))
+    try:
+        gw.wait_ready()
+        answer = httpx.post(gw.url + "/v1/completions", json={
+            "prompt": "mirror me", "max_tokens": 20, "ignore_eos": True, "temperature": 0})
+        assert answer.status_code == 200
+        assert len(gw.gateway.background) == 1     # the slow shadow still answers
+        wait_for(lambda: gw.metric("ember_router_shadow_requests_total") == 1, "compared")
+        wait_for(lambda: not gw.gateway.background, "let go of the mirror", 5)
+    finally:
+        gw.close()

@@ -77,3 +77,53 @@ def test_a_replica_that_dies_before_ready_says_why_and_is_not_restarted_forever(
         assert httpx.get(gw.url + "/fleet").json()["replicas"][0]["restarts"] == 2
     finally:
         gw.close()
+
+
+@pytest.mark.parametrize("options", [
+    ["--replicas", "2"], ["--ray"], ["--max-replicas", "3"], ["--scale-to-zero-after=60"],
+    ["--min-replicas", "0", "--ttft-slo", "1"],
+])
+def test_replica_urls_refuse_the_options_of_a_local_fleet(options, monkeypatch, capsys):
+    from ember.cli import main
+    from ember.router import main as route_main
+
+    def never(*args, **kwargs):
+        raise AssertionError("the gateway started, ignoring " + " ".join(options))
+    monkeypatch.setattr(route_main.GracefulServer, "run", never)
+    assert main(["route", "--replica-url", "http://127.0.0.1:9", *options]) == 2
+    error = capsys.readouterr().err
+    assert "--replica-url" in error and options[0].partition("=")[0] in error
+
+
+def test_a_replica_whose_port_was_taken_starts_again_on_another(tmp_path):
+    """The port is picked free, then bound by the replica later: another process may take
+    it in between. That exit is not the replica's fault: restarted at once, never given up."""
+    launcher = LocalLauncher([], log_dir=str(tmp_path))
+    ports: list[int] = []
+
+    def taken(port: int) -> list[str]:
+        ports.append(port)
+        return [sys.executable, "-c", (
+            f"print(\"ERROR: [Errno 98] error while attempting to bind on address "
+            f"('127.0.0.1', {port}): address already in use\"); raise SystemExit(1)")]
+    launcher.command = taken
+    gw = LiveGateway({}, launchers={"primary": launcher}, restart_backoff_s=5,
+                     max_early_deaths=1)
+    try:
+        gw.fleet.start_replica("primary")
+        deadline = time.monotonic() + 30
+        while len(ports) < 3:                      # no 5 s backoff, no giving up
+            assert time.monotonic() < deadline, httpx.get(gw.url + "/fleet").json()
+            time.sleep(0.05)
+        assert not gw.fleet.failures
+        assert gw.fleet.replicas["p1"].early_deaths == 0
+    finally:
+        gw.close()
+
+
+def test_the_dockerfiles_gateway_listens_beyond_the_container():
+    from pathlib import Path
+    dockerfile = Path(__file__).parents[2] / "Dockerfile"
+    examples = [line for line in dockerfile.read_text().splitlines() if "ember route" in line]
+    assert examples
+    assert all("--host 0.0.0.0" in line for line in examples)
