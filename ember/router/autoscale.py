@@ -61,13 +61,21 @@ class Autoscaler:
         idle = (cfg.scale_to_zero_after_s or 0.0) if not self.live() else 0.0
         self.last_request_at = clock() - idle
         self.wanted_since: tuple[str, float] | None = None
-        self.ttfts: deque[float] = deque(maxlen=256)
+        self.ttfts: deque[tuple[float, float]] = deque(maxlen=256)   # (when, seconds)
         self._task: asyncio.Task | None = None
 
     def note_request(self, ttft_s: float | None = None) -> None:
         self.last_request_at = self.clock()
         if ttft_s is not None:
-            self.ttfts.append(ttft_s)
+            self.ttfts.append((self.last_request_at, ttft_s))
+
+    def median_ttft(self, now: float) -> float | None:
+        """The median replica TTFT over the look-back window: an old slow answer must not
+        keep asking for a replica (nor keep an idle fleet from reaching zero)."""
+        while self.ttfts and self.ttfts[0][0] < now - self.cfg.look_back_s:
+            self.ttfts.popleft()
+        recent = sorted(ttft for _, ttft in self.ttfts)
+        return recent[len(recent) // 2] if recent else None
 
     def live(self) -> list:
         return self.fleet.group("primary", LIVE)
@@ -117,8 +125,7 @@ class Autoscaler:
         load = sum(r.in_flight for r in self.live()) + self.held()
         if load:
             self.last_request_at = now
-        ttft = sorted(self.ttfts)[len(self.ttfts) // 2] if self.ttfts else None
-        self.samples.append(Sample(now, load, ttft))
+        self.samples.append(Sample(now, load, self.median_ttft(now)))
         while self.samples and self.samples[0].time < now - self.cfg.look_back_s:
             self.samples.popleft()
         desired = decide(list(self.samples), self.cfg, now, self.last_request_at)

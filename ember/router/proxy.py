@@ -62,7 +62,7 @@ class Proxy:
         self.fleet = fleet
         self.config = fleet.config
         self.on_demand = on_demand     # asks the autoscaler for a replica of a group now
-        self.on_first_byte: Callable[[float], None] | None = None  # gets each TTFT (s)
+        self.on_first_byte: Callable[[float], None] | None = None  # each replica TTFT (s)
 
     @property
     def held(self) -> int:
@@ -148,12 +148,15 @@ class Proxy:
             if attempt == 0 and not waited:  # the gateway's own time, not a cold start's
                 self.fleet.metrics.overhead.observe(time.monotonic() - arrival)
             tried.add(replica.id)
+            sent = time.monotonic()
             try:
                 upstream = await self._try(replica, method, path, raw, headers)
                 if replica.first_byte_at is None:
                     replica.first_byte_at = time.monotonic()
                 if self.on_first_byte is not None:
-                    self.on_first_byte(time.monotonic() - arrival)
+                    # the replica's time to first byte: a hold for a cold start, or tries that
+                    # failed, say nothing of whether more replicas would answer sooner
+                    self.on_first_byte(time.monotonic() - sent)
                 return upstream
             except Attempt as failed:
                 last = failed

@@ -21,18 +21,21 @@ class RequestTimeout(EmberError):
 
 
 class FakeReplica(ThreadedServer):
-    """Answers probes as a healthy replica; `mode` says what a request gets: "status_500",
+    """Answers probes as a healthy replica (while `ready`); `mode` says what a request gets:
+    "ok" (a one-word completion), "status_500",
     "request_timeout" (ember's 504 past --request-timeout, marked the request's own fault),
     or "break_stream" (two SSE chunks, then the connection drops)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.hits = 0
+        self.ready = True
         app = FastAPI()
 
         @app.get("/health/ready")
         async def ready() -> JSONResponse:
-            return JSONResponse({"status": "ready"})
+            return JSONResponse({"status": "ready" if self.ready else "loading"},
+                                status_code=200 if self.ready else 503)
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -42,6 +45,8 @@ class FakeReplica(ThreadedServer):
         @app.post("/v1/chat/completions")
         async def complete() -> Response:
             self.hits += 1
+            if self.mode == "ok":
+                return JSONResponse({"choices": [{"index": 0, "text": "hi"}]})
             if self.mode == "status_500":
                 return JSONResponse({"error": {"message": "boom"}}, status_code=500)
             if self.mode == "request_timeout":
