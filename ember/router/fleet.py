@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -72,6 +73,7 @@ class Fleet:
         self._serial = 0
         self._poll_warned: set[tuple[str, str]] = set()   # (replica, status) already logged
         self.failures: dict[str, str] = {}   # group -> why its replicas are not started
+        self.adapters: dict[str, str] = {}   # LoRA name -> path, loaded through the gateway
 
     # -- membership -------------------------------------------------------------------------
 
@@ -79,9 +81,9 @@ class Fleet:
         return [r.view() for r in self.replicas.values()]
 
     def add(self, replica: Replica) -> Replica:
-        self.replicas[replica.id] = replica
         self.blocks[replica.id] = BlockIndex()
         self.texts[replica.id] = TextIndex(self.config.prefix.max_text_chunks)
+        self.replicas[replica.id] = replica     # last: whoever finds it finds its indexes
         return replica
 
     def start_replica(self, group: str = "primary") -> Replica | None:
@@ -237,6 +239,7 @@ class Fleet:
         if r.state is ReplicaState.DRAINING:
             return
         if ok and r.state is not ReplicaState.READY:
+            await self.replay_adapters(r)
             self.mark_ready(r)
         elif not ok and r.state is ReplicaState.READY:
             # an ejection runs its course even if the replica answers probes again: one
@@ -245,6 +248,28 @@ class Fleet:
             self.blocks[r.id].reset()   # it may come back as a new process
         if ok:
             await self._read_gauges(r)
+
+    async def replay_adapters(self, r: Replica) -> None:
+        """Load on a replica that starts now every adapter loaded through the gateway, before
+        it takes requests."""
+        for name, path in list(self.adapters.items()):
+            status, text = await self.call(r, "/v1/load_lora_adapter",
+                                           json.dumps({"lora_name": name,
+                                                       "lora_path": path}).encode(),
+                                           {"content-type": "application/json"} | self.auth)
+            if status != 200 and "is taken" not in text:   # taken: started with --lora
+                log.warning("replica %s could not load adapter %s (%s): %s", r.id, name,
+                            status, text[:300])
+
+    async def call(self, r: Replica, path: str, raw: bytes, headers: dict[str, str]
+                   ) -> tuple[int, str]:
+        """POST `raw` to one replica: (status, body); status 502 when it cannot be reached."""
+        try:
+            async with self.session.post(r.url + path, data=raw, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=120)) as resp:
+                return resp.status, await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return 502, f"the replica could not be reached ({type(e).__name__})"
 
     def mark_ready(self, r: Replica) -> None:
         if r.state is ReplicaState.STARTING:

@@ -27,11 +27,14 @@ from ember.router.proxy import CLIENT_CLOSED_REQUEST, HOP_HEADERS, Proxy
 from ember.router.replicas import ReplicaState
 from ember.router.rollout import Capture, Rollout
 from ember.server.disconnect import unless_disconnected
-from ember.server.errors import ClientDisconnected, install_error_handlers, read_body
-from ember.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from ember.server.errors import (ClientDisconnected, error_body, install_error_handlers,
+                                 read_body)
+from ember.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                   LoadLoraAdapterRequest, UnloadLoraAdapterRequest, parse_body)
 from ember.server.tenants import match_key
 
 NO_KEYS = RouteKeys({}, [], counted=False)
+BY_LOAD = RouteKeys({}, [])   # no prompt blocks: the prefix policy picks by load alone
 
 
 @dataclass
@@ -118,9 +121,64 @@ def create_gateway(gw: Gateway) -> FastAPI:
         return await gw.proxy.forward(request.url.path, b"", forwarded(request), NO_KEYS,
                                       "primary", False, time.monotonic(), method="GET")
 
+    @app.post("/v1/embeddings", dependencies=[Depends(guard)])
+    async def embeddings(request: Request) -> Response:
+        # routed by load: a pooled prompt leaves no blocks behind to route to
+        raw = await read_body(request, gw.fleet.config.server.max_body_bytes)
+        return await unless_disconnected(request, gw.proxy.forward(
+            "/v1/embeddings", raw, forwarded(request), BY_LOAD, gw.rollout.group_for(gw.fleet),
+            False, time.monotonic()))
+
     _add_probes(app, gw)
     _add_admin(app, gw, guard)
+    _add_adapters(app, gw, guard)
     return app
+
+
+def _add_adapters(app: FastAPI, gw: Gateway, guard: Callable[[Request], Awaitable[None]]
+                  ) -> None:
+    """LoRA adapters, loaded on every replica; the fleet keeps the set and loads it on each
+    replica that starts later (fleet.replay_adapters)."""
+    @app.post("/v1/load_lora_adapter", dependencies=[Depends(guard)])
+    async def load(request: Request) -> Response:
+        raw = await read_body(request, gw.fleet.config.server.max_body_bytes)
+        body = parse_body(raw, LoadLoraAdapterRequest, gw.fleet.config.server.max_json_depth)
+        gw.fleet.adapters[body.lora_name] = body.lora_path   # replicas starting now get it
+        answer, num_done = await on_every_replica(gw, "/v1/load_lora_adapter", raw,
+                                                  forwarded(request))
+        if answer.status_code != 200 and not num_done:
+            gw.fleet.adapters.pop(body.lora_name, None)     # no replica took it
+        return answer
+
+    @app.post("/v1/unload_lora_adapter", dependencies=[Depends(guard)])
+    async def unload(request: Request) -> Response:
+        raw = await read_body(request, gw.fleet.config.server.max_body_bytes)
+        body = parse_body(raw, UnloadLoraAdapterRequest, gw.fleet.config.server.max_json_depth)
+        gw.fleet.adapters.pop(body.lora_name, None)
+        answer, _ = await on_every_replica(gw, "/v1/unload_lora_adapter", raw,
+                                           forwarded(request))
+        return answer
+
+
+async def on_every_replica(gw: Gateway, path: str, raw: bytes, headers: dict[str, str]
+                           ) -> tuple[Response, int]:
+    """POST to every ready replica at once; the answer, and how many replicas did it. 200
+    when all answer 200; the replicas' own answer when all fail alike (a bad path is a 400
+    everywhere); else 502 naming which replicas failed, and why."""
+    replicas = [r for r in gw.fleet.replicas.values() if r.state is ReplicaState.READY]
+    answers = await asyncio.gather(*(gw.fleet.call(r, path, raw, headers) for r in replicas))
+    failed = {r.id: a for r, a in zip(replicas, answers) if a[0] != 200}
+    done = [r.id for r in replicas if r.id not in failed]
+    if not failed:
+        return JSONResponse({"status": "ok", "replicas": done}), len(done)
+    if not done and len(set(failed.values())) == 1:
+        status, text = next(iter(failed.values()))
+        return Response(text, status_code=status, media_type="application/json"), 0
+    reasons = "; ".join(f"{rid}: {status} {text[:200]}" for rid, (status, text) in
+                        failed.items())
+    message = (f"done on {', '.join(done) or 'no replica'}, failed on {reasons}; fix what "
+               "the failed replicas say and send the request again")
+    return JSONResponse(error_body(502, message, "server_error"), status_code=502), len(done)
 
 
 def _add_probes(app: FastAPI, gw: Gateway) -> None:

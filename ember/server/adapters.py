@@ -5,24 +5,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import Field
 
 from ember.errors import ConfigError, InvalidRequest
-from ember.server.protocol import Strict
+from ember.server.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from ember.server.state import read_json_body, server_state
 
 router = APIRouter()
-MAX_NAME_CHARS = 128
-MAX_PATH_CHARS = 4096
-
-
-class LoadLoraAdapterRequest(Strict):
-    lora_name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    lora_path: str = Field(min_length=1, max_length=MAX_PATH_CHARS)
-
-
-class UnloadLoraAdapterRequest(Strict):
-    lora_name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
 
 
 @router.post("/v1/load_lora_adapter")

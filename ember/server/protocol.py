@@ -497,6 +497,23 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+MAX_ADAPTER_NAME_CHARS = 128
+MAX_ADAPTER_PATH_CHARS = 4096
+
+
+class LoadLoraAdapterRequest(Strict):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1, max_length=MAX_ADAPTER_NAME_CHARS)
+    lora_path: str = Field(min_length=1, max_length=MAX_ADAPTER_PATH_CHARS)
+
+
+class UnloadLoraAdapterRequest(Strict):
+    """POST /v1/unload_lora_adapter (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1, max_length=MAX_ADAPTER_NAME_CHARS)
+
+
 def parse_body(raw: bytes, model: type[BaseModel], max_depth: int,
                max_n: int = DEFAULT_MAX_N) -> Any:
     """Bytes -> a validated request model, or an InvalidRequest that says what is wrong."""
