@@ -43,6 +43,12 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "activations to int8 and multiplies int8 weights (about 1.7x bfloat16 "
                         "on VNNI CPUs; perplexity in docs/benchmarks.md); auto: int8 where "
                         "the compiled kernels have AVX-512 BF16")
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="a request's greedy tokens and logprobs, and its seeded samples, do "
+                        "not depend on the prefix cache, the batch, the chunk size or "
+                        "speculation (the default); --no-deterministic lets big decode "
+                        "batches run on the int8 prompt weights and shares generated "
+                        "tokens' KV through the prefix cache")
     g.add_argument("--kernels", default="auto", choices=list(KERNELS),
                    help="auto: compiled CPU kernels for norms and decode attention (built "
                         "once with the C++ compiler, ~20 s, then cached); torch: the plain "
@@ -128,7 +134,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization,
         prefill_matmul=args.prefill_matmul, kernels=args.kernels, device=args.device,
-        max_model_len=args.max_model_len,
+        deterministic=args.deterministic, max_model_len=args.max_model_len,
         seed=args.engine_seed, task=args.task, pooling=args.pooling,
         loras=tuple(parse_lora(spec) for spec in args.lora), max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,

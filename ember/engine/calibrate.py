@@ -92,7 +92,7 @@ def input_amax(core: Engine, token_ids: list[int], modules: list[PackedLinear]
 
     def record(module: PackedLinear, args: tuple[Tensor, ...]) -> None:
         x = args[0]
-        if x.shape[0] > module.max_packed_rows:  # the rows the dense weight takes
+        if module.dense_rows(x):  # the rows the dense weight takes
             seen = x.detach().abs().amax(dim=0).float()
             amax[module] = torch.maximum(amax[module], seen) if module in amax else seen
 

@@ -4,6 +4,7 @@ loaded as the target is, with KV caches of its own laid out like the target's.""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -25,8 +26,11 @@ log = logging.getLogger(__name__)
 
 def build_drafter(config: EngineConfig, model: LlamaForCausalLM, kv_caches: list[PagedKV],
                   tokenizer: Tokenizer, dtype: torch.dtype, kernels: CpuKernels | None,
-                  num_blocks: int, kv_dtype: str, max_model_len: int) -> Drafter | None:
-    """The drafter the spec config asks for, or None (no speculation, or n-gram)."""
+                  num_blocks: int, kv_dtype: str, max_model_len: int,
+                  model_path: Path | None = None) -> Drafter | None:
+    """The drafter the spec config asks for, or None (no speculation, or n-gram). A draft
+    model that is the target's own file (`model_path`) drafts with the target's loaded
+    weights, on caches of its own: the same numerics, so its guesses are the target's."""
     spec = config.spec
     block_size, device = config.cache.block_size, torch.device(config.device)
     if spec.proposer == "self":
@@ -39,6 +43,13 @@ def build_drafter(config: EngineConfig, model: LlamaForCausalLM, kv_caches: list
     if spec.proposer != "draft":
         return None
     path = spec.draft_model_path
+    if model_path is not None and Path(path).resolve() == Path(model_path).resolve():
+        caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype, config.device,
+                                    kv_dtype)
+        log.info("draft model %s is the target's file: it drafts with the target's weights",
+                 path)
+        return Drafter(model, caches, block_size, device, shares_kv=False,
+                       max_positions=max_model_len, by_kind=config.deterministic)
     files = open_model_files(path)
     draft_config = files.model_config()
     check_vocabulary(model.config, draft_config, tokenizer, load_tokenizer(files), path)
@@ -53,7 +64,7 @@ def build_drafter(config: EngineConfig, model: LlamaForCausalLM, kv_caches: list
     log.info("draft model %s (%d layers, weights %s) drafts %d tokens a step", path,
              draft_config.num_layers, quantization, spec.num_speculative_tokens)
     return Drafter(draft, caches, block_size, device, shares_kv=False,
-                   max_positions=max_model_len)
+                   max_positions=max_model_len, by_kind=config.deterministic)
 
 
 def _reads_int8(kernels: CpuKernels | None, config: ModelConfig) -> bool:

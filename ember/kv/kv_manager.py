@@ -52,8 +52,14 @@ class BlockCopy:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 policy: str = "lru", window: int | None = None) -> None:
+                 policy: str = "lru", window: int | None = None,
+                 share_generated: bool = True) -> None:
         self.block_size = block_size
+        # whether generated tokens' KV is cached for others: a decode row computes it with
+        # other numerics than a prompt row would, so a later prompt that repeats those tokens
+        # (the next turn of a chat) would read KV its own prompt rows never make, and its
+        # answer would depend on the cache (EngineConfig.deterministic)
+        self.share_generated = share_generated
         # tokens every layer attends back over (sliding-window models), None: all of them.
         # With a window, the blocks behind it go back to the pool instead of being cached:
         # the pool evicts cached chains from their ends, never from their starts.
@@ -113,10 +119,23 @@ class KVCacheManager:
         keys, hits = self._cached_blocks(request)
         return len(hits) < len(keys) and keys[len(hits)] in computing
 
+    def _max_hit(self, request: Request) -> int:
+        """The most tokens a hit may cover: never the last one (it is recomputed to sample),
+        and none past the prompt unless generated tokens' KV is shared."""
+        if self.share_generated:
+            return request.num_tokens - 1
+        return min(request.num_tokens - 1, request.num_prompt_tokens)
+
+    def _num_shareable(self, request: Request) -> int:
+        """The request's leading computed tokens whose KV may be cached for others."""
+        if self.share_generated:
+            return request.num_computed_tokens
+        return min(request.num_computed_tokens, request.num_prompt_tokens)
+
     def _cached_blocks(self, request: Request) -> tuple[list[int], list[int]]:
-        """The keys of the request's full blocks that a hit may cover (never its last token)
-        and the cached blocks that match their start."""
-        keys = self._request_keys(request)[:(request.num_tokens - 1) // self.block_size]
+        """The keys of the request's full blocks that a hit may cover (_max_hit) and the
+        cached blocks that match their start."""
+        keys = self._request_keys(request)[:self._max_hit(request) // self.block_size]
         hits = []
         for key in keys:
             block_id = self.pool.lookup(key)
@@ -133,7 +152,7 @@ class KVCacheManager:
         if not self._uses_cache(request):
             return PrefixHit()
         keys, hits = self._cached_blocks(request)
-        max_tokens = request.num_tokens - 1  # the last token is recomputed
+        max_tokens = self._max_hit(request)
         hit = PrefixHit(hits, len(hits) * self.block_size)
         if hits:  # partial matches hang off a cached parent: the first block has none
             start = hit.num_tokens
@@ -210,7 +229,7 @@ class KVCacheManager:
             return
         rid = request.request_id
         table = self._tables.get(rid, [])
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        num_full = min(self._num_shareable(request) // self.block_size, len(table))
         start = self._num_cached.get(rid, 0)
         if num_full <= start:
             return
@@ -265,13 +284,14 @@ class KVCacheManager:
         self._num_cached.pop(rid, None)
 
     def _cache_tail(self, request: Request, table: list[int]) -> None:
-        index, used = divmod(request.num_computed_tokens, self.block_size)
+        shareable = self._num_shareable(request)
+        index, used = divmod(shareable, self.block_size)
         if not (self._uses_cache(request) and used and 1 <= index < len(table)
                 and self._num_cached.get(request.request_id) == index):
             return
         parent = self._request_keys(request)[index - 1]
         if self.pool.lookup(parent) is None:
             return
-        tokens = request.all_token_ids[index * self.block_size:request.num_computed_tokens]
+        tokens = request.all_token_ids[index * self.block_size:shareable]
         self.pool.cache(table[index], block_key(parent, tokens), parent, depth=index,
                         token_ids=tokens)

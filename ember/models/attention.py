@@ -63,6 +63,8 @@ class AttentionGroup:
                   are first .. first + count - 1 in order (a step's decodes beside prompt
                   chunks, nearly always): queries and outputs by slice (out_index), not by an
                   index tensor's gather and scatter
+    prompt        every member is a prompt chunk (by kind, runner/inputs.py): a lone one
+                  attends on the prefill kernel however few its rows
     valid, mask, bias  built when first asked for (the kernels never need them), see below
     """
 
@@ -76,6 +78,7 @@ class AttentionGroup:
     whole_batch: bool = False
     lone: tuple[int, int] | None = None
     span: tuple[int, int] | None = None
+    prompt: bool = False   # prompt chunks (a lone one attends on the prefill kernel, even a row)
 
     @property
     def out_index(self) -> slice | Tensor:
@@ -293,7 +296,8 @@ def _group_attention(q: Tensor, kv_cache: PagedKV, group: AttentionGroup, scale:
     members, max_blocks = group.block_tables.shape
     context = max_blocks * kv_cache.block_size
     max_n = group.rows.shape[1]
-    if group.lone is not None and max_n > 1 and prefill_in_kernel(kernels, q.dtype, kv_cache):
+    if group.lone is not None and (max_n > 1 or group.prompt) and \
+            prefill_in_kernel(kernels, q.dtype, kv_cache):
         row, seq_len = group.lone
         return kernels.prefill_attention(q[row:row + max_n], kv_cache.data,
                                          group.block_tables[0], seq_len, scale, kv_cache.scale)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,17 @@ PACKED_MAX_ROWS = 8
 # this many inputs. Each row is rounded on its own, so a request's logits do not depend on
 # its batch.
 HEAD_ACT_GROUP = 64
+
+
+@dataclass
+class StepRows:
+    """What the rows of the forward under way are, shared by a model's PackedLinears (the
+    runner sets it per forward, rows_of_kind): prompt rows (True) take the dense weight
+    (int8 or bfloat16) and decode rows (False) the packed one, whatever their number, so that
+    a row's numerics do not depend on the rows beside it; None: by the number of rows (at
+    most max_packed_rows on the packed weight)."""
+
+    prompt: bool | None = None
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -195,6 +207,9 @@ class PackedLinear(nn.Module):
                                    and kernels.has_bf16_dot and weight.shape[0] % 16 == 0
                                    ) else None
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        # share_step_rows gives a model's linears one (a private name: the weight cache
+        # keeps only plain settings)
+        self._rows = StepRows()
         self.weight = weight if keep_dense else None
         self.w8a8: CpuKernels | None = None  # set by use_int8_dense
         self.act_group = 0  # inputs per activation scale in W8A8 matmuls (0: the whole row)
@@ -317,10 +332,15 @@ class PackedLinear(nn.Module):
             return self.dense_q.numel() + 4 * (self.dense_scales.numel() + self.smooth.numel())
         return 0 if self.weight is None else 2 * self.in_features * self.out_features
 
+    def dense_rows(self, x: Tensor) -> bool:
+        """Whether x's rows take the dense weight (StepRows)."""
+        rows = self.__dict__.get("_rows")   # (none yet on a module the weight cache made)
+        prompt = None if rows is None else rows.prompt
+        return x.shape[0] > self.max_packed_rows if prompt is None else prompt
+
     def takes_swiglu(self, x: Tensor) -> bool:
         """Whether swiglu(x) runs here fused (the int8 dense path), for a gate | up layer."""
-        return self.w8a8 is not None and self.bias is None and \
-            x.shape[0] > self.max_packed_rows
+        return self.w8a8 is not None and self.bias is None and self.dense_rows(x)
 
     def swiglu(self, x: Tensor) -> Tensor:
         """silu(gate) * up of this [gate | up] projection in one pass over the int32 sums
@@ -329,11 +349,12 @@ class PackedLinear(nn.Module):
                                      swiglu=True, group=self.act_group)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.w8a8 is not None and x.shape[0] > self.max_packed_rows:
+        dense = self.dense_rows(x)
+        if self.w8a8 is not None and dense:
             out = self.w8a8.w8a8_linear(x, self.dense_q, self.dense_scales, self.smooth,
                                         group=self.act_group)
             return out if self.bias is None else out + self.bias
-        if self.weight is not None and x.shape[0] > self.max_packed_rows:
+        if self.weight is not None and dense:
             if self.prepacked:
                 return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none",
                                                           [], "")
@@ -493,6 +514,27 @@ def quantize_linears(model: nn.Module, method: str, lm_head_method: str,
                                            kernels=kernels))
 
 
+def share_step_rows(model: nn.Module) -> StepRows:
+    """One StepRows for every PackedLinear of the model, returned (rows_of_kind sets it): the
+    first linear's, so that a model that both drafts and verifies keeps one."""
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    rows = packed[0].__dict__.get("_rows") if packed else None
+    rows = rows if rows is not None else StepRows()
+    for module in packed:
+        module._rows = rows
+    return rows
+
+
+@contextmanager
+def rows_of_kind(rows: StepRows, prompt: bool | None) -> Iterator[None]:
+    """The PackedLinears sharing `rows` (share_step_rows) take rows of this kind meanwhile."""
+    saved, rows.prompt = rows.prompt, prompt
+    try:
+        yield
+    finally:
+        rows.prompt = saved
+
+
 @contextmanager
 def packed_everywhere(model: nn.Module) -> Iterator[None]:
     """Every batch size runs on the packed weights meanwhile: how a weight format's quality is
@@ -500,16 +542,16 @@ def packed_everywhere(model: nn.Module) -> Iterator[None]:
     A model whose compiled decode stack runs big steps on the int8 prompt weights
     (`int8_decode`) runs them through its layers meanwhile, where the packed weights serve."""
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    saved = [m.max_packed_rows for m in packed]
+    saved = [(m.max_packed_rows, m._rows) for m in packed]
     stack_int8 = getattr(model, "int8_decode", None)
     for module in packed:
-        module.max_packed_rows = 1 << 62
+        module.max_packed_rows, module._rows = 1 << 62, StepRows()
     if stack_int8:
         model.int8_decode = False
     try:
         yield
     finally:
-        for module, rows in zip(packed, saved):
-            module.max_packed_rows = rows
+        for module, (rows, kind) in zip(packed, saved):
+            module.max_packed_rows, module._rows = rows, kind
         if stack_int8:
             model.int8_decode = stack_int8

@@ -21,6 +21,10 @@ scheduler allots slots ahead for it: SpecConfig.drafts_with_a_model).
   It has computed positions 0 .. n of the sequence after drafting; past n its K and V are of
   drafts, which the target may reject, and may lie in blocks the scheduler trims: only
   positions up to n are counted valid, and the next drafting starts there.
+
+With `by_kind` (a deterministic engine) a forward runs its prompt rows and its generated ones
+apart, as the target does (ember/runner/inputs.py by_kind_parts): a draft model with the
+target's numerics then guesses what the target computes.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ from torch import Tensor
 from ember.models.attention import PagedKV
 from ember.models.llama import LlamaForCausalLM
 from ember.request import Request
-from ember.runner.inputs import prepare_inputs
+from ember.quant.packed import rows_of_kind, share_step_rows
+from ember.runner.inputs import by_kind_parts, prepare_inputs
 from ember.scheduler.output import ScheduledRequest, SchedulerOutput
 
 
@@ -42,7 +47,9 @@ class _Sequence:
 
     request_id: str
     all_token_ids: list[int]
+    num_prompt_tokens: int
     lora: None = None
+    pooling: None = None
 
 
 @dataclass
@@ -62,7 +69,11 @@ class Drafter:
     device: torch.device
     shares_kv: bool
     max_positions: int             # positions must stay below it (the RoPE tables' length)
+    by_kind: bool = False          # prompt and generated rows apart, as the target runs them
     _valid: dict[str, _Valid] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._rows = share_step_rows(self.model)
 
     def forget(self, request_ids: frozenset[str]) -> None:
         for rid in request_ids:
@@ -80,7 +91,8 @@ class Drafter:
             budget = min(num_drafts, room)
             if budget < 1:
                 continue
-            sequences.append(_Sequence(item.request.request_id, list(token_ids)))
+            sequences.append(_Sequence(item.request.request_id, list(token_ids),
+                                       item.request.num_prompt_tokens))
             starts.append(n if self.shares_kv else self._start(item.request, n))
             budgets.append(budget)
             tables.append(item.block_ids)
@@ -115,11 +127,22 @@ class Drafter:
         return ScheduledRequest(sequence, first, end - first, table, samples=True)  # type: ignore[arg-type]
 
     def _argmax(self, scheduled: list[ScheduledRequest]) -> list[int]:
-        """One forward of the draft over `scheduled`; each request's argmax token."""
-        inputs = prepare_inputs(SchedulerOutput(scheduled), self.block_size, self.device,
-                                self.model.stack_runs_decodes(self.kv_caches))
-        hidden: Tensor = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                    inputs.attn)
-        if inputs.logits_indices is not None:
-            hidden = hidden[inputs.logits_indices]
-        return self.model.compute_logits(hidden).argmax(-1).tolist()
+        """One forward of the draft over `scheduled` (two with by_kind: prompt rows, then
+        generated ones); each request's argmax token."""
+        plan = SchedulerOutput(scheduled)
+        parts = by_kind_parts(plan) if self.by_kind else [(None, plan)]
+        tokens: dict[str, int] = {}
+        for prompt, part in parts:
+            inputs = prepare_inputs(part, self.block_size, self.device,
+                                    self.model.stack_runs_decodes(self.kv_caches),
+                                    prompt is not None and
+                                    self.model.attends_chunks_alone(self.kv_caches),
+                                    by_kind=prompt is not None)
+            with rows_of_kind(self._rows, prompt):
+                hidden: Tensor = self.model(inputs.input_ids, inputs.positions,
+                                            self.kv_caches, inputs.attn)
+            if inputs.logits_indices is not None:
+                hidden = hidden[inputs.logits_indices]
+            argmax = self.model.compute_logits(hidden).argmax(-1).tolist()
+            tokens.update((r.request_id, t) for r, t in zip(inputs.sampling_requests, argmax))
+        return [tokens[item.request.request_id] for item in scheduled]

@@ -21,7 +21,7 @@ lists its decodes and chunks for the same stack (PromptStep).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -55,6 +55,7 @@ class _Member:
     num_new: int
     seq_len: int      # context after this step
     block_ids: list[int]
+    decode: bool = True   # a decode row (else a prompt chunk)
 
 
 def _slots(item: ScheduledRequest, block_size: int) -> list[int]:
@@ -69,13 +70,20 @@ def alone_above(chunks_alone: bool) -> int:
     return 1 if chunks_alone else MATMUL_MAX_QUERIES
 
 
-def group_members(members: list[_Member], alone_past: int = MATMUL_MAX_QUERIES
-                  ) -> list[list[_Member]]:
+def _attends_alone(m: _Member, alone_past: int, prompts_alone: bool) -> bool:
+    """A member of more than `alone_past` new tokens (alone_above) attends alone, and so
+    does every prompt chunk where `prompts_alone` (by_kind, on the prefill kernel: a prompt
+    row attends there however few rows its chunk has, so that its output does not depend on
+    the chunk size)."""
+    return m.num_new > alone_past or (prompts_alone and not m.decode)
+
+
+def group_members(members: list[_Member], alone_past: int = MATMUL_MAX_QUERIES,
+                  prompts_alone: bool = False) -> list[list[_Member]]:
     """Sort by shape and cut into groups whose padded work stays within GROUP_WASTE times
-    the members' own work (new tokens x context); a member of more than `alone_past` new
-    tokens (alone_above) attends alone."""
-    alone = [[m] for m in members if m.num_new > alone_past]
-    members = [m for m in members if m.num_new <= alone_past]
+    the members' own work (new tokens x context); some attend alone (_attends_alone)."""
+    alone = [[m] for m in members if _attends_alone(m, alone_past, prompts_alone)]
+    members = [m for m in members if not _attends_alone(m, alone_past, prompts_alone)]
     if members and _cheap_enough(members):
         return [members] + alone  # in batch order: a step of decodes needs no row indexing
     groups: list[list[_Member]] = alone
@@ -150,11 +158,12 @@ class _GroupColumns:
     whole_batch: bool
     lone: tuple[int, int] | None
     span: tuple[int, int] | None
+    prompt: bool
 
     def group(self, built: list[Tensor], block_size: int) -> AttentionGroup:
         return AttentionGroup(built[self.rows], built[self.valid], built[self.tables],
                               built[self.out_rows], built[self.seq_lens], built[self.num_new],
-                              block_size, self.whole_batch, self.lone, self.span)
+                              block_size, self.whole_batch, self.lone, self.span, self.prompt)
 
 
 def queue_group(members: list[_Member], block_size: int, num_rows: int,
@@ -174,18 +183,19 @@ def queue_group(members: list[_Member], block_size: int, num_rows: int,
                          columns.add(valid, (len(members), max_n)),
                          _block_tables(members, block_size, columns), columns.add(out_rows),
                          columns.add([m.seq_len for m in members]),
-                         columns.add([m.num_new for m in members]), whole_batch, lone, span)
+                         columns.add([m.num_new for m in members]), whole_batch, lone, span,
+                         not any(m.decode for m in members))
 
 
 def _queue_prompt_step(fresh: list[tuple[int, int, int]], members: list[_Member],
-                       block_size: int, columns: _LongColumns, alone_past: int
-                       ) -> tuple[int, int, int, int, list[int]] | None:
+                       block_size: int, columns: _LongColumns, alone_past: int,
+                       prompts_alone: bool) -> tuple[int, int, int, int, list[int]] | None:
     """A step with prompt chunks as PromptStep lays it out (its columns queued): where the
     decodes lie on adjacent rows and every continued chunk attends alone, as the layers
     attend it too (group_members); else None."""
-    decodes = [m for m in members if m.num_new == 1]
-    chunks = [m for m in members if m.num_new > 1]
-    if any(m.num_new <= alone_past for m in chunks):
+    decodes = [m for m in members if m.decode]
+    chunks = [m for m in members if not m.decode]
+    if not all(_attends_alone(m, alone_past, prompts_alone) for m in chunks):
         return None
     first = decodes[0].row if decodes else 0
     if [m.row for m in decodes] != list(range(first, first + len(decodes))):
@@ -255,21 +265,55 @@ def rows_per_request(scheduled: list[ScheduledRequest]) -> list[int] | None:
     return [1 + len(item.draft_token_ids) for item in scheduled if item.samples]
 
 
-def _is_decode(item: ScheduledRequest) -> bool:
-    """One new token of its own (plus any drafts): its rows attend as decodes."""
+def _is_decode(item: ScheduledRequest, by_kind: bool = False) -> bool:
+    """Whether the item's rows attend as decodes, one row per position: by_kind, where its
+    tokens are generated ones (by_kind_parts keeps prompt and generated tokens apart);
+    else where it has one new token of its own (plus any drafts)."""
+    if by_kind:
+        return item.start >= item.request.num_prompt_tokens
     return item.num_new_tokens - len(item.draft_token_ids) == 1
 
 
+def by_kind_parts(plan: SchedulerOutput) -> list[tuple[bool, SchedulerOutput]]:
+    """The plan as one step of prompt rows and one of decode rows, (True, prompt part) then
+    (False, decode part), each left out where it has none, to run in that order: a prompt
+    token's rows take the prompt path whatever else the step holds, a generated token's the
+    decode path, so that every row's numerics are a function of the row alone. A request
+    recomputing its generated tokens after a preemption has both; its prompt part runs
+    first, whose KV its decode rows read."""
+    prompt: list[ScheduledRequest] = []
+    decode: list[ScheduledRequest] = []
+    for item in plan.scheduled:
+        num_prompt = item.request.num_prompt_tokens
+        if item.end <= num_prompt or item.request.pooling is not None:
+            prompt.append(item)
+        elif item.start >= num_prompt:
+            decode.append(item)
+        else:
+            head = num_prompt - item.start
+            prompt.append(replace(item, num_new_tokens=head, samples=False,
+                                  draft_token_ids=()))
+            decode.append(replace(item, start=num_prompt,
+                                  num_new_tokens=item.num_new_tokens - head))
+    return [(kind, SchedulerOutput(items, plan.finished_request_ids))
+            for kind, items in ((True, prompt), (False, decode)) if items]
+
+
 def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
-                   decode_stack: bool = False, chunks_alone: bool = False) -> ModelInputs:
+                   decode_stack: bool = False, chunks_alone: bool = False,
+                   by_kind: bool = False) -> ModelInputs:
     """The step's flat inputs. With `decode_stack` (the model runs every step of decodes in
     its decode stack), such a step gets only what the stack reads (no attention groups).
     With `chunks_alone` (the model attends prompt chunks on the compiled prefill kernel),
     every continued chunk attends alone, however few its new tokens: after a prefix-cache
     hit a prompt's own tokens may be only a few, and a chunk grouped with decodes made the
     whole step leave the decode stack and attend each chunk's context apart (a step of 8
-    such prompts 1.3x the time)."""
-    if decode_stack and plan.scheduled and all(_is_decode(item) for item in plan.scheduled):
+    such prompts 1.3x the time). With `by_kind` (a part of by_kind_parts), rows are prompt
+    or decode rows by their tokens, not by how many a request has in the step, and with
+    `chunks_alone` too, a prompt's first chunk attends over its k and v as the cache holds
+    them, as every later chunk does."""
+    if decode_stack and plan.scheduled and \
+            all(_is_decode(item, by_kind) for item in plan.scheduled):
         return _decode_inputs(plan, block_size, device)
     token_ids: list[int] = []
     positions: list[int] = []
@@ -284,31 +328,35 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
         token_ids.extend(_token_ids(item))
         positions.extend(range(item.start, item.end))
         slots.extend(_slots(item, block_size))
-        if item.start == 0 and item.num_new_tokens > 1:
+        decode = _is_decode(item, by_kind)
+        if item.start == 0 and not decode and not (by_kind and chunks_alone) and \
+                item.num_new_tokens > 1:
             table = columns.add(item.block_ids[:cdiv(item.end, block_size)])
             fresh.append((row, item.num_new_tokens, table))
-        elif item.draft_token_ids:   # verified as decodes, one row per position
+        elif item.draft_token_ids or (decode and item.num_new_tokens > 1):
+            # verified drafts, or generated tokens recomputed: decodes, a row per position
             members += [_Member(row + j, 1, item.start + j + 1, item.block_ids)
                         for j in range(item.num_new_tokens)]
         else:
-            members.append(_Member(row, item.num_new_tokens, item.end, item.block_ids))
+            members.append(_Member(row, item.num_new_tokens, item.end, item.block_ids,
+                                   decode if by_kind else item.num_new_tokens == 1))
         if item.samples:
             num_rows = 1 + len(item.draft_token_ids)
             logits_rows.extend(range(row + item.num_new_tokens - num_rows,
                                      row + item.num_new_tokens))
             sampling.append(item.request)
-    past = alone_above(chunks_alone)
+    past, prompts_alone = alone_above(chunks_alone), by_kind and chunks_alone
     queued = [queue_group(g, block_size, len(token_ids), columns)
-              for g in group_members(members, past)]
+              for g in group_members(members, past, prompts_alone)]
     decode_columns = None
-    if not fresh and all(m.num_new == 1 for m in members):
+    if not fresh and all(m.decode for m in members):
         if len(queued) == 1 and queued[0].whole_batch:  # the usual case: that group is it
             decode_columns = (queued[0].tables, queued[0].seq_lens)
         else:
             decode_columns = (_block_tables(members, block_size, columns),
                               columns.add([m.seq_len for m in members]))
     prompt_columns = None if decode_columns is not None else \
-        _queue_prompt_step(fresh, members, block_size, columns, past)
+        _queue_prompt_step(fresh, members, block_size, columns, past, prompts_alone)
     flat = [columns.add(c) for c in (token_ids, positions, slots)]
     # a step whose every row samples, in order, takes its logits from all of them
     logits = None if logits_rows == list(range(len(token_ids))) else columns.add(logits_rows)

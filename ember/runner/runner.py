@@ -14,8 +14,9 @@ from ember.models.attention import PagedKV
 from ember.models.llama import LlamaForCausalLM
 from ember.request import Request
 from ember.runner.drafter import Drafter
-from ember.runner.inputs import (ModelInputs, copy_slot_batches, prepare_inputs,
-                                 rows_per_request)
+from ember.quant.packed import rows_of_kind, share_step_rows
+from ember.runner.inputs import (ModelInputs, by_kind_parts, copy_slot_batches,
+                                 prepare_inputs)
 from ember.runner.pooling import Pooler
 from ember.sampling.sampler import Sampler
 from ember.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -28,8 +29,13 @@ class ModelRunner:
                  device: str, seed: int, kernels: CpuKernels | None = None,
                  loras: LoraRegistry | None = None, spec: SpecConfig = SpecConfig(),
                  drafter: Drafter | None = None,
-                 place_lora: Callable[[list[Tensor]], list[Tensor]] | None = None) -> None:
+                 place_lora: Callable[[list[Tensor]], list[Tensor]] | None = None,
+                 by_kind: bool = False) -> None:
         self.model = model
+        # every row by its kind, whatever the step holds (EngineConfig.deterministic):
+        # prompt rows and decode rows run as two forwards, each on its kind's path
+        self.by_kind = by_kind
+        self.step_rows = share_step_rows(model)
         self.spec = spec
         self.drafter = drafter   # drafts with a model (self-draft or a draft model), else n-gram
         self.kv_caches = kv_caches
@@ -55,11 +61,29 @@ class ModelRunner:
         whose prompt ended.
         """
         self._copy_blocks(plan)
+        if not self.by_kind:
+            return self._forward_part(plan, pooled, None)
+        requests: list[Request] = []
+        logits: list[Tensor] = []
+        for prompt, part in by_kind_parts(plan):
+            part_requests, part_logits = self._forward_part(part, pooled, prompt)
+            requests += part_requests
+            logits.append(part_logits)
+        if len(logits) == 1:
+            return requests, logits[0]
+        return requests, torch.cat(logits)
+
+    def _forward_part(self, plan: SchedulerOutput, pooled: dict[str, list[float]] | None,
+                      prompt: bool | None) -> tuple[list[Request], Tensor]:
+        """forward() of a plan whose rows are all prompt rows (prompt True) or all decode
+        rows (False), or of any plan (None: rows by their number, as without by_kind)."""
         inputs = prepare_inputs(plan, self.block_size, self.device,
                                 self.model.stack_runs_decodes(self.kv_caches),
-                                self.model.attends_chunks_alone(self.kv_caches))
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
-                            self._lora_step(plan))
+                                self.model.attends_chunks_alone(self.kv_caches),
+                                by_kind=prompt is not None)
+        with rows_of_kind(self.step_rows, prompt):
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                inputs.attn, self._lora_step(plan))
         if pooled is not None:
             pooled.update(self.pooler.pool(plan, hidden))
         return self._logits(inputs, hidden)
@@ -76,9 +100,15 @@ class ModelRunner:
         """Like forward(), but logits [T, vocab] float32 for every new token of the step (for
         scoring text); rows follow the flat batch of `prepare_inputs`."""
         self._copy_blocks(plan)
-        inputs = prepare_inputs(plan, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn,
-                            self._lora_step(plan))
+        # scored text is prompt rows: by_kind, on the prompt path as any prompt takes it
+        by_kind = self.by_kind and all(s.end <= s.request.num_prompt_tokens
+                                       for s in plan.scheduled)
+        inputs = prepare_inputs(plan, self.block_size, self.device, chunks_alone=by_kind and
+                                self.model.attends_chunks_alone(self.kv_caches),
+                                by_kind=by_kind)
+        with rows_of_kind(self.step_rows, True if by_kind else None):
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                inputs.attn, self._lora_step(plan))
         return inputs, self.model.compute_logits(hidden)
 
     def _lora_step(self, plan: SchedulerOutput) -> LoraStep | None:
@@ -108,7 +138,7 @@ class ModelRunner:
         requests, logits = self.forward(plan, output.pooled)
         if not requests:
             return output
-        counts = rows_per_request(plan.scheduled)
+        counts = _rows_per_request(requests, plan.scheduled)
         if counts is None:
             token_ids, logprobs = self.sampler.sample(logits, requests)
             tokens = [[t] for t in token_ids]
@@ -164,6 +194,16 @@ class ModelRunner:
                 token_ids, spec.num_speculative_tokens, spec.ngram_max, spec.ngram_min)
                 for item, token_ids in candidates}
         output.draft_token_ids.update((rid, d) for rid, d in drafts.items() if d)
+
+
+def _rows_per_request(requests: list[Request], scheduled: list[ScheduledRequest]
+                      ) -> list[int] | None:
+    """Logits rows of each sampling request in `requests`' order (1 + its drafts), where any
+    verifies drafts; None where every one has a single row."""
+    if not any(item.draft_token_ids for item in scheduled):
+        return None
+    drafts = _drafts_by_request(scheduled)
+    return [1 + len(drafts[r.request_id]) for r in requests]
 
 
 def _drafts_by_request(scheduled: list[ScheduledRequest]) -> dict[str, tuple[int, ...]]:

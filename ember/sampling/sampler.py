@@ -1,12 +1,15 @@
 """Turn a step's logits into tokens: processors, then greedy or random choice, then logprobs.
 
 Random choice uses the exponential race: argmax(p / q) with q ~ Exp(1) picks token i with
-probability p_i, needs no cumulative sums, and takes its noise from a per-request generator when
-the request has a seed. A seeded request therefore draws the same numbers whatever else shares
-the batch.
+probability p_i, needs no cumulative sums, and takes its noise from the engine's generator, or,
+when the request has a seed, from a generator seeded by the seed and the position of the token
+drawn (position_seed). A seeded request's sample at a position is then a function of the request
+alone: whatever else shares the batch, after a preemption, and with speculation, whose
+verification accepts a draft exactly when this draw picks it (ember/spec/verify.py).
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -148,20 +151,27 @@ def sampling_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return logits.softmax(dim=-1)
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The seed of the noise a seeded request draws its token at `position` with (64 bits)."""
+    digest = hashlib.blake2b(seed.to_bytes(8, "little") + position.to_bytes(8, "little"),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 class Sampler:
-    """Holds the random state: one generator for unseeded requests, one per seeded request."""
+    """Holds the random state: one generator for unseeded requests; a seeded request's noise
+    comes from its seed and the position drawn (position_seed)."""
 
     def __init__(self, seed: int, device: torch.device,
                  kernels: CpuKernels | None = None) -> None:
         self.device = device
         self.kernels = kernels  # compiled CPU kernels (their argmax), if the engine has them
         self.generator = torch.Generator(device).manual_seed(seed)
-        self._seeded: dict[str, torch.Generator] = {}
+        self._positional = torch.Generator(device)   # reseeded per seeded draw
         self._matchers: dict[str, Matcher] = {}
 
     def forget(self, request_ids: frozenset[str]) -> None:
         for request_id in request_ids:
-            self._seeded.pop(request_id, None)
             self._matchers.pop(request_id, None)
 
     def _constrain(self, logits: Tensor, requests: list[Request]
@@ -183,13 +193,15 @@ class Sampler:
         apply_bitmask(masked, bitmask, rows)
         return masked, matchers
 
-    def _generator(self, request: Request) -> torch.Generator:
-        if request.params.seed is None:
-            return self.generator
-        if request.request_id not in self._seeded:
-            self._seeded[request.request_id] = \
-                torch.Generator(self.device).manual_seed(request.params.seed)
-        return self._seeded[request.request_id]
+    def noise(self, out: Tensor, request: Request, position: int) -> Tensor:
+        """Fill out [V] with Exp(1) noise for `request`'s token at `position` (its sequence's
+        length when drawn): from the seed and the position where the request has a seed,
+        else from the engine's generator."""
+        seed = request.params.seed
+        if seed is None:
+            return out.exponential_(generator=self.generator)
+        self._positional.manual_seed(position_seed(seed, position))
+        return out.exponential_(generator=self._positional)
 
     def sample(self, logits: Tensor, requests: list[Request]
                ) -> tuple[list[int], list[SampledLogprob | None]]:
@@ -209,7 +221,7 @@ class Sampler:
             probs = sampling_probs(processed[random_rows], _rows(batch, random_rows))
             noise = torch.empty_like(probs)
             for j, row in enumerate(random_rows):
-                noise[j].exponential_(generator=self._generator(requests[row]))
+                self.noise(noise[j], requests[row], len(requests[row].all_token_ids))
             tokens[random_rows] = self._argmax(probs / noise)
         token_list = tokens.tolist()
         for matcher, token_id in zip(matchers, token_list):

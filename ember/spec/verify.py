@@ -15,6 +15,11 @@ p_j(d_j); at the first rejection draw from the residual max(p_j - q_j, 0), which
 without d_j; when all k are kept draw the bonus token from p_k. Every emitted token then has the
 law of sampling p directly. p_j is the distribution the sampler would sample at that position
 (penalties, bias, temperature, top-k/p, min-p), with the drafts before it counted as output.
+
+A seeded request instead draws at each row what the sampler would draw there without
+speculation (its noise is a function of the seed and the position: Sampler.noise) and keeps
+d_j while that draw is d_j: d_j is kept with probability p_j(d_j) as above, and the tokens
+are those of the same request run without speculation, token for token.
 """
 from __future__ import annotations
 
@@ -74,9 +79,12 @@ def verify(sampler: Sampler, logits: Tensor, requests: list[Request],
     for request, d in zip(requests, drafts):
         if request.params.greedy:
             tokens.append(greedy_walk(d, targets[first:first + len(d) + 1]))
+        elif request.params.seed is not None:
+            index = [row_of[first + j] for j in range(len(d) + 1)]
+            tokens.append(seeded_walk(sampler, request, d, probs[index]))
         else:
             index = [row_of[first + j] for j in range(len(d) + 1)]
-            tokens.append(rejection_walk(d, probs[index], sampler._generator(request)))
+            tokens.append(rejection_walk(d, probs[index], sampler.generator))
         first += len(d) + 1
     return tokens, _logprobs(logits, rows, requests, drafts, tokens, num_logprobs)
 
@@ -87,6 +95,18 @@ def greedy_walk(drafts: tuple[int, ...], targets: list[int]) -> list[int]:
         if token != targets[j]:
             return list(drafts[:j]) + [targets[j]]
     return list(drafts) + [targets[len(drafts)]]
+
+
+def seeded_walk(sampler: Sampler, request: Request, drafts: tuple[int, ...],
+                probs: Tensor) -> list[int]:
+    """probs [k+1, V]: the sampling distribution at each row. Row j's draw is the sampler's
+    at that position (Sampler.noise); keep d_j while it is d_j, else end with the draw."""
+    noise = torch.empty_like(probs)
+    position = len(request.all_token_ids)
+    for j in range(len(drafts) + 1):
+        sampler.noise(noise[j], request, position + j)
+    draws = sampler._argmax(probs / noise).tolist()
+    return greedy_walk(drafts, draws)
 
 
 def rejection_walk(drafts: tuple[int, ...], probs: Tensor,

@@ -159,3 +159,28 @@ def test_block_copies_of_a_step_equal_the_copies_one_by_one(copies):
     chained = copies[1].src == copies[0].dst != copies[0].src
     assert len(batches) == (len(copies) if chained else 1)
     assert sum(len(src) for src, _ in batches) == sum(c.num_tokens for c in copies)
+
+
+def test_by_kind_parts_run_prompt_rows_then_generated_ones_and_split_a_recompute():
+    """A recomputing request (its prompt of 40 and 2 generated tokens, from 0) goes half into
+    the prompt part (not sampling) and half into the decode part, rows of one position each."""
+    from ember.runner.inputs import by_kind_parts
+    again = decode("r", 40, 0)
+    again.request.output_token_ids.append(9)
+    again.request.all_token_ids.append(9)
+    recompute = ScheduledRequest(again.request, 0, 42, again.block_ids, samples=True)
+    plan = SchedulerOutput([decode("a", 40, 10), chunk("p", 32, 1, 20), recompute])
+    (first, prompt), (second, generated) = by_kind_parts(plan)
+    assert first and not second
+    assert [(s.request.request_id, s.start, s.num_new_tokens, s.samples)
+            for s in prompt.scheduled] == [("p", 32, 1, False), ("r", 0, 40, False)]
+    assert [(s.request.request_id, s.start, s.num_new_tokens, s.samples)
+            for s in generated.scheduled] == [("a", 40, 1, True), ("r", 40, 2, True)]
+    cpu = torch.device("cpu")
+    decodes = prepare_inputs(generated, BLOCK, cpu, decode_stack=True, by_kind=True).attn
+    assert decodes.decodes.seq_lens.tolist() == [41, 41, 42]   # r's two rows in turn
+    prompts = prepare_inputs(prompt, BLOCK, cpu, chunks_alone=True, by_kind=True).attn
+    # a one-token prompt chunk (what a prefix-cache hit leaves) attends alone, as a prompt, and
+    # a prompt's first chunk reads its k and v from the cache like any other
+    assert not prompts.fresh and all(g.prompt and g.lone for g in prompts.groups)
+    assert prompts.prompt_step is not None and prompts.prompt_step.chunk_info[:, 3].sum() == 0

@@ -284,6 +284,27 @@ def test_generated_tokens_are_cached_once_computed():
     assert kv.pool.lookup(keys[0]) == kv.block_table("a")[0]
 
 
+def test_generated_tokens_kv_is_never_shared_where_only_prompt_kv_may_be():
+    """share_generated=False (a deterministic engine): blocks with a generated token stay out
+    of the cache, the partial tail stops at the prompt, and a later prompt that repeats the
+    answer hits only the first one's prompt."""
+    for share, want in ((False, 6), (True, 9)):
+        kv = KVCacheManager(num_blocks=10, block_size=4, share_generated=share)
+        r = make_request("a", [1, 2, 3, 4, 5, 6])
+        run_prefill(kv, r)
+        for t in (7, 8, 9):                            # three decode steps
+            r.append_output(t)
+            assert kv.allocate_slots(r, r.num_tokens)
+            r.num_computed_tokens = r.num_tokens - 1
+            kv.cache_full_blocks(r)
+        # [1..4]; [5, 6, 7, 8] holds generated tokens
+        assert kv.pool.num_cached_blocks == (1 if not share else 2)
+        r.num_computed_tokens = r.num_tokens
+        kv.free(r)                                     # the tail: [5, 6] or [9]
+        later = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+        assert kv.find_prefix(later).num_tokens == want
+
+
 def test_tables_grow_and_refuse_without_side_effects():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     a, b = make_request("a", [0] * 9), make_request("b", [1] * 5)

@@ -59,7 +59,7 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> weights, at::Tensor final_norm,
 }
 
 void DecodeStack::use_int8(std::vector<at::Tensor> tensors, std::vector<int64_t> groups,
-                           int64_t max_packed_rows) {
+                           int64_t max_packed_rows, bool by_kind) {
   TORCH_CHECK(has_int8_dot(), "int8 decode steps need a CPU with AVX-512 VNNI");
   TORCH_CHECK(tensors.size() == 12 * layers_.size() && groups.size() == 4 * layers_.size(),
               "use_int8: 12 tensors and 4 groups per layer");
@@ -90,6 +90,7 @@ void DecodeStack::use_int8(std::vector<at::Tensor> tensors, std::vector<int64_t>
     }
   }
   max_packed_rows_ = max_packed_rows;
+  by_kind_ = by_kind;
   int8_ = true;
 }
 
@@ -187,15 +188,16 @@ at::Tensor DecodeStack::run(const at::Tensor& x, const at::Tensor& cos, const at
   const bool int8 = !kv_scales.empty();
   const int64_t t = x.size(0), qkv_n = layers_[0].qkv.n, inter = layers_[0].down.k;
   const bool lora = plan.lora != nullptr && !plan.lora->empty();
-  if (plan.chunks.empty() && t <= kOneRegionRows && !(int8_ && t > max_packed_rows_) &&
-      !lora && !plan.rows_read_each_other) {
+  const bool a8 = int8_ && (by_kind_ ? plan.decodes == 0 && !plan.chunks.empty()
+                                     : t > max_packed_rows_);
+  if (plan.chunks.empty() && t <= kOneRegionRows && !a8 && !lora &&
+      !plan.rows_read_each_other) {
     return run_decodes(x, cos, sin, kv, kv_scales, slots, plan);
   }
   const auto opts = x.options();
   auto residual = x.clone();
   auto h = at::empty({t, hidden_}, opts), out = at::empty({t, hidden_}, opts);
   auto qkv = at::empty({t, qkv_n}, opts), q = at::empty({t, heads_, d_}, opts);
-  const bool a8 = int8_ && t > max_packed_rows_;
   auto att = at::empty({t, heads_, d_}, opts), act = at::empty({t, inter}, opts);
   // int8 steps write silu(gate) * up straight into act: no [gate | up] buffer
   auto gate_up = a8 ? at::Tensor() : at::empty({t, 2 * inter}, opts);

@@ -40,9 +40,12 @@ class DecodeStack {
   // products (w8a8_linear's arithmetic: x rounded to int8 per row or group, times smooth):
   // per layer, for qkv, o, gate_up and down in turn, the weight in quads (pack_int8_quads),
   // its scales [n] and smooth [k] float32 (12 tensors), and `groups` their activation groups
-  // (4 per layer; 0: a whole row). Only with AVX-512 VNNI.
+  // (4 per layer; 0: a whole row). Only with AVX-512 VNNI. With `by_kind`, the rows' kind
+  // chooses instead of their number: a step of prompt chunks alone runs on the int8
+  // weights whatever its size, a step with decodes on the int4 ones (so that a row's
+  // numerics never depend on the rows beside it; the runner keeps the kinds apart).
   void use_int8(std::vector<at::Tensor> tensors, std::vector<int64_t> groups,
-                int64_t max_packed_rows);
+                int64_t max_packed_rows, bool by_kind);
 
   // x [T, hidden] (the embeddings), cos, sin [T, 1, d], kv: each layer's cache [2, kv_heads,
   // blocks, block_size, d], slots [T], block_tables [T, max_blocks], seq_lens [T] (int64; the
@@ -180,6 +183,7 @@ class DecodeStack {
 
   std::vector<Layer> layers_;
   bool int8_ = false;           // use_int8 was called
+  bool by_kind_ = false;        // int8 for steps of prompt chunks alone, else int4
   int64_t max_packed_rows_ = 0;
   at::Tensor final_norm_;
   int64_t heads_, kv_heads_, d_, hidden_;
