@@ -43,12 +43,12 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "activations to int8 and multiplies int8 weights (about 1.7x bfloat16 "
                         "on VNNI CPUs; perplexity in docs/benchmarks.md); auto: int8 where "
                         "the compiled kernels have AVX-512 BF16")
-    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--deterministic", action="store_true",
                    help="a request's greedy tokens and logprobs, and its seeded samples, do "
-                        "not depend on the prefix cache, the batch, the chunk size or "
-                        "speculation (the default); --no-deterministic lets big decode "
-                        "batches run on the int8 prompt weights and shares generated "
-                        "tokens' KV through the prefix cache")
+                        "not depend on how many requests decode beside it (they never depend "
+                        "on the prefix cache, the chunk size, preemption or speculation): "
+                        "decode steps of more than 8 rows stay on the int4 weights, ~0.7x "
+                        "the output tok/s at 32 decoding requests (docs/benchmarks.md)")
     g.add_argument("--kernels", default="auto", choices=list(KERNELS),
                    help="auto: compiled CPU kernels for norms and decode attention (built "
                         "once with the C++ compiler, ~20 s, then cached); torch: the plain "

@@ -278,12 +278,12 @@ class EngineConfig:
     # prompt chunks' matmuls with packed weights: int8 (dynamic int8 activations, int8
     # weights) or bfloat16; auto: int8 where the compiled kernels have AVX-512 BF16
     prefill_matmul: str = "auto"
-    # a request's tokens and logprobs do not depend on the prefix cache, the step's other
-    # rows, the chunk size or speculation: every prompt token is computed as a prompt row
-    # and every generated one as a decode row (docs/architecture.md, "Same request, same
-    # answer"); False: big decode batches take the int8 prompt weights and generated
-    # tokens' KV is shared through the prefix cache
-    deterministic: bool = True
+    # a request's tokens and logprobs never depend on the prefix cache, the chunk size,
+    # preemption, speculation or the step's prompt rows (every prompt token is a prompt row,
+    # every generated one a decode row: docs/architecture.md, "Same request, same answer");
+    # with deterministic, not on how many other requests decode beside it either: decode
+    # steps of more than 8 rows stay on the int4 weights instead of the faster int8 ones
+    deterministic: bool = False
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0

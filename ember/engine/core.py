@@ -127,7 +127,8 @@ class EngineCore:
                     model = apply_quantization(model, self.quantization, kernels)
             move_to_huge_pages(step_weights(model))
         model.use_kernels(kernels)  # (the decode stack takes the weights where they are now)
-        model.rows_by_kind = config.deterministic   # the runner keeps the kinds apart
+        model.rows_by_kind = True   # the runner keeps prompt and decode rows apart
+        model.batch_invariant = config.deterministic
         self.load_phases.mark("weights")
         model.cache_rope(self.max_model_len, self.dtype)
         if self.prefill_matmul == "int8" and not self.weights_cached:  # bfloat16 copies out
@@ -157,7 +158,7 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                             config.cache.eviction_policy,
                             self.model_config.window_of_every_layer(),
-                            share_generated=not config.deterministic)
+                            share_generated=False)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, config.spec)
         self.loras = LoraRegistry(self.model_config, config.max_loras, config.max_lora_rank)
         self.loras.in_use = self._loras_in_use
@@ -166,7 +167,7 @@ class EngineCore:
         # a step's LoRA factors in huge pages: read every step, a TLB miss per 4 KiB page else
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
                                   kernels, self.loras, config.spec, drafter, huge_page_copies,
-                                  by_kind=config.deterministic)
+                                  by_kind=True, batch_invariant=config.deterministic)
         for name, path in config.loras:
             self.loras.add(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)

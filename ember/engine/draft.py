@@ -49,7 +49,7 @@ def build_drafter(config: EngineConfig, model: LlamaForCausalLM, kv_caches: list
         log.info("draft model %s is the target's file: it drafts with the target's weights",
                  path)
         return Drafter(model, caches, block_size, device, shares_kv=False,
-                       max_positions=max_model_len, by_kind=config.deterministic)
+                       max_positions=max_model_len, by_kind=True)
     files = open_model_files(path)
     draft_config = files.model_config()
     check_vocabulary(model.config, draft_config, tokenizer, load_tokenizer(files), path)
@@ -64,7 +64,7 @@ def build_drafter(config: EngineConfig, model: LlamaForCausalLM, kv_caches: list
     log.info("draft model %s (%d layers, weights %s) drafts %d tokens a step", path,
              draft_config.num_layers, quantization, spec.num_speculative_tokens)
     return Drafter(draft, caches, block_size, device, shares_kv=False,
-                   max_positions=max_model_len, by_kind=config.deterministic)
+                   max_positions=max_model_len, by_kind=True)
 
 
 def _reads_int8(kernels: CpuKernels | None, config: ModelConfig) -> bool:

@@ -116,9 +116,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.decode_stack = None  # set by use_kernels where it applies
         self.int8_decode = False  # set by use_int8_decode: the stack's big batches on int8
-        # steps come as prompt rows alone or decode rows alone (EngineConfig.deterministic):
-        # the stack then picks its weights by the kind, not by the number of rows
+        # steps come as prompt rows alone or decode rows alone (the runner's by_kind): the
+        # stack runs prompt steps on the int8 weights at any size; with batch_invariant
+        # (EngineConfig.deterministic) decode steps stay on the int4 ones at any size
         self.rows_by_kind = False
+        self.batch_invariant = False
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta,
@@ -227,9 +229,9 @@ class LlamaForCausalLM(nn.Module):
         """After the int8 prompt matmuls are set up (use_int8_dense): decode steps of more than
         max_packed_rows rows run the decode stack on the same int8 weights (w8a8_linear's
         arithmetic, so such a step computes what the layers would), and int8_decode says so;
-        with rows_by_kind, steps of prompt chunks run on them at every size and decode steps
-        never do. Where a linear's int8 weight is not in quads, or there is no stack, nothing
-        changes."""
+        with rows_by_kind, steps of prompt chunks run on them at every size, and with
+        batch_invariant too decode steps never do. Where a linear's int8 weight is not in
+        quads, or there is no stack, nothing changes."""
         if self.decode_stack is None:
             return
         tensors, groups, rows = [], [], set()
@@ -243,7 +245,8 @@ class LlamaForCausalLM(nn.Module):
                 rows.add(p.max_packed_rows)
         if len(rows) != 1:
             return
-        self.decode_stack.use_int8(tensors, groups, rows.pop(), self.rows_by_kind)
+        decode_rows = 1 << 40 if self.batch_invariant else rows.pop()
+        self.decode_stack.use_int8(tensors, groups, decode_rows, self.rows_by_kind)
         self.int8_decode = True
 
     def int8_prefill_linears(self) -> list[tuple[nn.Module, bool]]:

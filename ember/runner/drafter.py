@@ -138,7 +138,8 @@ class Drafter:
                                     prompt is not None and
                                     self.model.attends_chunks_alone(self.kv_caches),
                                     by_kind=prompt is not None)
-            with rows_of_kind(self._rows, prompt):
+            # (decode rows by their number: a step drafts for fewer than 8 requests)
+            with rows_of_kind(self._rows, prompt or None):
                 hidden: Tensor = self.model(inputs.input_ids, inputs.positions,
                                             self.kv_caches, inputs.attn)
             if inputs.logits_indices is not None:

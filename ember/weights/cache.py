@@ -59,9 +59,7 @@ def cache_key(model_path: Path, config: EngineConfig, choices: dict[str, str],
               if so_stat else None,
               # calibration's prompt length and steps depend on these
               "max_model_len": config.max_model_len, "cache": repr(config.cache),
-              "batched": config.scheduler.max_num_batched_tokens,
-              # calibration's activations: a fresh chunk over its own k and v, or the cache's
-              "deterministic": config.deterministic}
+              "batched": config.scheduler.max_num_batched_tokens}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -1,7 +1,8 @@
 """Same request, same answer: on the default path (int4 weights, int8 KV cache, the compiled
 kernels) a request's greedy tokens and logprobs, and its seeded samples, are bit-identical
-whatever happens around it: a cold or warm prefix cache, any chunk size, any other requests in
-its steps, preemption, speculation.
+whatever happens around it: a cold or warm prefix cache, any chunk size, preemption,
+speculation, other requests' prompts in its steps, and up to 8 decoding requests (with
+`deterministic`, any number).
 
 Reference: each request run alone, with the prefix cache off, in one step per prompt.
 """
@@ -69,16 +70,22 @@ def test_a_repeated_request_gets_the_same_answer_from_a_warm_cache(smollm_path, 
 
 
 @pytest.mark.parametrize("options", [
-    dict(max_num_batched_tokens=7),
+    dict(max_num_batched_tokens=7, max_num_seqs=8),
     dict(max_num_batched_tokens=64, max_num_seqs=3),
+    dict(speculative="ngram", max_num_seqs=2),
+    dict(speculative="self", max_num_seqs=1),
+    dict(max_num_batched_tokens=7, deterministic=True),
     # preemption and recompute (room for the 256-token calibration prompt, not every request)
-    dict(num_blocks=33, block_size=8),
-    dict(speculative="ngram"),
-    dict(speculative="self"),
-], ids=["chunk7", "chunk64-seqs3", "preempt", "ngram", "self"])
+    dict(num_blocks=33, block_size=8, deterministic=True),
+    dict(speculative="ngram", deterministic=True),
+    dict(speculative="self", deterministic=True),
+], ids=["chunk7-seqs8", "chunk64-seqs3", "ngram-seqs2", "self-seqs1", "chunk7-deterministic",
+        "preempt-deterministic", "ngram-deterministic", "self-deterministic"])
 def test_batched_chunked_preempted_and_speculative_answers_equal_alone(smollm_path, prompts,
                                                                        alone, options):
-    """Every prompt at once, greedy and seeded, twice (the second round over a warm cache)."""
+    """Every prompt at once, greedy and seeded, twice (the second round over a warm cache);
+    by default up to 8 decode rows a step (a step verifying drafts has up to 5 a request),
+    with deterministic any number."""
     engine = LLM(str(smollm_path), **options).engine
     for round_ in range(2):
         requests = {(i, kind): engine.add_request(f"{round_}-{i}-{kind}", prompt, params)
@@ -111,7 +118,8 @@ def engine_for(engines: dict[int, EngineCore], path, budget: int) -> EngineCore:
 def test_random_arrivals_chunks_and_cache_states_never_change_an_answer(smollm_path, prompts,
                                                                         alone, engines, data):
     """Random requests (greedy or seeded, from the prompts), arriving at random steps, in a
-    random step budget, over whatever the cache holds: each answers as alone, cache off."""
+    random step budget, over whatever the cache holds: each answers as alone, cache off (by
+    default: at most 6 requests, so at most 6 decode rows a step)."""
     budget = data.draw(st.sampled_from([5, 16, 48, 2048]), label="budget")
     engine = engine_for(engines, smollm_path, budget)
     picks = data.draw(st.lists(st.tuples(st.integers(0, len(prompts) - 1), st.booleans(),

@@ -188,8 +188,8 @@ at::Tensor DecodeStack::run(const at::Tensor& x, const at::Tensor& cos, const at
   const bool int8 = !kv_scales.empty();
   const int64_t t = x.size(0), qkv_n = layers_[0].qkv.n, inter = layers_[0].down.k;
   const bool lora = plan.lora != nullptr && !plan.lora->empty();
-  const bool a8 = int8_ && (by_kind_ ? plan.decodes == 0 && !plan.chunks.empty()
-                                     : t > max_packed_rows_);
+  const bool prompt_only = plan.decodes == 0 && !plan.chunks.empty();
+  const bool a8 = int8_ && ((by_kind_ && prompt_only) || t > max_packed_rows_);
   if (plan.chunks.empty() && t <= kOneRegionRows && !a8 && !lora &&
       !plan.rows_read_each_other) {
     return run_decodes(x, cos, sin, kv, kv_scales, slots, plan);

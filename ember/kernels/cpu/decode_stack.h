@@ -40,10 +40,9 @@ class DecodeStack {
   // products (w8a8_linear's arithmetic: x rounded to int8 per row or group, times smooth):
   // per layer, for qkv, o, gate_up and down in turn, the weight in quads (pack_int8_quads),
   // its scales [n] and smooth [k] float32 (12 tensors), and `groups` their activation groups
-  // (4 per layer; 0: a whole row). Only with AVX-512 VNNI. With `by_kind`, the rows' kind
-  // chooses instead of their number: a step of prompt chunks alone runs on the int8
-  // weights whatever its size, a step with decodes on the int4 ones (so that a row's
-  // numerics never depend on the rows beside it; the runner keeps the kinds apart).
+  // (4 per layer; 0: a whole row). Only with AVX-512 VNNI. With `by_kind`, a step of prompt
+  // chunks alone runs on the int8 weights whatever its size (so that a prompt row's
+  // numerics never depend on its chunk; the runner keeps prompt and decode rows apart).
   void use_int8(std::vector<at::Tensor> tensors, std::vector<int64_t> groups,
                 int64_t max_packed_rows, bool by_kind);
 
