@@ -213,3 +213,43 @@ def test_roofline_counts_active_expert_weights():
     routers = config.num_layers * config.hidden_size * config.num_experts
     embedding = config.vocab_size * config.hidden_size
     assert model_cost(model, 0).params == active - embedding - routers
+
+
+# one prompt of three blocks, so that a repeat hits the cache for two and a partial one
+REPEATED = list(range(100, 141))
+# heads the compiled kernels attend (64 wide): the path whose rows are summed alike whatever
+# the step (docs/architecture.md, "Same request, same answer"); the torch path's float32
+# matmuls may not be
+WIDE = dict(head_dim=64, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+
+
+def repeat_answers(folder, options: dict, times: int = 4) -> list[tuple[list[int], list]]:
+    """The same greedy request `times` times in a row on the engine's defaults for the model
+    (prefix cache on: later ones hit it): each one's tokens and logprobs."""
+    engine = LLM(str(folder), **options).engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    answers = []
+    for i in range(times):
+        request = engine.add_request(f"again-{i}", REPEATED, params)
+        while not request.is_finished:
+            engine.step()
+        answers.append((request.output_token_ids,
+                        [(lp.logprob, lp.top) for lp in request.output_logprobs]))
+    return answers
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", *CASES])
+def test_a_repeated_request_gets_the_same_answer_on_every_architecture(case, tmp_path,
+                                                                       tokenizer_files):
+    """Every architecture, 64-wide heads, the defaults (bfloat16, the compiled kernels):
+    the same tokens and logprobs, bit for bit, from a cold cache and from a warm one."""
+    if case in ("llama", "qwen2"):
+        kind, options = {"llama": "Llama", "qwen2": "Qwen2"}[case], {}
+    else:
+        kind, options = CASES[case]
+    if kind == "Phi3":   # LongRoPE's factors are sized for 16-wide heads
+        options = dict(pad_token_id=0, sliding_window=16)
+    model = tiny_variant(kind, **{**options, **WIDE})
+    folder = save_tiny_model(tmp_path, model, tokenizer_files)
+    first, *again = repeat_answers(folder, {} if kind == "Phi3" else ENGINE.get(case, {}))
+    assert all(a == first for a in again)
