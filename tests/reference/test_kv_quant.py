@@ -86,15 +86,13 @@ def test_int8_kv_perplexity_within_1_percent_of_bf16(bf16_pair):
     assert abs(quant / base - 1) < 0.01, (base, quant)
 
 
-def test_the_default_cache_is_int8_where_the_kernels_read_it_and_a_fresh_prompt_sees_bf16(
+def test_the_default_cache_is_int8_where_the_kernels_read_it_and_stays_close_to_bf16(
         smollm_path):
     """kv_cache_dtype auto: int8 with int4 weights (the default) where the compiled attention
     kernels read it (AVX-512 BF16 and VNNI), else the model's dtype (int8 and dense weights
-    keep it). A fresh prompt attends over its own k and v as computed, not as rounded into
-    the int8 cache: its first token's logprobs are the bfloat16 cache's, bit for bit; later
-    tokens read the int8 cache. (The prompts share the chat template's opening, so with the
-    prefix cache on all but one would start from that prefix as cached: a cache hit, not a
-    fresh prompt.)"""
+    keep it). Every prompt row reads k and v as the int8 cache holds them (a fresh prompt
+    too, so that a cache hit or a later chunk reads what it read): greedy answers stay
+    within the closeness rule of the bfloat16 cache's."""
     small = dict(kv_cache_gib=0.05, enable_prefix_caching=False)
     auto = LLM(str(smollm_path), **small)
     assert LLM(str(smollm_path), quantization="int8", **small).engine.cache_info.dtype == \
@@ -109,6 +107,4 @@ def test_the_default_cache_is_int8_where_the_kernels_read_it_and_a_fresh_prompt_
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     prompts = [auto.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     got, want = (llm.generate(prompts, params) for llm in (auto, model))
-    for g, w in zip(got, want):
-        assert g.outputs[0].logprobs[0] == w.outputs[0].logprobs[0]
     assert_greedy_close(want, got)
