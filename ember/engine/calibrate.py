@@ -108,9 +108,8 @@ def input_amax(core: Engine, token_ids: list[int], modules: list[PackedLinear]
     missing = [m for m in modules if m not in amax]
     if missing:
         raise ConfigError(f"int8 prefill matmuls: calibration saw no prompt rows in "
-                          f"{len(missing)} linears (a step budget or KV cache of 8 tokens or "
-                          "fewer?); raise --max-num-batched-tokens or --kv-cache-gib, or use "
-                          "--prefill-matmul bfloat16")
+                          f"{len(missing)} linears (a KV cache too small for a prompt?); "
+                          "raise --kv-cache-gib, or use --prefill-matmul bfloat16")
     return amax
 
 

@@ -152,9 +152,10 @@ def sampling_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def position_seed(seed: int, position: int) -> int:
-    """The seed of the noise a seeded request draws its token at `position` with (64 bits)."""
-    digest = hashlib.blake2b(seed.to_bytes(8, "little") + position.to_bytes(8, "little"),
-                             digest_size=8).digest()
+    """The seed of the noise a seeded request draws its token at `position` with (64 bits).
+    Seeds are taken mod 2**64, as torch reads them (-1 and 2**64 - 1 draw alike)."""
+    digest = hashlib.blake2b((seed % 2**64).to_bytes(8, "little")
+                             + position.to_bytes(8, "little"), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 

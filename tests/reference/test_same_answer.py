@@ -112,14 +112,33 @@ def engine_for(engines: dict[int, EngineCore], path, budget: int) -> EngineCore:
     return engines[budget]
 
 
-@settings(max_examples=6, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+HEALTH = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@settings(max_examples=6, derandomize=True, **HEALTH)
 @given(data=st.data())
 def test_random_arrivals_chunks_and_cache_states_never_change_an_answer(smollm_path, prompts,
                                                                         alone, engines, data):
     """Random requests (greedy or seeded, from the prompts), arriving at random steps, in a
     random step budget, over whatever the cache holds: each answers as alone, cache off (by
     default: at most 6 requests, so at most 6 decode rows a step)."""
+    check_random_traffic(smollm_path, prompts, alone, engines, data)
+
+
+@pytest.mark.fuzz
+@settings(max_examples=60, **HEALTH)
+@given(data=st.data())
+def test_many_random_arrivals_never_change_an_answer(smollm_path, prompts, alone, engines,
+                                                     request, data):
+    """The same, larger and not derandomized (opt-in: -m fuzz)."""
+    if "fuzz" not in request.config.getoption("markexpr"):
+        pytest.skip("opt-in: pytest -m fuzz tests/reference/test_same_answer.py")
+    check_random_traffic(smollm_path, prompts, alone, engines, data)
+
+
+def check_random_traffic(smollm_path, prompts, alone, engines, data) -> None:
+    """Draw a step budget and requests (prompt, seeded or greedy, arrival step), run them on
+    that budget's engine and compare each with the request alone, cache off."""
     budget = data.draw(st.sampled_from([5, 16, 48, 2048]), label="budget")
     engine = engine_for(engines, smollm_path, budget)
     picks = data.draw(st.lists(st.tuples(st.integers(0, len(prompts) - 1), st.booleans(),

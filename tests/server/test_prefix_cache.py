@@ -150,10 +150,11 @@ def test_priority_preempts_over_http(tiny_llama_dir):
         live.close()
 
 
-def test_a_chat_answer_stays_cached_when_its_text_would_encode_otherwise(server):
+def test_a_chat_answer_splices_back_but_only_its_prompt_is_shared(server):
     """The model is made to answer with four single-space tokens, which re-encode as one
-    four-space token; the next turn still reuses the answer's KV (all of it but the last
-    token, sampled and never fed back)."""
+    four-space token; the next turn reuses the first turn's prompt KV to the token, and not
+    the answer's: that KV is a decode row's, which the next turn's prompt rows would not
+    compute (docs/architecture.md, "Same request, same answer")."""
     space = httpx.post(server.url + "/tokenize", json={"prompt": " ",
                                                        "add_special_tokens": False})
     [space_id] = space.json()["tokens"]
@@ -167,4 +168,4 @@ def test_a_chat_answer_stays_cached_when_its_text_would_encode_otherwise(server)
     second = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "messages": turn2, "max_tokens": 1}).json()
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached == first["usage"]["prompt_tokens"] + 4 - 1
+    assert cached == first["usage"]["prompt_tokens"]

@@ -167,6 +167,7 @@ def test_same_seed_same_tokens_whatever_shares_the_batch():
             reqs.insert(seeded_row, seeded)
             out, _ = sampler.sample(logits[rows].clone(), reqs)
             tokens.append(out[seeded_row])
+            seeded.append_output(out[seeded_row])   # the next draw is at the next position
         return tokens
 
     alone = run([], 0)
