@@ -167,7 +167,7 @@ class EngineCore:
         # a step's LoRA factors in huge pages: read every step, a TLB miss per 4 KiB page else
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
                                   kernels, self.loras, config.spec, drafter, huge_page_copies,
-                                  by_kind=True, batch_invariant=config.deterministic)
+                                  batch_invariant=config.deterministic)
         for name, path in config.loras:
             self.loras.add(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)

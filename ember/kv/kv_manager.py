@@ -58,7 +58,7 @@ class KVCacheManager:
         # whether generated tokens' KV is cached for others: a decode row computes it with
         # other numerics than a prompt row would, so a later prompt that repeats those tokens
         # (the next turn of a chat) would read KV its own prompt rows never make, and its
-        # answer would depend on the cache (EngineConfig.deterministic)
+        # answer would depend on the cache (the engine shares prompt KV only)
         self.share_generated = share_generated
         # tokens every layer attends back over (sliding-window models), None: all of them.
         # With a window, the blocks behind it go back to the pool instead of being cached:

@@ -196,6 +196,11 @@ class PackedLinear(nn.Module):
     The packed kernels take bfloat16 activations; the model runs in bfloat16 with them.
     """
 
+    # the kind of the forward's rows, shared by a model's linears (share_step_rows); None:
+    # by their number. A class default, so that a module the weight cache builds has it too
+    # (the cache keeps only plain settings; this name is private)
+    _rows: StepRows | None = None
+
     def __init__(self, linear: nn.Linear, method: str, keep_dense: bool = True,
                  max_packed_rows: int = PACKED_MAX_ROWS, prepack_dense: bool = True,
                  kernels: CpuKernels | None = None) -> None:
@@ -207,9 +212,6 @@ class PackedLinear(nn.Module):
                                    and kernels.has_bf16_dot and weight.shape[0] % 16 == 0
                                    ) else None
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        # share_step_rows gives a model's linears one (a private name: the weight cache
-        # keeps only plain settings)
-        self._rows = StepRows()
         self.weight = weight if keep_dense else None
         self.w8a8: CpuKernels | None = None  # set by use_int8_dense
         self.act_group = 0  # inputs per activation scale in W8A8 matmuls (0: the whole row)
@@ -334,8 +336,7 @@ class PackedLinear(nn.Module):
 
     def dense_rows(self, x: Tensor) -> bool:
         """Whether x's rows take the dense weight (StepRows)."""
-        rows = self.__dict__.get("_rows")   # (none yet on a module the weight cache made)
-        prompt = None if rows is None else rows.prompt
+        prompt = None if self._rows is None else self._rows.prompt
         return x.shape[0] > self.max_packed_rows if prompt is None else prompt
 
     def takes_swiglu(self, x: Tensor) -> bool:
@@ -518,8 +519,7 @@ def share_step_rows(model: nn.Module) -> StepRows:
     """One StepRows for every PackedLinear of the model, returned (rows_of_kind sets it): the
     first linear's, so that a model that both drafts and verifies keeps one."""
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    rows = packed[0].__dict__.get("_rows") if packed else None
-    rows = rows if rows is not None else StepRows()
+    rows = (packed[0]._rows if packed else None) or StepRows()
     for module in packed:
         module._rows = rows
     return rows
@@ -545,7 +545,7 @@ def packed_everywhere(model: nn.Module) -> Iterator[None]:
     saved = [(m.max_packed_rows, m._rows) for m in packed]
     stack_int8 = getattr(model, "int8_decode", None)
     for module in packed:
-        module.max_packed_rows, module._rows = 1 << 62, StepRows()
+        module.max_packed_rows, module._rows = 1 << 62, None
     if stack_int8:
         model.int8_decode = False
     try:

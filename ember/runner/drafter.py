@@ -22,8 +22,8 @@ scheduler allots slots ahead for it: SpecConfig.drafts_with_a_model).
   drafts, which the target may reject, and may lie in blocks the scheduler trims: only
   positions up to n are counted valid, and the next drafting starts there.
 
-With `by_kind` (a deterministic engine) a forward runs its prompt rows and its generated ones
-apart, as the target does (ember/runner/inputs.py by_kind_parts): a draft model with the
+With `by_kind` (a draft model) a forward runs its prompt rows and its generated ones apart, as
+the target does (ember/runner/inputs.py by_kind_parts): a draft model with the
 target's numerics then guesses what the target computes.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Drafter:
     _valid: dict[str, _Valid] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._rows = share_step_rows(self.model)
+        self._step_rows = share_step_rows(self.model)
 
     def forget(self, request_ids: frozenset[str]) -> None:
         for rid in request_ids:
@@ -139,7 +139,7 @@ class Drafter:
                                     self.model.attends_chunks_alone(self.kv_caches),
                                     by_kind=prompt is not None)
             # (decode rows by their number: a step drafts for fewer than 8 requests)
-            with rows_of_kind(self._rows, prompt or None):
+            with rows_of_kind(self._step_rows, prompt or None):
                 hidden: Tensor = self.model(inputs.input_ids, inputs.positions,
                                             self.kv_caches, inputs.attn)
             if inputs.logits_indices is not None:

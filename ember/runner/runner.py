@@ -30,12 +30,12 @@ class ModelRunner:
                  loras: LoraRegistry | None = None, spec: SpecConfig = SpecConfig(),
                  drafter: Drafter | None = None,
                  place_lora: Callable[[list[Tensor]], list[Tensor]] | None = None,
-                 by_kind: bool = False, batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False) -> None:
         self.model = model
         # every row by its kind, whatever the step holds: prompt rows and decode rows run as
         # two forwards, each on its kind's path (docs/architecture.md, "Same request, same
         # answer"); with batch_invariant, decode rows on the packed weights at any count
-        self.by_kind, self.batch_invariant = by_kind, batch_invariant
+        self.batch_invariant = batch_invariant
         self.step_rows = share_step_rows(model)
         self.spec = spec
         self.drafter = drafter   # drafts with a model (self-draft or a draft model), else n-gram
@@ -62,13 +62,11 @@ class ModelRunner:
         whose prompt ended.
         """
         self._copy_blocks(plan)
-        if not self.by_kind:
-            return self._forward_part(plan, pooled, None, False)
         requests: list[Request] = []
         logits: list[Tensor] = []
         for prompt, part in by_kind_parts(plan):
             kind = True if prompt else (False if self.batch_invariant else None)
-            part_requests, part_logits = self._forward_part(part, pooled, kind, True)
+            part_requests, part_logits = self._forward_part(part, pooled, kind)
             requests += part_requests
             logits.append(part_logits)
         if len(logits) == 1:
@@ -76,13 +74,13 @@ class ModelRunner:
         return requests, torch.cat(logits)
 
     def _forward_part(self, plan: SchedulerOutput, pooled: dict[str, list[float]] | None,
-                      prompt: bool | None, by_kind: bool) -> tuple[list[Request], Tensor]:
-        """forward() of a plan (by_kind: a part of by_kind_parts) whose linears take rows as
-        `prompt` says (StepRows: True prompt rows, False decode rows, None by their number)."""
+                      prompt: bool | None) -> tuple[list[Request], Tensor]:
+        """forward() of a part of by_kind_parts, whose linears take rows as `prompt` says
+        (StepRows: True prompt rows, False decode rows, None by their number)."""
         inputs = prepare_inputs(plan, self.block_size, self.device,
                                 self.model.stack_runs_decodes(self.kv_caches),
                                 self.model.attends_chunks_alone(self.kv_caches),
-                                by_kind=by_kind)
+                                by_kind=True)
         with rows_of_kind(self.step_rows, prompt):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                 inputs.attn, self._lora_step(plan))
@@ -102,9 +100,8 @@ class ModelRunner:
         """Like forward(), but logits [T, vocab] float32 for every new token of the step (for
         scoring text); rows follow the flat batch of `prepare_inputs`."""
         self._copy_blocks(plan)
-        # scored text is prompt rows: by_kind, on the prompt path as any prompt takes it
-        by_kind = self.by_kind and all(s.end <= s.request.num_prompt_tokens
-                                       for s in plan.scheduled)
+        # scored text is prompt rows: on the prompt path as any prompt takes it
+        by_kind = all(s.end <= s.request.num_prompt_tokens for s in plan.scheduled)
         inputs = prepare_inputs(plan, self.block_size, self.device, chunks_alone=by_kind and
                                 self.model.attends_chunks_alone(self.kv_caches),
                                 by_kind=by_kind)

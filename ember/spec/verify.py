@@ -79,12 +79,11 @@ def verify(sampler: Sampler, logits: Tensor, requests: list[Request],
     for request, d in zip(requests, drafts):
         if request.params.greedy:
             tokens.append(greedy_walk(d, targets[first:first + len(d) + 1]))
-        elif request.params.seed is not None:
-            index = [row_of[first + j] for j in range(len(d) + 1)]
-            tokens.append(seeded_walk(sampler, request, d, probs[index]))
         else:
-            index = [row_of[first + j] for j in range(len(d) + 1)]
-            tokens.append(rejection_walk(d, probs[index], sampler.generator))
+            rows_probs = probs[[row_of[first + j] for j in range(len(d) + 1)]]
+            tokens.append(seeded_walk(sampler, request, d, rows_probs)
+                          if request.params.seed is not None else
+                          rejection_walk(d, rows_probs, sampler.generator))
         first += len(d) + 1
     return tokens, _logprobs(logits, rows, requests, drafts, tokens, num_logprobs)
 

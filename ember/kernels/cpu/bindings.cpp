@@ -64,6 +64,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("decode_first"), py::arg("block_tables"), py::arg("seq_lens"),
            py::arg("chunk_info"), py::arg("chunk_tables"), py::arg("positions") = py::none(),
            py::arg("lora") = std::vector<at::Tensor>(), no_gil)
-      .def("use_int8", &DecodeStack::use_int8, "steps above max_packed_rows (or by_kind: prompt steps) on int8 quads");
+      .def("use_int8", &DecodeStack::use_int8,
+           "steps above max_packed_rows (or by_kind: prompt steps) on int8 quads");
 #endif
 }
