@@ -48,7 +48,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "not depend on how many requests decode beside it (they never depend "
                         "on the prefix cache, the chunk size, preemption or speculation): "
                         "decode steps of more than 8 rows stay on the int4 weights, ~0.7x "
-                        "the output tok/s at 32 decoding requests (docs/benchmarks.md)")
+                        "the output tok/s at 32 decoding requests (docs/same-answer.md)")
     g.add_argument("--kernels", default="auto", choices=list(KERNELS),
                    help="auto: compiled CPU kernels for norms and decode attention (built "
                         "once with the C++ compiler, ~20 s, then cached); torch: the plain "

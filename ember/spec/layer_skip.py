@@ -20,7 +20,7 @@ from ember.models.llama import LlamaForCausalLM, _build_decode_stack
 # the default draft depth, as a share of the target's layers. Layers not trained to exit early
 # predict poorly from shallow depths: on the default model (30 layers) 8 layers' drafts were
 # accepted 1% of the time (4 a step), and with 2 a step 20 layers' 10%, 24 layers' 44%, 27
-# layers' 62%, 29 layers' 72% (docs/benchmarks.md)
+# layers' 62%, 29 layers' 72% (docs/speculative.md)
 DEFAULT_SHARE = 0.9
 
 
