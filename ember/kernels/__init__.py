@@ -12,9 +12,9 @@ inline helpers they share (`vec.h` SIMD, `kv_cache.h` the cache's rows, `common.
 file calls in another) and `bindings.cpp` (the Python bindings only). Most need a CPU with
 AVX-512 BF16 (and VNNI, for the int8 activations); the rest run anywhere. They are built as
 one extension with the machine's C++ compiler the first time an engine needs them (about a
-minute; `-march=native`, so the build is keyed by the CPU's flags; ninja compiles the files
-in parallel, and again those that include a file that changed, headers too) and cached by
-torch.utils.cpp_extension under $TORCH_EXTENSIONS_DIR (default
+minute; `-march=native`, so the build is keyed by the CPU's flags and by the checkout; ninja
+compiles the files in parallel, and again those that include a file that changed, headers
+too) and cached by torch.utils.cpp_extension under $TORCH_EXTENSIONS_DIR (default
 ~/.cache/torch_extensions). The torch code in ember/models is the reference and the fallback:
 `--kernels torch` uses it alone, and `auto` falls back to it, with a warning, where the
 kernels cannot be built.
@@ -250,7 +250,7 @@ def build_cpu_ops(verbose: bool = False, source: Path = SOURCE, name: str | None
     runs ninja and takes ~0.7 s of a start); anything else goes through torch's build.
     Raises on a failed build."""
     from torch.utils.cpp_extension import _get_build_directory, load
-    name = name or f"ember_cpu_ops_{_cpu_key()}"
+    name = name or default_name(source)
     build_dir = Path(_get_build_directory(name, verbose=False))
     stamp = source_stamp(source)
     built = import_built(name, build_dir, stamp)
@@ -262,6 +262,14 @@ def build_cpu_ops(verbose: bool = False, source: Path = SOURCE, name: str | None
                extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=verbose)
     (build_dir / STAMP).write_text(stamp)
     return ops
+
+
+def default_name(source: Path) -> str:
+    """The extension's name, keyed by the CPU and the sources' folder: two checkouts never
+    share a build folder, where ninja could keep one's objects for the other's sources (one
+    checkout's edits still rebuild only what they touch)."""
+    where = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:8]
+    return f"ember_cpu_ops_{_cpu_key()}_{where}"
 
 
 def source_stamp(source: Path) -> str:

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch.utils.cpp_extension
 
-from ember.kernels import SOURCE, _cpu_key, build_cpu_ops
+from ember.kernels import SOURCE, build_cpu_ops, default_name
 
 
 class Rebuilt(Exception):
@@ -29,8 +29,7 @@ def built():
 
 def test_a_stamped_build_is_imported_without_building(built, monkeypatch):
     monkeypatch.setattr(torch.utils.cpp_extension, "load", refuse_build)
-    name = f"ember_cpu_ops_{_cpu_key()}"
-    monkeypatch.delitem(sys.modules, name, raising=False)   # as a fresh process has it
+    monkeypatch.delitem(sys.modules, built.__name__, raising=False)   # as a fresh process has it
     again = build_cpu_ops()
     assert again.__file__ == built.__file__
     assert hasattr(again, "rms_norm")
@@ -42,3 +41,9 @@ def test_a_changed_header_goes_through_the_build(built, monkeypatch, tmp_path):
     (changed / "vec.h").write_text((changed / "vec.h").read_text() + "\n// changed\n")
     with pytest.raises(Rebuilt):
         build_cpu_ops(source=changed)
+
+
+def test_another_checkouts_sources_build_in_another_folder(tmp_path):
+    other = shutil.copytree(SOURCE, tmp_path / "cpu")
+    assert default_name(other) != default_name(SOURCE)
+    assert default_name(SOURCE) == default_name(SOURCE.parent / SOURCE.name)
