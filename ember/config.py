@@ -168,6 +168,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     eviction_policy: str = "lru"   # which idle cached block to give up first: lru, lfu, cost
     kv_cache_dtype: str = "auto"   # auto (int8 with int4 weights on the kernels), model, int8
+    # KV events kept for /kv/events pollers; one further behind starts again from a snapshot
+    max_kv_events: int = 10_000
 
     def __post_init__(self) -> None:
         check_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
@@ -180,6 +182,9 @@ class CacheConfig:
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ConfigError(f"num_blocks={self.num_blocks} must be positive, or None to "
                               "derive it from kv_cache_gib")
+        if self.max_kv_events <= 0:
+            raise ConfigError(f"max_kv_events={self.max_kv_events} must be positive; try "
+                              "10000")
 
 
 @dataclass(frozen=True)

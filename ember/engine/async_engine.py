@@ -499,6 +499,11 @@ class AsyncEngine:
         """The prefix cache's stored/removed events after `seq` (any thread may ask)."""
         return self._core().scheduler.kv.pool.events_after(seq)
 
+    def kv_snapshot(self) -> tuple[dict[int, tuple[int | None, int]], int]:
+        """Every block the prefix cache holds now, and the event seq to continue after (any
+        thread may ask)."""
+        return self._core().scheduler.kv.pool.snapshot()
+
 
 
 def _failed(error: Exception) -> RequestFailed:

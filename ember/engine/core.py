@@ -158,7 +158,7 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                             config.cache.eviction_policy,
                             self.model_config.window_of_every_layer(),
-                            share_generated=False)
+                            share_generated=False, max_events=config.cache.max_kv_events)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, config.spec)
         self.loras = LoraRegistry(self.model_config, config.max_loras, config.max_lora_rank)
         self.loras.in_use = self._loras_in_use

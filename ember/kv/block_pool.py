@@ -5,7 +5,8 @@ computed can be *cached* under its chained key (prefix_cache.py); a later reques
 prefix reuses it instead of recomputing it. A cached block that no request uses stays cached
 until its slot is needed: empty blocks are handed out first, then the eviction policy picks
 which cached block to give up. Every block stored or removed is logged as a KV event, for
-routers that want to know what this replica holds.
+routers that want to know what this replica holds; a router that is new, or fell behind the
+log's window, starts from a snapshot of every cached block instead (`snapshot`).
 
 A cached block also remembers its token ids, so that a prompt which leaves a cached prefix in
 the middle of a block can still reuse that block's leading tokens (`longest_partial`): the
@@ -44,6 +45,9 @@ class KVEvent:
     num_tokens: int = 0               # stored only: tokens in the block
 
 
+HeldBlock = tuple[int | None, int]    # a cached block's (parent key, tokens in it)
+
+
 @dataclass
 class _Meta:
     key: int | None = None
@@ -75,6 +79,9 @@ class BlockPool:
         self.num_evictions = 0
         self.events: deque[KVEvent] = deque(maxlen=max_events)
         self.next_event_seq = 0
+        # every cached key, changed in step with the log (before its seq advances), so that a
+        # snapshot and a cursor can be read without a lock while the engine thread runs
+        self._held: dict[int, HeldBlock] = {}
 
     @property
     def policy(self) -> str:
@@ -267,6 +274,10 @@ class BlockPool:
 
     def _log(self, kind: str, key: int, parent_key: int | None = None,
              num_tokens: int = 0) -> None:
+        if kind == "stored":
+            self._held[key] = (parent_key, num_tokens)
+        else:
+            del self._held[key]
         self.events.append(KVEvent(self.next_event_seq, kind, key, parent_key, num_tokens))
         self.next_event_seq += 1
 
@@ -276,3 +287,13 @@ class BlockPool:
         events = [e for e in snapshot if e.seq > seq]
         dropped = bool(snapshot) and snapshot[0].seq > seq + 1
         return events, dropped
+
+    def snapshot(self) -> tuple[dict[int, HeldBlock], int]:
+        """Every cached block now (key -> parent key, tokens), and the seq to read events
+        after: those events applied to the snapshot give the cache as it is then. Any thread
+        may ask. The cursor is read first, so the copy holds at least every event up to it,
+        and perhaps a few later ones, which replay harmlessly: an event sets its key's state,
+        so the last event of each key decides it, whatever the copy already held."""
+        cursor = self.next_event_seq - 1
+        held = self._held.copy()  # one C-level copy: safe while the engine thread logs
+        return held, cursor

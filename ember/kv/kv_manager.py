@@ -53,7 +53,7 @@ class BlockCopy:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  policy: str = "lru", window: int | None = None,
-                 share_generated: bool = True) -> None:
+                 share_generated: bool = True, max_events: int = 10_000) -> None:
         self.block_size = block_size
         # whether generated tokens' KV is cached for others: a decode row computes it with
         # other numerics than a prompt row would, so a later prompt that repeats those tokens
@@ -65,7 +65,7 @@ class KVCacheManager:
         # the pool evicts cached chains from their ends, never from their starts.
         self.window = window
         self.enable_prefix_caching = enable_prefix_caching and window is None
-        self.pool = BlockPool(num_blocks, policy)
+        self.pool = BlockPool(num_blocks, policy, max_events)
         self._tables: dict[str, list[int]] = {}
         self._keys: dict[str, list[int]] = {}       # chained keys of each request's full blocks
         self._num_cached: dict[str, int] = {}       # how many of its blocks are in the cache

@@ -42,6 +42,10 @@ def add_route_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
                    help="run replicas as Ray actors on the cluster at ADDRESS (default: "
                         "the one `ray start` set up, else a local one)")
     g.add_argument("--policy", default="prefix", choices=list(POLICIES))
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="hash prompts with this tokenizer (a .gguf file or a Hugging Face "
+                        "folder; default: --model's), for the replicas serving the model "
+                        "named --served-model-name, else after --model, else after PATH")
     g.add_argument("--session-header", default=RouterConfig.session_header,
                    help="the session policy's key (else the body's `user`)")
     g.add_argument("--max-tries", type=int, default=RouterConfig.max_tries,

@@ -2,7 +2,9 @@
 
 * probes: `/health/ready` and `/metrics` of each replica every `probe_interval_s`; a replica
   that answers becomes ready, one that stops answering is ejected.
-* KV events: each ready replica's `/kv/events` is polled with its cursor (kv_index.py).
+* KV events: each ready replica's `/kv/events` is polled with its cursor (kv_index.py). Its
+  block keys are used only if it serves the model the gateway's tokenizer is for
+  (`hash_model`); any other replica is routed on the text of the prompts sent to it.
 * supervision: a local or Ray replica whose process died is marked dead and restarted with
   exponential backoff.
 * choose/release: the decision and the in-flight count it raises, in one synchronous step.
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 MAX_RESTART_BACKOFF_S = 30.0
 PORT_TAKEN = "address already in use"   # a replica's log line when its port was taken
 PROBE_TIMEOUT_S = 2.0
+SNAPSHOT_TIMEOUT_S = 30.0   # a snapshot lists a whole KV pool: up to megabytes of JSON
 STARTING_PROBE_S = 0.1
 REPLICA_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
                   "vllm:kv_cache_usage_perc": "kv_usage"}
@@ -74,6 +77,8 @@ class Fleet:
         self._poll_warned: set[tuple[str, str]] = set()   # (replica, status) already logged
         self.failures: dict[str, str] = {}   # group -> why its replicas are not started
         self.adapters: dict[str, str] = {}   # LoRA name -> path, loaded through the gateway
+        self.hash_model: str | None = None   # the served model the gateway's tokenizer is for
+        self._model_warned: set[str | None] = set()   # served models routed on text, said
 
     # -- membership -------------------------------------------------------------------------
 
@@ -130,9 +135,16 @@ class Fleet:
         if self.config.policy != "prefix":
             return 0
         index = self.blocks[r.id]
-        if r.supports_events and index.block_size in keys.block_keys:
+        if self._hashable(r) and index.block_size in keys.block_keys:
             return index.matched(keys.block_keys[index.block_size], now)
         return self.texts[r.id].matched(keys.text_keys)
+
+    def _hashable(self, r: Replica) -> bool:
+        """Whether the gateway hashes prompts as `r` does: it reports KV events, and for the
+        model the gateway's tokenizer is for."""
+        index = self.blocks[r.id]
+        return (r.supports_events and index.block_size is not None
+                and self.hash_model is not None and index.model == self.hash_model)
 
     def choose(self, group: str, keys: RouteKeys, exclude: set[str]
                ) -> tuple[Replica, Decision] | None:
@@ -157,7 +169,7 @@ class Fleet:
 
     def _total_units(self, r: Replica, keys: RouteKeys) -> int:
         size = self.blocks[r.id].block_size
-        if r.supports_events and size in keys.block_keys:
+        if self._hashable(r) and size in keys.block_keys:
             return len(keys.block_keys[size])
         return len(keys.text_keys)
 
@@ -182,12 +194,14 @@ class Fleet:
         replica.ejected_until = now + self.config.eject_s
 
     def needs_text_keys(self) -> bool:
-        """Whether some replica is routed on text (no KV events, or none polled yet)."""
-        return any(not r.supports_events or self.blocks[r.id].block_size is None
-                   for r in self.replicas.values())
+        """Whether some replica is routed on text (no KV events, none polled yet, or keys
+        the gateway cannot compute)."""
+        return any(not self._hashable(r) for r in self.replicas.values())
 
     def block_sizes(self) -> set[int]:
-        return {i.block_size for i in self.blocks.values() if i.block_size}
+        """The block sizes to hash prompts for: those of the replicas routed on blocks."""
+        return {self.blocks[r.id].block_size for r in self.replicas.values()
+                if self._hashable(r)}
 
     # -- background loops -------------------------------------------------------------------
 
@@ -316,11 +330,12 @@ class Fleet:
 
     async def _poll(self, r: Replica) -> None:
         index = self.blocks[r.id]
-        for _ in range(4):  # a resync, or a long backlog, takes a few rounds
+        for _ in range(4):  # a snapshot, then its events, or a long backlog: a few rounds
+            timeout = PROBE_TIMEOUT_S if index.synced else SNAPSHOT_TIMEOUT_S
             try:
-                async with self.session.get(f"{r.url}/kv/events?after={index.cursor}",
+                async with self.session.get(f"{r.url}/kv/events?{index.query()}",
                                             headers=self.auth, timeout=aiohttp.ClientTimeout(
-                                                total=PROBE_TIMEOUT_S)) as resp:
+                                                total=timeout)) as resp:
                     if resp.status == 404:
                         r.supports_events = False
                         return
@@ -332,8 +347,28 @@ class Fleet:
                 self._poll_failed(r, "timeout" if isinstance(e, asyncio.TimeoutError)
                                   else "error")
                 return
-            if index.apply(payload) and not payload.get("events"):
+            applied = index.apply(payload)
+            if self.blocks.get(r.id) is index:   # not restarted meanwhile
+                self._warn_unhashable(r)
+            if applied and not payload.get("events") and "snapshot" not in payload:
                 return
+
+    def _warn_unhashable(self, r: Replica) -> None:
+        """Say once per served model why its replicas are routed on text, not on their KV
+        blocks."""
+        model = self.blocks[r.id].model
+        if self._hashable(r) or model in self._model_warned:
+            return
+        self._model_warned.add(model)
+        served = repr(model) if model else "a model its /kv/events does not name"
+        have = (f"a tokenizer for {self.hash_model!r}" if self.hash_model is not None
+                else "no tokenizer")
+        log.warning("replica %s serves %s and the gateway has %s, so it cannot hash prompts "
+                    "as the replica does: the replicas of that model are routed on the text "
+                    "of the prompts sent to them, not on the KV blocks they report; give "
+                    "`ember route` that model's tokenizer with --tokenizer PATH (a .gguf file "
+                    "or a Hugging Face folder; and --served-model-name %s if the file is named "
+                    "otherwise)", r.id, served, have, model or "NAME")
 
     def _poll_failed(self, r: Replica, status: str) -> None:
         """Count it; say it once per replica and status (it repeats every poll)."""

@@ -1,9 +1,12 @@
 """Which prefix blocks each replica holds, as far as the gateway can tell.
 
 Two sources, per replica:
-* its `/kv/events` log (ember/server/kv_events.py), polled with a cursor: blocks stored and
+* its `/kv/events` log (ember/server/kv_events.py): a snapshot of every block it holds on
+  first contact, then the events after the snapshot's cursor, polled: blocks stored and
   removed, under the chained keys of ember/kv/prefix_cache.py. A gap in the log ("dropped"),
-  or a replica that was down (it may have restarted, numbering from 0), means a full resync.
+  or a replica that was down (it may have restarted, numbering from 0), means a new snapshot.
+  The keys are those of the model the replica names ("model"); the gateway uses them only
+  for the model its own tokenizer is for (fleet.py).
 * the blocks the gateway just routed to it, kept for a TTL: the replica stores them only once
   it has prefilled them, and the next poll is later still, so without these a burst of one
   prefix would be spread over every replica before the first event arrives.
@@ -25,23 +28,38 @@ class BlockIndex:
         self.blocks: set[int] = set()
         self.routed: dict[int, float] = {}   # key -> expiry (monotonic seconds)
         self.cursor = -1                      # the last event seq applied
+        self.synced = False                   # False: the next poll asks for a snapshot
         self.block_size: int | None = None
+        self.model: str | None = None         # the served model the replica's keys are for
         self.resyncs = 0
 
     def reset(self) -> None:
-        """Forget the events (the replica restarted, or the log has a gap): poll from -1."""
+        """Forget the blocks (the replica restarted, or the log has a gap): the next poll
+        takes a snapshot."""
         self.blocks.clear()
         self.cursor = -1
+        self.synced = False
         self.resyncs += 1
 
+    def query(self) -> str:
+        """The next poll's query string."""
+        return f"after={self.cursor}" if self.synced else "snapshot=1"
+
     def apply(self, payload: dict[str, Any]) -> bool:
-        """Apply one `/kv/events?after=cursor` answer. False if it asks for a resync."""
-        events = payload.get("events", [])
+        """Apply one `/kv/events` answer: a snapshot, or the events after the cursor. False
+        if it asks for a new snapshot."""
         self.block_size = payload.get("block_size", self.block_size)
-        if payload.get("dropped") and self.cursor >= 0:
+        self.model = payload.get("model", self.model)
+        if "snapshot" in payload:
+            self.blocks = {block["block_hash"] for block in payload["snapshot"]}
+            self.cursor, self.synced = payload["cursor"], True
+            return True
+        if payload.get("dropped") and self.synced:
             self.reset()
             return False
-        for event in events:
+        # unsynced, events: a server without snapshots, read from its oldest event
+        self.synced = True
+        for event in payload.get("events", []):
             if event["type"] == "stored":
                 self.blocks.add(event["block_hash"])
             else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import uvicorn
 
@@ -21,6 +22,7 @@ from ember.router.replicas import (Launcher, LocalLauncher, RemoteHandle, Replic
 from ember.router.rollout import Rollout, parse_spec
 from ember.server.exit import GracefulServer
 from ember.tokenizer.tokenizer import Tokenizer
+from ember.weights.paths import served_model_name
 
 
 def make_launcher(args: argparse.Namespace, argv: list[str]) -> Launcher:
@@ -77,7 +79,8 @@ def cmd_route(args: argparse.Namespace, server: ServerConfig, tokens: list[str])
     for group in ("canary", "shadow"):
         if group in fleet.launchers:
             fleet.start_replica(group)
-    gateway = assemble(fleet, rollout, config, load_tokenizer(args.model))
+    tokenizer, model_name = route_tokenizer(args.model, args.tokenizer, args.served_model_name)
+    gateway = assemble(fleet, rollout, config, tokenizer, model_name)
     app = create_gateway(gateway)
     print(f"ember: routing on http://{server.host}:{server.port} over "
           f"{len(fleet.replicas)} replicas ({config.policy}); see /fleet", file=sys.stderr,
@@ -89,10 +92,27 @@ def cmd_route(args: argparse.Namespace, server: ServerConfig, tokens: list[str])
     GracefulServer(uv_config, lambda: setattr(gateway, "draining", True)).run()
 
 
+def route_tokenizer(model: str | None, tokenizer: str | None, served_name: str | None
+                    ) -> tuple[Tokenizer | None, str | None]:
+    """The tokenizer the gateway hashes prompts with (`tokenizer`'s, else `model`'s, else the
+    default model's), and the served model name it is for: `served_name`, else the name
+    `ember serve` gives `model` (else `tokenizer`): a .gguf file's stem, a folder's name.
+    (None, None) when there is no default model to fall back on."""
+    if tokenizer is not None and not Path(tokenizer).expanduser().exists():
+        raise ConfigError(f"--tokenizer {tokenizer}: no such file or folder; give the "
+                          "replicas' model's .gguf file or Hugging Face folder")
+    try:
+        name = served_name or served_model_name(model if model is not None else tokenizer)
+    except ConfigError:  # no default model here: the replicas may run anything
+        return None, None
+    return load_tokenizer(tokenizer if tokenizer is not None else model), name
+
+
 def assemble(fleet: Fleet, rollout: Rollout, config: RouterConfig,
-             tokenizer: Tokenizer | None) -> Gateway:
+             tokenizer: Tokenizer | None, tokenizer_model: str | None = None) -> Gateway:
     """The gateway over `fleet`: its proxy, autoscaler (if the bounds allow scaling) and
-    prompt hashing."""
+    prompt hashing, on block keys for the replicas that serve `tokenizer_model` (the served
+    name `tokenizer` is for), on text for the others."""
     autoscaler: Autoscaler | None = None
     proxy = Proxy(fleet, lambda group: None)
     if config.autoscale.enabled and "primary" in fleet.launchers:
@@ -105,6 +125,7 @@ def assemble(fleet: Fleet, rollout: Rollout, config: RouterConfig,
         (ApiKey(config.server.api_key, "default"),) if config.server.api_key else ())
     prompts = PromptKeys(tokenizer, config.server.tenant_keys(), config.prefix.text_chunk_chars,
                          config.session_header)
+    fleet.hash_model = tokenizer_model if tokenizer is not None else None
     return Gateway(fleet, proxy, prompts, rollout, autoscaler, keys,
                    tenants=bool(config.server.api_keys))
 

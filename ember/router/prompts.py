@@ -48,8 +48,10 @@ class PromptKeys:
     def __init__(self, tokenizer: Tokenizer | None, keys: tuple[ApiKey, ...],
                  text_chunk_chars: int, session_header: str) -> None:
         self.tokenizer = tokenizer
+        # a model without a chat template (a base model) is asked plain prompts only
         self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token,
-                                     tokenizer.eos_token) if tokenizer is not None else None
+                                     tokenizer.eos_token) \
+            if tokenizer is not None and tokenizer.chat_template else None
         self.salts = tenant_salts(keys)
         self.text_chunk_chars = text_chunk_chars
         self.session_header = session_header
@@ -69,7 +71,9 @@ class PromptKeys:
         if tenant is not None:
             salt = tenant_salt(self.salts[tenant.tenant], salt)
         block_keys: dict[int, list[int]] = {}
-        if self.tokenizer is not None and block_sizes and body.prefix_cache:
+        chat = isinstance(body, ChatCompletionRequest)
+        if self.tokenizer is not None and block_sizes and body.prefix_cache and \
+                (self.template is not None or not chat):
             for size in block_sizes:
                 block_keys[size] = self.block_keys(body, size, salt)
         chunks = text_keys((salt or "") + "\x00" + prompt_text(body), self.text_chunk_chars) \

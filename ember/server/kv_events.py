@@ -1,5 +1,6 @@
 """What this replica's prefix cache holds, for cache-aware routers.
 
+    GET /kv/events?snapshot=1      every block cached now, and the seq to continue after
     GET /kv/events?after=SEQ       events after SEQ (poll with the last seq you saw)
     GET /kv/events/stream?after=SEQ  the same as an SSE stream that stays open
 
@@ -8,7 +9,17 @@ An event is {"seq", "type": "stored" | "removed", "block_hash", "parent_block_ha
 processes, so a router can tell which replica holds a prompt's prefix. A stored block with
 fewer than "block_size" tokens is a finished request's partly filled last block: its hash is
 that of its parent and its tokens, and it is reused by partial matching only. "dropped": true
-means events older than the log's window were lost; resynchronise from scratch.
+means events older than the log's window (the last 10,000 by default) were lost: take a
+snapshot again.
+
+A snapshot is {"snapshot": [{"block_hash", "parent_block_hash", "num_tokens"}...], "cursor",
+"block_size", "model"}: the cache at one instant, and the seq to poll `after` from. It is
+taken without stopping the engine, so it may already hold a few blocks of the events just
+after "cursor"; applying those events again (a stored block is held, a removed one is not)
+gives the cache as it is, so a router that starts from a snapshot and applies the events
+after its cursor knows the whole cache. It lists at most the KV pool's blocks (the log line
+"KV cache: N blocks" at start): about 100 bytes of JSON each, some 0.5 MB for the default
+model's 1 GiB cache. Start from one on first contact and after a gap; poll after that.
 """
 from __future__ import annotations
 
@@ -17,7 +28,7 @@ import json
 from dataclasses import asdict
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 
 from ember.errors import EmberError
@@ -33,9 +44,25 @@ def _event(e) -> dict:
             "parent_block_hash": d["parent_key"], "num_tokens": d["num_tokens"]}
 
 
+def _snapshot_body(held: dict[int, tuple[int | None, int]], cursor: int, block_size: int,
+                   model: str) -> bytes:
+    blocks = [{"block_hash": key, "parent_block_hash": parent, "num_tokens": num_tokens}
+              for key, (parent, num_tokens) in held.items()]
+    return json.dumps({"snapshot": blocks, "cursor": cursor, "block_size": block_size,
+                       "model": model}).encode()
+
+
 @router.get("/kv/events")
-async def kv_events(request: Request, after: int = Query(-1)) -> JSONResponse:
+async def kv_events(request: Request, after: int = Query(-1), snapshot: bool = Query(False)
+                    ) -> Response:
     state = server_state(request)
+    if snapshot:
+        held, cursor = state.engine.kv_snapshot()   # first: 503 while the model loads
+        # a large pool's JSON takes a while: off the event loop, so streams keep flowing
+        body = await asyncio.to_thread(_snapshot_body, held, cursor,
+                                       state.engine.core.cache_info.block_size,
+                                       state.model_name)
+        return Response(body, media_type="application/json")
     events, dropped = state.engine.kv_events_after(after)
     return JSONResponse({"events": [_event(e) for e in events], "dropped": dropped,
                          "block_size": state.engine.core.cache_info.block_size,

@@ -9,8 +9,7 @@ import pytest
 from ember.router.config import RouterConfig
 from ember.router.fleet import Fleet
 from ember.router.gateway import create_gateway
-from ember.router.main import assemble
-from ember.router.prompts import load_tokenizer
+from ember.router.main import assemble, route_tokenizer
 from ember.router.replicas import Launcher, RemoteHandle, Replica
 from ember.router.rollout import Rollout
 from tests.server.conftest import LiveServer, ThreadedServer
@@ -21,14 +20,18 @@ FAST = dict(probe_interval_s=0.1, events_interval_s=0.05, backoff_s=0.01)
 class LiveGateway(ThreadedServer):
     def __init__(self, urls: dict[str, str], model: str | None = None,
                  launchers: dict[str, Launcher] | None = None, rollout: Rollout | None = None,
+                 tokenizer: str | None = None, default_tokenizer: bool = False,
                  **options) -> None:
+        """`model`, `tokenizer`: as `ember route --model/--tokenizer` (neither: no tokenizer,
+        unless `default_tokenizer`, which loads the default model's as `ember route` does)."""
         self.config = RouterConfig(**(FAST | options))
         self.fleet = Fleet(self.config, launchers or {})
         for replica_id, url in urls.items():
             group = "primary" if replica_id.startswith("r") else replica_id.rstrip("0123456789")
             self.fleet.add(Replica(replica_id, RemoteHandle(url), group))
-        self.gateway = assemble(self.fleet, rollout or Rollout(), self.config,
-                                load_tokenizer(model) if model else None)
+        hashing = route_tokenizer(model, tokenizer, None) \
+            if model or tokenizer or default_tokenizer else (None, None)
+        self.gateway = assemble(self.fleet, rollout or Rollout(), self.config, *hashing)
         self.app = create_gateway(self.gateway)
         super().__init__(self.app)
 

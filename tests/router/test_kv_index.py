@@ -22,13 +22,26 @@ def test_events_add_and_remove_blocks_and_advance_the_cursor():
     assert index.cursor == 4
 
 
-def test_a_gap_in_the_log_forces_a_resync_from_the_start():
+def test_first_contact_and_a_gap_in_the_log_take_a_snapshot():
     index = BlockIndex()
-    index.apply({"events": [stored(0, 11)], "dropped": False})
-    assert not index.apply({"events": [stored(50, 12)], "dropped": True})
+    assert index.query() == "snapshot=1"
+    assert index.apply({"snapshot": [{"block_hash": 11, "parent_block_hash": None,
+                                      "num_tokens": 16}], "cursor": 7, "block_size": 16,
+                        "model": "m"})
+    assert (index.blocks, index.cursor, index.model, index.query()) == ({11}, 7, "m", "after=7")
+    index.apply({"events": [stored(8, 12)], "dropped": False})
+    assert not index.apply({"events": [stored(50, 13)], "dropped": True})
     assert (index.cursor, index.blocks, index.resyncs) == (-1, set(), 1)
-    assert index.apply({"events": [stored(40, 13), stored(50, 12)], "dropped": True}) is True
-    assert index.blocks == {12, 13}  # from -1, "dropped" only means the log's window
+    assert index.query() == "snapshot=1"
+    assert index.apply({"snapshot": [], "cursor": 50, "block_size": 16})
+    assert (index.blocks, index.query(), index.model) == (set(), "after=50", "m")
+
+
+def test_a_server_without_snapshots_is_read_from_its_oldest_event():
+    """A server that ignores `snapshot=1` answers the events after -1: taken as they are."""
+    index = BlockIndex()
+    assert index.apply({"events": [stored(40, 13), stored(50, 12)], "dropped": True})
+    assert (index.blocks, index.query()) == ({12, 13}, "after=50")
 
 
 def test_routed_blocks_count_until_their_ttl():

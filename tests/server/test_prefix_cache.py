@@ -105,6 +105,29 @@ def test_kv_events_name_the_blocks_a_prompt_stored(server):
     assert json.loads(first[6:])["block_hash"] == keys[0]
 
 
+def test_a_kv_snapshot_lists_every_cached_block_and_where_the_events_go_on(server):
+    prompt = "Snapshot: " + LONG.replace("dog", "owl")
+    complete(server, prompt=prompt, max_tokens=1)
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    keys = extend_keys([], ids, 16)
+    snap = httpx.get(server.url + "/kv/events", params={"snapshot": 1}).json()
+    blocks = {b["block_hash"]: b for b in snap["snapshot"]}
+    assert set(keys) <= set(blocks)
+    assert [blocks[k]["parent_block_hash"] for k in keys] == [None, *keys[:-1]]
+    assert {blocks[k]["num_tokens"] for k in keys} == {16}
+    assert len(blocks) == server.scheduler.kv.pool.num_cached_blocks
+    assert snap["block_size"] == 16 and snap["model"] == server.state.model_name
+    newest = httpx.get(server.url + "/kv/events").json()["events"][-1]["seq"]
+    assert snap["cursor"] == newest
+    later = "Snapshot: " + LONG.replace("dog", "elk")
+    complete(server, prompt=later, max_tokens=1)
+    page = httpx.get(server.url + "/kv/events", params={"after": snap["cursor"]}).json()
+    later_ids = httpx.post(server.url + "/tokenize", json={"prompt": later}).json()["tokens"]
+    later_keys = extend_keys([], later_ids, 16)
+    stored = {e["block_hash"] for e in page["events"] if e["type"] == "stored"}
+    assert not page["dropped"] and set(later_keys) - set(keys) <= stored
+
+
 def test_prefix_caching_can_be_turned_off(tiny_llama_dir):
     folder, _ = tiny_llama_dir
     live = LiveServer(folder, engine_options={"enable_prefix_caching": False})

@@ -155,6 +155,42 @@ def test_events_log_stored_and_removed_keys_in_order():
     assert pool.events_after(2) == ([events[-1]], False)
 
 
+def _replay(held: set[int], events) -> set[int]:
+    """`held` with `events` applied in order: a stored key is held, a removed one is not."""
+    out = set(held)
+    for e in events:
+        (out.add if e.kind == "stored" else out.discard)(e.block_key)
+    return out
+
+
+def test_a_snapshot_and_the_events_after_its_cursor_give_the_cache_at_any_later_time():
+    """Reference: every event since the start replayed onto nothing. From any snapshot, its
+    events replayed give the same keys; so they do from a copy taken later than its cursor
+    was read (the engine thread logged in between), and each block keeps its stored
+    event's parent and token count."""
+    rng = random.Random(3)
+    pool = BlockPool(6, max_events=10_000)
+    snapshots = []
+    for step in range(400):
+        [block] = pool.allocate(1)               # evicts an idle cached block when full
+        parent = rng.choice([None, *pool.snapshot()[0]])
+        pool.cache(block, key=1000 + step, parent_key=parent, depth=0,
+                   token_ids=range(rng.randint(1, 16)))
+        pool.free([block])
+        snapshots.append(pool.snapshot())
+    every, _ = pool.events_after(-1)
+    now = _replay(set(), every)
+    assert len(now) == pool.num_cached_blocks
+    for i, (held, cursor) in enumerate(snapshots):
+        assert _replay(set(held), pool.events_after(cursor)[0]) == now
+        later, _ = snapshots[min(i + 3, len(snapshots) - 1)]
+        assert _replay(set(later), pool.events_after(cursor)[0]) == now
+    held, cursor = pool.snapshot()
+    assert cursor == every[-1].seq and set(held) == now
+    stored = {e.block_key: (e.parent_key, e.num_tokens) for e in every if e.kind == "stored"}
+    assert held == {key: stored[key] for key in now}
+
+
 def make_request(rid: str, tokens: list[int], salt: str | None = None,
                  prefix_cache: bool = True) -> Request:
     return Request(rid, tokens, SamplingParams(max_tokens=8), frozenset({2}), 8,
