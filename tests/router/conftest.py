@@ -21,12 +21,16 @@ FAST = dict(probe_interval_s=0.1, events_interval_s=0.05, backoff_s=0.01)
 class LiveGateway(ThreadedServer):
     def __init__(self, urls: dict[str, str], model: str | None = None,
                  launchers: dict[str, Launcher] | None = None, rollout: Rollout | None = None,
-                 **options) -> None:
+                 num_started: int = 0, **options) -> None:
+        """`num_started` primary replicas are started by the launcher before the gateway
+        serves, as `ember route --replicas N` does."""
         self.config = RouterConfig(**(FAST | options))
         self.fleet = Fleet(self.config, launchers or {})
         for replica_id, url in urls.items():
             group = "primary" if replica_id.startswith("r") else replica_id.rstrip("0123456789")
             self.fleet.add(Replica(replica_id, RemoteHandle(url), group))
+        for _ in range(num_started):
+            self.fleet.start_replica("primary")
         self.gateway = assemble(self.fleet, rollout or Rollout(), self.config,
                                 load_tokenizer(model) if model else None)
         self.app = create_gateway(self.gateway)
