@@ -32,7 +32,7 @@ from ember.router.replicas import die_with_parent
 ACTOR_RESTARTS = 3
 # what a replica needs from the gateway's environment to run the same ember the same way
 FORWARDED_ENV = ("PYTHONPATH", "TORCH_EXTENSIONS_DIR", "EMBER_MODEL", "EMBER_API_KEY")
-CALL_TIMEOUT_S = 2.0     # per wait: a slower answer is awaited again on the next check
+CALL_TIMEOUT_S = 2.0     # the longest a check waits for the call it makes
 
 
 @ray.remote(num_cpus=1, max_restarts=ACTOR_RESTARTS, max_task_retries=0)
@@ -67,15 +67,17 @@ class RayHandle:
     url: str = ""
     pid: int | None = None
     exit_code: int | None = None
-    # the info call still in flight: a slow answer is awaited again, never asked anew, so
-    # that one slower than CALL_TIMEOUT_S still arrives
+    failure: str | None = None      # why Ray gave up on the actor, once it has
+    # one info call in flight at a time: a check waits for a call it makes, up to
+    # CALL_TIMEOUT_S, and takes an older, slower one's answer only once it has come
     _info: asyncio.Future | None = field(default=None, repr=False)
 
     async def alive(self) -> bool:
-        info = self._info
+        info, wait_s = self._info, 0.0
         if info is None:
-            info = self._info = self.actor.info.remote().as_future()
-        done, _ = await asyncio.wait({info}, timeout=CALL_TIMEOUT_S)
+            info, wait_s = self.actor.info.remote().as_future(), CALL_TIMEOUT_S
+            self._info = info
+        done, _ = await asyncio.wait({info}, timeout=wait_s)
         if not done:
             return True             # not placed yet, or slow: unknown, so the probes decide
         if self._info is info:
@@ -84,8 +86,10 @@ class RayHandle:
             self.url, self.pid, self.exit_code = info.result()
         except ray.exceptions.ActorUnavailableError:
             return True             # Ray is restarting it
-        except ray.exceptions.RayError:
-            return False            # Ray gave up on it (past max_restarts), or never made it
+        except ray.exceptions.RayError as e:   # past max_restarts, or it never started
+            self.failure = f"Ray gave up on the actor: {type(e).__name__}: " + \
+                str(e).strip().partition("\n")[0]
+            return False
         return self.exit_code is None
 
     async def stop(self) -> None:
@@ -98,8 +102,8 @@ class RayHandle:
         ray.kill(self.actor, no_restart=True)   # only sends the request: it does not wait
 
     def exit_report(self) -> dict:
-        # its output is in the Ray node's logs
-        return {"code": self.exit_code, "log_tail": []}
+        # its server's output is in the Ray node's logs
+        return {"code": self.exit_code, "log_tail": [self.failure] if self.failure else []}
 
 
 class RayLauncher:

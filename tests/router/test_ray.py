@@ -137,7 +137,8 @@ def kill_under_load(gw: LiveGateway, kill) -> tuple[list[dict], list[int]]:
     gateway noticed, while p1 restarts. The long ones' results, and the short ones' statuses."""
     url = replica(httpx.get(gw.url + "/fleet").json(), "p1")["url"]
     with ThreadPoolExecutor(12) as pool:
-        futures = [pool.submit(one_request, gw.url, i) for i in range(12)]
+        # long enough that the kill finds them running (~2 s for 160 tokens on 2 cores)
+        futures = [pool.submit(one_request, gw.url, i, 400) for i in range(12)]
         wait_fleet(gw, lambda f: sum(r["in_flight"] for r in f["replicas"]) >= 8, "loaded",
                    60)
         kill()
@@ -180,3 +181,16 @@ def test_a_ray_replicas_server_killed_under_load_comes_back_under_its_id(ray_fle
     routed = served(gw, "p1")
     assert short_answers(gw, 4) == [200] * 4
     assert served(gw, "p1") == routed + 2
+
+
+def test_an_actor_ray_gave_up_on_is_replaced_under_its_id(ray_fleet):
+    gw = ray_fleet
+    before = replica(wait_fleet(gw, lambda f: ready_count(f) == 2, "both ready"), "p2")
+    handle = gw.fleet.replicas["p2"].handle
+    ray.kill(handle.actor, no_restart=True)         # as Ray past the actor's restarts
+    after = replica(wait_fleet(gw, lambda f: replica(f, "p2")["restarts"] > before["restarts"]
+                               and replica(f, "p2")["state"] == "ready", "replaced"), "p2")
+    assert after["url"] != before["url"]
+    assert after["last_exit"]["log_tail"][0].startswith("Ray gave up on the actor")
+    assert gw.fleet.replicas["p2"].handle is not handle     # a new actor
+    assert short_answers(gw, 4) == [200] * 4
