@@ -6,7 +6,8 @@
   block keys are used only if it serves the model the gateway's tokenizer is for
   (`hash_model`); any other replica is routed on the text of the prompts sent to it.
 * supervision: a local or Ray replica whose process died is marked dead and restarted with
-  exponential backoff.
+  exponential backoff; one its launcher restarted itself at a new URL (Ray restarts an
+  actor) keeps its id and is probed anew. Handles are awaited: none blocks the loop.
 * choose/release: the decision and the in-flight count it raises, in one synchronous step.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ember.router.config import RouterConfig
 from ember.router.kv_index import BlockIndex, TextIndex
 from ember.router.metrics import RouterMetrics
 from ember.router.policies import Candidate, Decision, Picker
-from ember.router.replicas import Launcher, Replica, ReplicaState
+from ember.router.replicas import Launcher, Replica, ReplicaHandle, ReplicaState
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class Fleet:
         handle = launcher.start(replica_id)
         if handle is None:
             return None
-        log.info("replica %s starting at %s", replica_id, handle.url)
+        log.info("replica %s starting at %s", replica_id, handle.url or "(not known yet)")
         return self.add(Replica(replica_id, handle, group))
 
     def remove(self, replica_id: str) -> None:
@@ -224,8 +225,7 @@ class Fleet:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if stop_replicas:
-            for r in list(self.replicas.values()):
-                r.handle.stop()
+            await asyncio.gather(*(r.handle.stop() for r in list(self.replicas.values())))
             await asyncio.gather(*(_wait_or_kill(r) for r in list(self.replicas.values())))
         if self.session is not None:
             await self.session.close()
@@ -239,8 +239,8 @@ class Fleet:
             await asyncio.sleep(seconds())
 
     async def probe_all(self) -> None:
-        self.supervise()
-        replicas = [r for r in self.replicas.values() if r.state not in
+        await self.supervise()
+        replicas = [r for r in self.replicas.values() if r.url and r.state not in
                     (ReplicaState.STOPPED, ReplicaState.DEAD, ReplicaState.FAILED)]
         await asyncio.gather(*(self.probe(r) for r in replicas))
         if any(r.routable(time.monotonic()) for r in self.replicas.values()):
@@ -381,16 +381,35 @@ class Fleet:
         log.warning("replica %s: GET /kv/events failed (%s), so only what the gateway sent it "
                     "is known of its cache%s", r.id, status, fix)
 
-    def supervise(self) -> None:
-        """Mark replicas whose process died, and restart them with backoff."""
-        now = time.monotonic()
-        for r in list(self.replicas.values()):
-            if r.state in (ReplicaState.STOPPED, ReplicaState.DRAINING, ReplicaState.FAILED):
-                continue
-            if r.state is not ReplicaState.DEAD and not r.handle.alive():
-                self._died(r, now)
-            elif r.state is ReplicaState.DEAD and now >= self._restart_at.get(r.id, 0.0):
-                self._restart(r)
+    async def supervise(self) -> None:
+        """Mark replicas whose process died, and restart them with backoff; follow those
+        their launcher restarted at a new URL. All at once: a slow handle delays no other."""
+        watched = [r for r in self.replicas.values() if r.state not in
+                   (ReplicaState.STOPPED, ReplicaState.DRAINING, ReplicaState.FAILED)]
+        await asyncio.gather(*(self._supervise(r) for r in watched))
+
+    async def _supervise(self, r: Replica) -> None:
+        if r.state is ReplicaState.DEAD:
+            if time.monotonic() >= self._restart_at.get(r.id, 0.0):
+                await self._restart(r)
+            return
+        handle, url = r.handle, r.url
+        alive = await handle.alive()
+        if r.handle is not handle or r.state not in (ReplicaState.STARTING, ReplicaState.READY):
+            return   # drained, stopped or restarted while it was asked
+        if not alive:
+            self._died(r, time.monotonic())
+        elif url and r.url != url:
+            self._moved(r, url)
+        elif r.url != url:
+            log.info("replica %s starting at %s", r.id, r.url)
+
+    def _moved(self, r: Replica, old_url: str) -> None:
+        """Its launcher restarted it by itself (Ray restarted its actor): a new server at a
+        new URL. The replica keeps its id and starts over; requests still on the old URL
+        finish there or, failing before their first byte, are retried elsewhere."""
+        log.warning("replica %s restarted by its launcher: %s -> %s", r.id, old_url, r.url)
+        self._renew(r, r.handle)
 
     def _died(self, r: Replica, now: float) -> None:
         r.state, r.last_exit = ReplicaState.DEAD, r.handle.exit_report()
@@ -422,14 +441,20 @@ class Fleet:
             "restart the gateway (GET /fleet has its last log lines)")
         log.error("giving up on the %s replicas: %s", r.group, self.failures[r.group])
 
-    def _restart(self, r: Replica) -> None:
+    async def _restart(self, r: Replica) -> None:
         launcher = self.launchers.get(r.group)
         if launcher is None:
             return
-        r.handle.kill()   # whatever is left of it (a Ray actor outlives its server)
+        await r.handle.kill()   # whatever is left of it (a Ray actor outlives its server)
+        if r.state is not ReplicaState.DEAD or self.replicas.get(r.id) is not r:
+            return   # drained or removed meanwhile
         handle = launcher.start(r.id)
         if handle is None:
             return
+        self._renew(r, handle)
+
+    def _renew(self, r: Replica, handle: ReplicaHandle) -> None:
+        """`r` starts over on `handle`, under its id, with nothing known of its cache."""
         r.handle, r.state, r.restarts = handle, ReplicaState.STARTING, r.restarts + 1
         r.started_at, r.in_flight, r.ejected_until = time.monotonic(), 0, 0.0
         r.ready_at, r.first_byte_at, r.load_phases = None, None, {}
@@ -451,15 +476,16 @@ class Fleet:
         deadline = time.monotonic() + timeout_s
         while r.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        r.handle.stop()
+        await r.handle.stop()
         await _wait_or_kill(r)
         r.state = ReplicaState.STOPPED
         self.remove(r.id)
 
 
 async def _wait_or_kill(r: Replica, timeout_s: float = 30.0) -> None:
-    """Give a stopped replica `timeout_s` to drain and exit, then kill it."""
+    """Give a stopped replica `timeout_s` to drain and exit, then kill it (at once if it
+    never reported a URL: no request can be on it)."""
     deadline = time.monotonic() + timeout_s
-    while r.handle.alive() and time.monotonic() < deadline:
+    while r.url and await r.handle.alive() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    r.handle.kill()
+    await r.handle.kill()

@@ -2,20 +2,28 @@
 
 Ray places the actors, restarts one whose process dies (`max_restarts`), and carries the
 calls; the gateway still reaches each replica over HTTP at the URL its actor reports, so the
-router, the probes and the autoscaler are the same code as for local processes. A restarted
-actor starts a new server on a new port: its handle notices the URL changed and reports the
-old replica dead, and the fleet takes the new one through its usual restart path.
+router, the probes and the autoscaler are the same code as for local processes.
+
+    actor restarted by Ray  -> a new server on a new port: the handle reports the new URL
+                               and the fleet keeps the replica (same id, probed anew)
+    its server exited       -> alive() is False: the fleet ends the actor, starts another
+    Ray gave up on it       -> alive() is False (past max_restarts): likewise
+
+Every call is awaited with a timeout, never waited on with `ray.get`: the gateway's event
+loop serves requests meanwhile. An actor that is slow to answer (still placed, restarting,
+or busy) is alive but unknown; the probes decide whether it takes requests.
 
 Import this module only when --ray is given: `import ray` is slow and ray is optional.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
@@ -24,7 +32,7 @@ from ember.router.replicas import die_with_parent
 ACTOR_RESTARTS = 3
 # what a replica needs from the gateway's environment to run the same ember the same way
 FORWARDED_ENV = ("PYTHONPATH", "TORCH_EXTENSIONS_DIR", "EMBER_MODEL", "EMBER_API_KEY")
-CALL_TIMEOUT_S = 10.0
+CALL_TIMEOUT_S = 2.0     # the longest a check waits for the call it makes
 
 
 @ray.remote(num_cpus=1, max_restarts=ACTOR_RESTARTS, max_task_retries=0)
@@ -42,8 +50,9 @@ class ReplicaActor:
              str(port), *serve_args], stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent(os.getpid()))
 
-    def info(self) -> tuple[str, int, bool]:
-        return self.url, self.proc.pid, self.proc.poll() is None
+    def info(self) -> tuple[str, int, int | None]:
+        """Its server's URL, pid, and exit status (None while it runs)."""
+        return self.url, self.proc.pid, self.proc.poll()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -52,28 +61,49 @@ class ReplicaActor:
 
 @dataclass
 class RayHandle:
-    actor: object
-    url: str
-    pid: int | None
+    """A replica in a `ReplicaActor`. `url` is "" until the actor first reports it."""
 
-    def alive(self) -> bool:
+    actor: ray.actor.ActorHandle
+    url: str = ""
+    pid: int | None = None
+    exit_code: int | None = None
+    failure: str | None = None      # why Ray gave up on the actor, once it has
+    # one info call in flight at a time: a check waits for a call it makes, up to
+    # CALL_TIMEOUT_S, and takes an older, slower one's answer only once it has come
+    _info: asyncio.Future | None = field(default=None, repr=False)
+
+    async def alive(self) -> bool:
+        info, wait_s = self._info, 0.0
+        if info is None:
+            info, wait_s = self.actor.info.remote().as_future(), CALL_TIMEOUT_S
+            self._info = info
+        done, _ = await asyncio.wait({info}, timeout=wait_s)
+        if not done:
+            return True             # not placed yet, or slow: unknown, so the probes decide
+        if self._info is info:
+            self._info = None
         try:
-            url, _, running = ray.get(self.actor.info.remote(), timeout=CALL_TIMEOUT_S)
-        except (ray.exceptions.RayError, TimeoutError):
+            self.url, self.pid, self.exit_code = info.result()
+        except ray.exceptions.ActorUnavailableError:
+            return True             # Ray is restarting it
+        except ray.exceptions.RayError as e:   # past max_restarts, or it never started
+            self.failure = f"Ray gave up on the actor: {type(e).__name__}: " + \
+                str(e).strip().partition("\n")[0]
             return False
-        return running and url == self.url
+        return self.exit_code is None
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         try:
-            ray.get(self.actor.stop.remote(), timeout=CALL_TIMEOUT_S)
-        except (ray.exceptions.RayError, TimeoutError):
-            pass
+            await asyncio.wait_for(self.actor.stop.remote(), CALL_TIMEOUT_S)
+        except (ray.exceptions.RayError, asyncio.TimeoutError):
+            pass                    # gone or unreachable: kill() ends it
 
-    def kill(self) -> None:
-        ray.kill(self.actor, no_restart=True)
+    async def kill(self) -> None:
+        ray.kill(self.actor, no_restart=True)   # only sends the request: it does not wait
 
     def exit_report(self) -> dict:
-        return {"code": None, "log_tail": []}   # its output is in the Ray node's logs
+        # its server's output is in the Ray node's logs
+        return {"code": self.exit_code, "log_tail": [self.failure] if self.failure else []}
 
 
 class RayLauncher:
@@ -86,7 +116,8 @@ class RayLauncher:
             ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
 
     def start(self, replica_id: str) -> RayHandle:
+        """The actor is asked for; Ray places and starts it in the background (minutes, on a
+        full cluster), and the handle learns its URL from its first answer."""
         env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-        actor = ReplicaActor.options(runtime_env={"env_vars": env}).remote(self.serve_args)
-        url, pid, _ = ray.get(actor.info.remote(), timeout=120)
-        return RayHandle(actor, url, pid)
+        return RayHandle(ReplicaActor.options(runtime_env={"env_vars": env}).remote(
+            self.serve_args))

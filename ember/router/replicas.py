@@ -12,6 +12,7 @@ prefill/decode pair is one more handle whose url fronts both halves.
 """
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import enum
 import os
@@ -36,17 +37,21 @@ class ReplicaState(str, enum.Enum):
 
 
 class ReplicaHandle(Protocol):
-    """A running replica: where it answers, and how to end it."""
+    """A running replica: where it answers, and how to end it. Its methods are coroutines
+    because a remote one (a Ray actor) answers over the network, and the gateway's event loop
+    must never wait on that."""
 
-    url: str
+    url: str            # "" until known; a handle may move it (a Ray actor that Ray restarted)
     pid: int | None
 
-    def alive(self) -> bool: ...
+    async def alive(self) -> bool:
+        """False once it exited for good; True while it runs or cannot be told (then the
+        probes keep it out of routing). It may update `url` first."""
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         """Ask it to drain and exit (SIGTERM for a process)."""
 
-    def kill(self) -> None: ...
+    async def kill(self) -> None: ...
 
     def exit_report(self) -> dict:
         """Once it has exited: {"code": its exit status or None, "log_tail": its last log
@@ -112,13 +117,13 @@ class RemoteHandle:
     pid: int | None = None
     stopped: bool = False   # the gateway stopped using it; the server itself runs on
 
-    def alive(self) -> bool:
+    async def alive(self) -> bool:
         return not self.stopped
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         self.stopped = True
 
-    def kill(self) -> None:
+    async def kill(self) -> None:
         pass
 
     def exit_report(self) -> dict:
@@ -143,18 +148,18 @@ class ProcessHandle:
     def pid(self) -> int | None:
         return self.proc.pid
 
-    def alive(self) -> bool:
+    async def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self) -> None:
-        if self.alive():
+    async def stop(self) -> None:
+        if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
 
-    def kill(self) -> None:
-        if self.alive():
+    async def kill(self) -> None:
+        if self.proc.poll() is None:
             self.proc.kill()
-        try:
-            self.proc.wait(timeout=5)
+        try:   # reaped in a thread: the loop goes on meanwhile
+            await asyncio.to_thread(self.proc.wait, 5)
         except subprocess.TimeoutExpired:
             pass
 

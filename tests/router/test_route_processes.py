@@ -70,9 +70,9 @@ def route(tiny_llama_dir):
     live.close()
 
 
-def one_request(url: str, i: int) -> dict:
+def one_request(url: str, i: int, max_tokens: int = 160) -> dict:
     """A long request; for a stream, whether bytes came before it ended, and how."""
-    body = {"prompt": f"Request {i} asks:", "max_tokens": 160, "ignore_eos": True,
+    body = {"prompt": f"Request {i} asks:", "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": i % 2 == 0}
     out = {"stream": body["stream"], "started": False, "status": None, "error": None}
     try:
