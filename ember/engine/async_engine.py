@@ -213,6 +213,10 @@ class AsyncEngine:
         """The loaded adapters' names (requests name one as their model)."""
         return [] if self.core is None else self.core.loras.names()
 
+    def lora_digests(self) -> dict[str, str]:
+        """Each loaded adapter's digest of its files, by name (the salt of its KV blocks)."""
+        return {} if self.core is None else self.core.loras.digests()
+
     async def load_lora(self, name: str, path: str) -> None:
         """Read and register an adapter in a worker thread; the engine keeps stepping."""
         await asyncio.to_thread(self._core().loras.add, name, path)

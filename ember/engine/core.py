@@ -24,6 +24,7 @@ from ember.engine.memory import (advise_huge_pages, fault_in, huge_page_copies,
 from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kernels import CpuKernels, load_kernels
 from ember.kv.kv_manager import KVCacheManager
+from ember.kv.prefix_cache import adapter_salt
 from ember.lora.registry import LoraRegistry
 from ember.quant.packed import step_weights
 from ember.request import FinishReason, PoolingParams, Request, RequestOptions, SamplingParams
@@ -260,12 +261,11 @@ class EngineCore:
 
     def _salt(self, options: RequestOptions) -> str | None:
         """The request's prefix-cache salt: an adapter's KV is its own, never shared with
-        another adapter or the base (its adapter is made resident here)."""
+        other weights or the base; salted by the digest of its files, which every replica
+        and the router compute alike (its adapter is made resident here)."""
         if options.lora is None:
             return options.cache_salt
-        adapter = self.loras.acquire(options.lora)
-        return f"lora:{adapter.uid}" + ("" if options.cache_salt is None
-                                        else f"\n{options.cache_salt}")
+        return adapter_salt(self.loras.acquire(options.lora).digest, options.cache_salt)
 
     def _queue(self, request: Request) -> None:
         self.scheduler.add(request)

@@ -4,8 +4,8 @@ every token before it, so equal keys mean equal prefixes.
     key(block i) = H(key(block i-1), token ids of block i, salt if i == 0)
 
 H is BLAKE2b cut to 64 bits: stable across processes and machines, so a router can compare
-keys from many replicas. A salt (per tenant) changes every key of a prompt, so salted requests
-share nothing with anyone who does not know the salt.
+keys from many replicas. A salt (per tenant, per LoRA adapter) changes every key of a prompt,
+so salted requests share nothing with anyone who does not know the salt.
 """
 from __future__ import annotations
 
@@ -30,3 +30,10 @@ def extend_keys(keys: list[int], token_ids: list[int], block_size: int,
         keys.append(block_key(parent, token_ids[i * block_size:(i + 1) * block_size],
                               salt if i == 0 else None))
     return keys
+
+
+def adapter_salt(digest: str, cache_salt: str | None) -> str:
+    """The salt of a request run with a LoRA adapter: its KV is the adapter's own. `digest`
+    is of the adapter's files (lora/adapter.py), so every replica that loaded the same files
+    salts alike and a router can reproduce it."""
+    return f"lora:{digest}" + ("" if cache_salt is None else f"\n{cache_salt}")

@@ -11,6 +11,7 @@ step's row-to-adapter mask serves every layer. The factors are never merged into
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -44,6 +45,7 @@ class LoraAdapter:
     name: str
     path: Path
     uid: int                       # changes when a new file is loaded under the same name
+    digest: str                    # "sha256:<hex>" of its files: its prefix-cache salt
     rank: int                      # the largest rank of any target module
     factors: list[dict[str, tuple[Tensor, Tensor]]]
 
@@ -87,7 +89,21 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, uid: int,
     if rank > max_rank:
         raise ConfigError(f"LoRA adapter {name!r} has rank {rank}; ember serves ranks up to "
                           f"{max_rank} (raise --max-lora-rank)")
-    return LoraAdapter(name, path, uid, rank, _fuse(name, modules, config))
+    return LoraAdapter(name, path, uid, adapter_digest(path), rank,
+                       _fuse(name, modules, config))
+
+
+def adapter_digest(path: Path) -> str:
+    """SHA-256 of the files an adapter is read from (a GGUF; a PEFT folder's config and
+    weights), by name and content: every server that loads the same files gets the same
+    digest, whatever the adapter is called there."""
+    files = [path] if path.is_file() else [path / "adapter_config.json", _peft_weights(path)]
+    h = hashlib.sha256()
+    for file in files:
+        h.update(file.name.encode() + b"\x00")
+        with open(file, "rb") as f:
+            h.update(hashlib.file_digest(f, "sha256").digest())
+    return "sha256:" + h.hexdigest()
 
 
 def _read_peft(folder: Path) -> dict[tuple[int, str], _Module]:
@@ -124,11 +140,17 @@ def _read_peft(folder: Path) -> dict[tuple[int, str], _Module]:
 
 
 def _read_peft_tensors(folder: Path) -> dict[str, Tensor]:
-    if (folder / "adapter_model.safetensors").is_file():
+    weights = _peft_weights(folder)
+    if weights.suffix == ".safetensors":
         from safetensors.torch import load_file
-        return load_file(folder / "adapter_model.safetensors")
-    if (folder / "adapter_model.bin").is_file():
-        return torch.load(folder / "adapter_model.bin", map_location="cpu", weights_only=True)
+        return load_file(weights)
+    return torch.load(weights, map_location="cpu", weights_only=True)
+
+
+def _peft_weights(folder: Path) -> Path:
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        if (folder / name).is_file():
+            return folder / name
     raise ConfigError(f"{folder} has no adapter_model.safetensors (or adapter_model.bin)")
 
 

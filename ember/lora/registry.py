@@ -29,6 +29,7 @@ class AdapterInfo:
     name: str
     path: Path
     uid: int
+    digest: str   # of the files last read (adapter.py): the salt of its prefix-cache blocks
 
 
 class LoraRegistry:
@@ -52,6 +53,11 @@ class LoraRegistry:
         with self._lock:
             return list(self._known)
 
+    def digests(self) -> dict[str, str]:
+        """Each adapter's digest, by name (what /v1/models shows a router)."""
+        with self._lock:
+            return {name: info.digest for name, info in self._known.items()}
+
     def resident_names(self) -> list[str]:
         with self._lock:
             return list(self._resident)
@@ -72,7 +78,7 @@ class LoraRegistry:
             old = self._resident.pop(name, None)
             if old is not None and self.on_evict is not None:
                 self.on_evict(old.uid)
-            self._known[name] = AdapterInfo(name, adapter.path, uid)
+            self._known[name] = AdapterInfo(name, adapter.path, uid, adapter.digest)
             self._make_room(self.in_use() - {name})
             self._resident[name] = adapter
         log.info("LoRA adapter %s loaded from %s (rank %d, %.1f MiB)", name, adapter.path,
@@ -105,6 +111,8 @@ class LoraRegistry:
             self._make_room(self.in_use())
             adapter = load_adapter(name, info.path, self.config, info.uid, self.max_rank)
             self._resident[name] = adapter
+            # a file changed since it was added salts its new blocks apart from the old
+            self._known[name] = AdapterInfo(name, info.path, info.uid, adapter.digest)
             return adapter
 
     def _make_room(self, in_use: frozenset[str]) -> None:

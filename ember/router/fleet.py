@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -254,6 +255,7 @@ class Fleet:
             return
         if ok and r.state is not ReplicaState.READY:
             await self.replay_adapters(r)
+            await self.read_models(r)
             self.mark_ready(r)
         elif not ok and r.state is ReplicaState.READY:
             # an ejection runs its course even if the replica answers probes again: one
@@ -274,6 +276,36 @@ class Fleet:
             if status != 200 and "is taken" not in text:   # taken: started with --lora
                 log.warning("replica %s could not load adapter %s (%s): %s", r.id, name,
                             status, text[:300])
+
+    async def read_models(self, r: Replica) -> None:
+        """Learn from the replica's /v1/models how it pools embeddings and the digest of each
+        adapter: what the gateway needs to hash prompts as the replica does. A server whose
+        cards say neither (not ember) is routed on load for both."""
+        try:
+            async with self.session.get(r.url + "/v1/models", headers=self.auth,
+                                        timeout=aiohttp.ClientTimeout(
+                                            total=PROBE_TIMEOUT_S)) as resp:
+                cards = (await resp.json())["data"] if resp.status == 200 else []
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError,
+                TypeError):
+            return
+        cards = [c for c in cards if isinstance(c, dict)]
+        r.pooling = next((c.get("pooling") for c in cards if not c.get("parent")), None)
+        r.adapters = {c["id"]: c["digest"] for c in cards
+                      if c.get("parent") and isinstance(c.get("digest"), str)}
+
+    def adapter_digest(self, model: str | None) -> str | None:
+        """The digest of the adapter `model` names, as most ready replicas report it; None
+        for the base model (or an adapter no replica reports)."""
+        digests = Counter(r.adapters[model] for r in self.replicas.values()
+                          if r.state is ReplicaState.READY and model in r.adapters)
+        return digests.most_common(1)[0][0] if digests else None
+
+    def caches_embeddings(self) -> bool:
+        """Whether the ready replicas keep an embedding's prompt blocks: they pool by the
+        last token (other poolings read every row, so they skip the prefix cache)."""
+        ready = [r for r in self.replicas.values() if r.state is ReplicaState.READY]
+        return bool(ready) and all(r.pooling == "last" for r in ready)
 
     async def call(self, r: Replica, path: str, raw: bytes, headers: dict[str, str]
                    ) -> tuple[int, str]:

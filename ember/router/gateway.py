@@ -1,8 +1,9 @@
 """create_gateway(...): the OpenAI API in front of the fleet, plus its probes and admin.
 
-    POST /v1/completions, /v1/chat/completions   validated as `ember serve` validates them
-                                                  (same errors), then routed and forwarded
+    POST /v1/completions, /v1/chat/completions,   validated as `ember serve` validates them
+         /v1/embeddings                           (same errors), then routed and forwarded
     GET  /v1/models, POST /tokenize, /detokenize  forwarded to a ready replica
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   on every replica
     GET  /health/live, /health/ready, /metrics
     GET  /fleet; POST /fleet/promote, /fleet/rollback (behind the API key, if any)
 """
@@ -29,12 +30,11 @@ from ember.router.rollout import Capture, Rollout
 from ember.server.disconnect import unless_disconnected
 from ember.server.errors import (ClientDisconnected, error_body, install_error_handlers,
                                  read_body)
-from ember.server.protocol import (ChatCompletionRequest, CompletionRequest,
+from ember.server.protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
                                    LoadLoraAdapterRequest, UnloadLoraAdapterRequest, parse_body)
 from ember.server.tenants import match_key
 
 NO_KEYS = RouteKeys({}, [], counted=False)
-BY_LOAD = RouteKeys({}, [])   # no prompt blocks: the prefix policy picks by load alone
 
 
 @dataclass
@@ -123,11 +123,7 @@ def create_gateway(gw: Gateway) -> FastAPI:
 
     @app.post("/v1/embeddings", dependencies=[Depends(guard)])
     async def embeddings(request: Request) -> Response:
-        # routed by load: a pooled prompt leaves no blocks behind to route to
-        raw = await read_body(request, gw.fleet.config.server.max_body_bytes)
-        return await unless_disconnected(request, gw.proxy.forward(
-            "/v1/embeddings", raw, forwarded(request), BY_LOAD, gw.rollout.group_for(gw.fleet),
-            False, time.monotonic()))
+        return await route(gw, request, EmbeddingRequest, "/v1/embeddings")
 
     _add_probes(app, gw)
     _add_admin(app, gw, guard)
@@ -148,6 +144,7 @@ def _add_adapters(app: FastAPI, gw: Gateway, guard: Callable[[Request], Awaitabl
                                                   forwarded(request))
         if answer.status_code != 200 and not num_done:
             gw.fleet.adapters.pop(body.lora_name, None)     # no replica took it
+        await read_every_replicas_models(gw)                # the adapter's digest
         return answer
 
     @app.post("/v1/unload_lora_adapter", dependencies=[Depends(guard)])
@@ -157,7 +154,13 @@ def _add_adapters(app: FastAPI, gw: Gateway, guard: Callable[[Request], Awaitabl
         gw.fleet.adapters.pop(body.lora_name, None)
         answer, _ = await on_every_replica(gw, "/v1/unload_lora_adapter", raw,
                                            forwarded(request))
+        await read_every_replicas_models(gw)
         return answer
+
+
+async def read_every_replicas_models(gw: Gateway) -> None:
+    await asyncio.gather(*(gw.fleet.read_models(r) for r in gw.fleet.replicas.values()
+                           if r.state is ReplicaState.READY))
 
 
 async def on_every_replica(gw: Gateway, path: str, raw: bytes, headers: dict[str, str]
@@ -231,17 +234,24 @@ async def route(gw: Gateway, request: Request, model: type, path: str) -> Respon
     server = gw.fleet.config.server
     raw = await read_body(request, server.max_body_bytes)
     body = parse_body(raw, model, server.max_json_depth, server.max_n)
-    body.check_supported()
+    embedding = isinstance(body, EmbeddingRequest)
+    if embedding:
+        body.inputs(server.max_embedding_inputs)
+    else:
+        body.check_supported()
     if gw.in_flight >= gw.fleet.config.max_in_flight:
         gw.fleet.metrics.rejected.labels("gateway_full").inc()
         raise Overloaded(f"the gateway has {gw.in_flight} requests in flight, its limit; "
                          "retry later")
+    # an embedding pooled other than by its last token leaves no blocks to route to
+    by_prefix = gw.fleet.config.policy == "prefix" and \
+        (not embedding or gw.fleet.caches_embeddings())
     keys = gw.prompts.route_keys(body, request.state.tenant, gw.fleet.block_sizes(),
-                                 request.headers, gw.fleet.config.policy == "prefix",
-                                 gw.fleet.needs_text_keys())
+                                 request.headers, by_prefix, gw.fleet.needs_text_keys(),
+                                 gw.fleet.adapter_digest(body.model))
     headers = forwarded(request)
     capture = None
-    if gw.rollout.shadow_wanted(gw.fleet):
+    if not embedding and gw.rollout.shadow_wanted(gw.fleet):   # a shadow compares text
         capture = Capture()
         gw.in_background(gw.rollout.mirror(gw.fleet, path, raw, headers, capture))
     if gw.autoscaler is not None:
@@ -252,8 +262,8 @@ async def route(gw: Gateway, request: Request, model: type, path: str) -> Respon
         # forward, which hangs up on the replica, so it aborts the request as a client's
         # leaving aborts it there; a stream after its first byte stops with its relay
         return await unless_disconnected(request, gw.proxy.forward(
-            path, raw, headers, keys, gw.rollout.group_for(gw.fleet), body.stream, arrival,
-            capture, on_done=gw.left))
+            path, raw, headers, keys, gw.rollout.group_for(gw.fleet),
+            not embedding and body.stream, arrival, capture, on_done=gw.left))
     except BaseException:
         gw.left()
         raise

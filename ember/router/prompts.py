@@ -2,28 +2,30 @@
 
 The gateway tokenizes and templates the prompt as `ember serve` does (the model's own
 tokenizer and chat template, torch-free), then hashes it with ember's own `extend_keys`, salted
-as the replica salts it. A difference (tools written into the prompt, earlier answers' token
-ids) only costs a cache miss, never a wrong answer: routing is a guess the replica checks.
+as the replica salts it (by tenant, and by the digest of the LoRA adapter a request names).
+A difference (tools written into the prompt, earlier answers' token ids) only costs a cache
+miss, never a wrong answer: routing is a guess the replica checks.
 """
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 
 from ember.config import ApiKey
 from ember.errors import ConfigError
-from ember.kv.prefix_cache import extend_keys
+from ember.kv.prefix_cache import adapter_salt, extend_keys
 from ember.router.fleet import RouteKeys
 from ember.router.kv_index import text_keys
-from ember.server.protocol import ChatCompletionRequest, CompletionRequest
+from ember.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from ember.server.tenants import tenant_salt, tenant_salts
 from ember.tokenizer.chat import ChatTemplate
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.gguf_metadata import read_gguf_metadata
 from ember.weights.paths import default_model_path
 
-Body = CompletionRequest | ChatCompletionRequest
+Body = CompletionRequest | ChatCompletionRequest | EmbeddingRequest
 MAX_HEADS = 1024
 
 
@@ -60,24 +62,28 @@ class PromptKeys:
             OrderedDict()
 
     def route_keys(self, body: Body, tenant: ApiKey | None, block_sizes: set[int],
-                   headers: Mapping[str, str], want_keys: bool, want_text: bool = True
-                   ) -> RouteKeys:
+                   headers: Mapping[str, str], want_keys: bool, want_text: bool = True,
+                   adapter: str | None = None) -> RouteKeys:
         """The request's keys: block keys per block size, and the text tree's chunk keys if
-        `want_text` (a replica without KV events is routed on text)."""
+        `want_text` (a replica without KV events is routed on text). `adapter` is the digest
+        of the LoRA adapter the request names, if any: the replica salts its blocks by it."""
         session_key = headers.get(self.session_header) or body.user
         if not want_keys:
             return RouteKeys({}, [], session_key)
         salt = body.cache_salt
         if tenant is not None:
             salt = tenant_salt(self.salts[tenant.tenant], salt)
+        if adapter is not None:
+            salt = adapter_salt(adapter, salt)
+        cached = isinstance(body, EmbeddingRequest) or body.prefix_cache
         block_keys: dict[int, list[int]] = {}
         chat = isinstance(body, ChatCompletionRequest)
-        if self.tokenizer is not None and block_sizes and body.prefix_cache and \
+        if self.tokenizer is not None and block_sizes and cached and \
                 (self.template is not None or not chat):
             for size in block_sizes:
                 block_keys[size] = self.block_keys(body, size, salt)
         chunks = text_keys((salt or "") + "\x00" + prompt_text(body), self.text_chunk_chars) \
-            if body.prefix_cache and want_text else []
+            if cached and want_text else []
         return RouteKeys(block_keys, chunks, session_key)
 
     def block_keys(self, body: Body, block_size: int, salt: str | None) -> list[int]:
@@ -85,7 +91,7 @@ class PromptKeys:
         (a tenant's system prompt, a session's history) is tokenized and hashed once and
         remembered: encoding a long prompt costs milliseconds, more than routing may."""
         if not isinstance(body, ChatCompletionRequest):
-            first = body.prompt_list()[0]
+            first = first_prompt(body)
             ids = first if isinstance(first, list) else self.tokenizer.encode(first)
             return extend_keys([], ids, block_size, salt)
         messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
@@ -118,5 +124,12 @@ def prompt_text(body: Body) -> str:
     if isinstance(body, ChatCompletionRequest):
         return "".join(f"<{m.role}>{m.as_template_message(i)['content']}"
                        for i, m in enumerate(body.messages))
-    first = body.prompt_list()[0]
+    first = first_prompt(body)
     return first if isinstance(first, str) else " ".join(map(str, first))
+
+
+def first_prompt(body: CompletionRequest | EmbeddingRequest) -> str | list[int]:
+    """The first prompt (or input to embed): the one a request is routed by."""
+    if isinstance(body, EmbeddingRequest):
+        return body.inputs(sys.maxsize)[0]   # (their number is checked where it is parsed)
+    return body.prompt_list()[0]

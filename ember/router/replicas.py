@@ -82,6 +82,8 @@ class Replica:
     first_byte_at: float | None = None  # the first answer's first byte since (re)start
     load_phases: dict[str, float] = field(default_factory=dict)  # its own start-up report
     model_name: str | None = None   # the model its gauges name
+    pooling: str | None = None      # how its /v1/embeddings pools (its /v1/models says)
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA name -> digest of its files
     early_deaths: int = 0           # exits in a row before it was ready
     last_exit: dict | None = None   # the last exit's status and log lines (exit_report)
 

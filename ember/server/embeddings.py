@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import json
 import uuid
-from typing import Any, Literal
 
 import anyio
 import numpy as np
@@ -20,61 +19,18 @@ from fastapi.responses import Response
 
 from ember.engine.async_engine import Finished, RequestStream
 from ember.engine.embed import EmbeddingOutput, check_embedding_input
-from ember.errors import EmberError, InvalidRequest
-from ember.request import MAX_INT32, PoolingParams, RequestOptions
+from ember.errors import EmberError
+from ember.request import PoolingParams
 from ember.server.engine_input import adapter_options, tenant_options
 from ember.server.errors import ClientDisconnected
 from ember.server.disconnect import unless_disconnected
 from ember.server.generation import end_reason
-from ember.server.protocol import Strict, _in_range
+from ember.server.protocol import EmbeddingRequest
 from ember.server.state import (ServerState, arrival_time, read_json_body, request_tenant,
                                 server_state)
 from ember.tokenizer.tokenizer import Tokenizer
 
 router = APIRouter()
-INPUT_SHAPES = ("input must be a non-empty string, a list of strings, a list of token ids, or a "
-                "list of lists of token ids (not empty)")
-
-
-class EmbeddingRequest(Strict):
-    input: Any  # checked by inputs(): pydantic's union errors would be unreadable
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    user: str | None = None
-    # ember (and vLLM) extensions, as on completions
-    priority: int = 0                # lower runs first
-    cache_salt: str | None = None
-
-    def check_limits(self, max_n: int) -> None:
-        _in_range("dimensions", self.dimensions, 1, MAX_INT32)
-        _in_range("priority", self.priority, -MAX_INT32 - 1, MAX_INT32, "; lower runs first")
-
-    def inputs(self, max_inputs: int) -> list[str | list[int]]:
-        """One entry per input, at most `max_inputs` of them."""
-        x = self.input
-        if isinstance(x, str) or _is_ids(x):
-            x = [x]
-        if not isinstance(x, list) or not x or not (all(isinstance(i, str) for i in x)
-                                                    or all(_is_ids(i) for i in x)):
-            raise InvalidRequest(INPUT_SHAPES, param="input")
-        if len(x) > max_inputs:
-            raise InvalidRequest(f"input has {len(x)} entries; send at most {max_inputs} in "
-                                 "one request (the server's --max-embedding-inputs)",
-                                 param="input")
-        empty = next((i for i, text in enumerate(x) if text == ""), None)
-        if empty is not None:
-            raise InvalidRequest(f"input[{empty}] is an empty string; send text to embed",
-                                 param="input")
-        return x
-
-    def request_options(self) -> RequestOptions:
-        return RequestOptions(priority=self.priority, user=self.user, cache_salt=self.cache_salt)
-
-
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def encode_inputs(inputs: list[str | list[int]], tokenizer: Tokenizer) -> list[list[int]]:

@@ -243,25 +243,33 @@ def chat_choices(gen: Generation, views: list[ChatChoice], tokenizer: Tokenizer,
 
 # -- models, tokenize, detokenize ----------------------------------------------------------------
 
-def _model_card(state: ServerState, adapter: str | None = None) -> dict[str, Any]:
-    """The base model's card, or a LoRA adapter's (its base as `parent`)."""
+def _model_card(state: ServerState, adapter: str | None = None,
+                digest: str | None = None) -> dict[str, Any]:
+    """The base model's card, or a LoRA adapter's (its base as `parent`, and the digest of
+    its files, which salts its prefix-cache blocks: a router hashes its prompts so). Both
+    say how /v1/embeddings pools (`last` keeps the prompt's blocks in the prefix cache)."""
+    core = state.engine.core
     card = {"id": adapter or state.model_name, "object": "model", "created": state.created,
             "owned_by": "ember", "root": state.model_name, "parent": None,
-            "max_model_len": state.max_model_len()}
-    return card if adapter is None else card | {"parent": state.model_name}
+            "max_model_len": state.max_model_len(),
+            "pooling": core.pooling if core is not None else None}
+    return card if adapter is None else card | {"parent": state.model_name, "digest": digest}
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     state = server_state(request)
-    cards = [_model_card(state)] + [_model_card(state, a) for a in state.engine.lora_names()]
+    cards = [_model_card(state)] + [_model_card(state, name, digest) for name, digest
+                                    in state.engine.lora_digests().items()]
     return JSONResponse({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> JSONResponse:
     state = server_state(request)
-    return JSONResponse(_model_card(state, state.check_model(model_id)))
+    adapter = state.check_model(model_id)
+    digest = None if adapter is None else state.engine.lora_digests().get(adapter)
+    return JSONResponse(_model_card(state, adapter, digest))
 
 
 @router.post("/tokenize")

@@ -497,6 +497,48 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+EMBEDDING_INPUT_SHAPES = ("input must be a non-empty string, a list of strings, a list of "
+                          "token ids, or a list of lists of token ids (not empty)")
+
+
+class EmbeddingRequest(Strict):
+    """POST /v1/embeddings."""
+
+    input: Any  # checked by inputs(): pydantic's union errors would be unreadable
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # ember (and vLLM) extensions, as on completions
+    priority: int = 0                # lower runs first
+    cache_salt: str | None = None
+
+    def check_limits(self, max_n: int) -> None:
+        _in_range("dimensions", self.dimensions, 1, MAX_INT32)
+        _in_range("priority", self.priority, -MAX_INT32 - 1, MAX_INT32, "; lower runs first")
+
+    def inputs(self, max_inputs: int) -> list[str | list[int]]:
+        """One entry per input, at most `max_inputs` of them."""
+        x = self.input
+        if isinstance(x, str) or _is_ids(x):
+            x = [x]
+        if not isinstance(x, list) or not x or not (all(isinstance(i, str) for i in x)
+                                                    or all(_is_ids(i) for i in x)):
+            raise InvalidRequest(EMBEDDING_INPUT_SHAPES, param="input")
+        if len(x) > max_inputs:
+            raise InvalidRequest(f"input has {len(x)} entries; send at most {max_inputs} in "
+                                 "one request (the server's --max-embedding-inputs)",
+                                 param="input")
+        empty = next((i for i, text in enumerate(x) if text == ""), None)
+        if empty is not None:
+            raise InvalidRequest(f"input[{empty}] is an empty string; send text to embed",
+                                 param="input")
+        return x
+
+    def request_options(self) -> RequestOptions:
+        return RequestOptions(priority=self.priority, user=self.user, cache_salt=self.cache_salt)
+
+
 MAX_ADAPTER_NAME_CHARS = 128
 MAX_ADAPTER_PATH_CHARS = 4096
 

@@ -254,7 +254,7 @@ def random_fused_adapter(uid: int, ranks: dict[str, int], sizes: dict[str, tuple
             b[i * r:(i + 1) * r, sum(outs[:i]):sum(outs[:i + 1])] = \
                 torch.randn(r, n, generator=gen) * 0.1
         layer[projection] = (a.bfloat16().float(), b.bfloat16().float())
-    return LoraAdapter(f"r{uid}", Path("."), uid, max(ranks.values()), [layer])
+    return LoraAdapter(f"r{uid}", Path("."), uid, f"test:{uid}", max(ranks.values()), [layer])
 
 
 def test_lora_kernel_adds_each_rows_adapter() -> None:

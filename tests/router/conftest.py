@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -68,3 +69,15 @@ def replicas(tiny_llama_dir):
     yield live
     for server in live:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_llama_dir, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A PEFT LoRA adapter folder for the tiny model (random factors that change its greedy
+    tokens)."""
+    pytest.importorskip("peft")
+    from tests.reference.test_lora import make_adapter
+    _, base = tiny_llama_dir
+    path = tmp_path_factory.mktemp("adapter_alpha")
+    make_adapter(base, path, 8, 16, False, ["q_proj", "v_proj"], 0)
+    return path

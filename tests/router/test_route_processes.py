@@ -20,16 +20,18 @@ REPLICA_OPTIONS = ["--dtype", "float32", "--kernels", "torch", "--max-model-len"
 
 
 class Route:
-    def __init__(self, folder, *options: str) -> None:
+    def __init__(self, folder, *options: str, api_key: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        keys = ["--api-key", api_key] if api_key else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ember.cli", "route", "--model", str(folder),
-             "--port", str(self.port), *REPLICA_OPTIONS, *options],
+             "--port", str(self.port), *REPLICA_OPTIONS, *keys, *options],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def fleet(self) -> dict:
-        return httpx.get(self.url + "/fleet", timeout=10).json()
+        return httpx.get(self.url + "/fleet", headers=self.headers, timeout=10).json()
 
     def wait(self, predicate, what: str, timeout_s: float = 180) -> dict:
         deadline = time.monotonic() + timeout_s

@@ -143,3 +143,32 @@ def test_metrics_per_adapter(lora_server) -> None:
     lora_server.wait_idle()
     assert lora_server.metric('ember_lora_requests_total{adapter="beta"}') == before + 1
     assert lora_server.metric('ember_lora_generation_tokens_total{adapter="beta"}') >= 5
+
+
+def test_the_same_files_under_another_name_find_its_cached_prefix(lora_server, adapters
+                                                                 ) -> None:
+    """An adapter's KV blocks are salted by the digest of its files, not by the order it was
+    loaded in: the same files loaded later under another name (as on another replica, where
+    the order differs) find the prompt the first name cached; other weights find nothing."""
+    url, auth = lora_server.url, {"Authorization": f"Bearer {KEY}"}
+    body = {"lora_name": "alpha_again", "lora_path": str(adapters["alpha"])}
+    assert httpx.post(url + "/v1/load_lora_adapter", json=body, headers=auth,
+                      timeout=60).status_code == 200
+    try:
+        cards = {c["id"]: c for c in httpx.get(url + "/v1/models", headers=auth).json()["data"]}
+        assert cards["alpha_again"]["digest"] == cards["alpha"]["digest"]
+        assert cards["alpha"]["digest"] != cards["beta"]["digest"]
+        assert cards["alpha"]["digest"].startswith("sha256:")
+        prompt = [7 + (i * 37) % 5000 for i in range(80)]   # 5 blocks, in no other test
+
+        def cached(model: str) -> int:
+            r = httpx.post(url + "/v1/completions", headers=auth, timeout=60, json={
+                "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached("alpha") == 0
+        assert cached("alpha_again") >= 64
+        assert cached("beta") == 0
+    finally:
+        httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "alpha_again"},
+                   headers=auth)
