@@ -36,9 +36,9 @@ from ember.weights.cache import SUMMARIES, WeightCache, cache_key
 from ember.weights.gguf import GGUFFile
 from ember.weights.safetensors import SafetensorsFolder
 from ember.engine.files_summary import FilesSummary, load_tokenizer, open_summarized
+from ember.engine.prefill_choice import PrefillChoice, resolve_prefill_choice
 from ember.weights.loader import (apply_quantization, load_model, open_model_files,
-                                  resolve_dtype, resolve_prefill_matmul,
-                                  resolve_quantization)
+                                  resolve_dtype, resolve_quantization)
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,13 @@ class EngineCore:
         kernels = load_kernels(config.kernels, config.device)
         self.load_phases.mark("kernels")
         self.kernels = kernels   # compiled CPU kernels, or None (the torch path)
-        self.prefill_matmul = resolve_prefill_matmul(config.prefill_matmul, self.quantization,
-                                                     kernels)
+        cache_dir = None if config.weight_cache_dir is None or \
+            torch.device(config.device).type != "cpu" else Path(config.weight_cache_dir)
+        self.prefill_choice = resolve_prefill_choice(config.prefill_matmul, self.quantization,
+                                                     kernels, self.model_config,
+                                                     self.model_path, cache_dir)
+        self.prefill_matmul = self.prefill_choice.prefill_matmul
+        self.load_phases.mark("prefill_choice")
         weight_cache = self._weight_cache(kernels)
         model = None if weight_cache is None else weight_cache.load(self.model_config, kernels)
         self.weights_cached = model is not None   # final weights mapped: no calibration
@@ -150,7 +155,8 @@ class EngineCore:
                                     str(self.dtype).removeprefix("torch."))
         log.info("loaded %s (%s, %s, weights %s, prefill matmuls %s, %s kernels, on %s); %s",
                  self.model_path.name, self.model_config.architecture,
-                 str(self.dtype).removeprefix("torch."), self.quantization, self.prefill_matmul,
+                 str(self.dtype).removeprefix("torch."), self.quantization,
+                 self.prefill_choice.describe(),
                  "compiled CPU" if kernels is not None else "torch",
                  config.device, self.cache_info.describe())
         kv_caches = allocate_kv_caches(self.model_config, num_blocks, block_size, self.dtype,
@@ -214,6 +220,7 @@ class EngineCore:
         self.model_config, self.dtype = encoder.model_config, encoder.dtype
         self.max_model_len, self.pooling = encoder.max_model_len, encoder.pooling
         self.quantization, self.kernels, self.prefill_matmul = "none", None, "none"
+        self.prefill_choice = PrefillChoice("none", "an encoder")
         kv = encoder.scheduler.kv
         self.cache_info = CacheInfo(kv.num_blocks, kv.block_size, 0, "none")
         self.scheduler, self.runner = encoder.scheduler, encoder.runner

@@ -214,6 +214,23 @@ def unpack_int4_panels(packed: Tensor, scale_min: Tensor) -> tuple[Tensor, Tenso
     return q.reshape(panels * 16, groups * 32), scale, minimum
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (/proc/cpuinfo's `flags` on x86,
+    `Features` on ARM); none where it does not."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_amx(flags: frozenset[str]) -> bool:
+    """Whether these CPU flags name AMX's tile unit with bfloat16 (Sapphire Rapids on)."""
+    return "amx_bf16" in flags and "amx_tile" in flags
+
+
 def _cpu_key() -> str:
     """The build depends on the CPU (-march=native): key it by the CPU's feature flags."""
     flags = ""

@@ -190,6 +190,15 @@ def dequantize_int4(q: Tensor, scale: Tensor, lo: Tensor, group: int = GROUP) ->
     return w.view(n, k)
 
 
+def int8_quads_fit(kernels: CpuKernels, out_features: int, in_features: int,
+                   act_group: int) -> bool:
+    """Whether an int8 prompt weight can be kept in quads (pack_int8_quads) for ember's own
+    int8 tiles: VNNI, and sizes that fit them (outputs in pairs of 16-row panels, inputs and
+    groups in fours); else it stays in rows for oneDNN's int8 GEMM."""
+    return (kernels.has_int8_dot and out_features % 32 == 0 and in_features % 4 == 0
+            and act_group % 4 == 0)
+
+
 class PackedLinear(nn.Module):
     """y = x W^T (+ b) with W stored int8 or int4; the dense weight (if kept) serves big batches.
 
@@ -276,11 +285,8 @@ class PackedLinear(nn.Module):
         self.int8_source, self.act_group = None, act_group
 
     def quads_fit(self, kernels: CpuKernels, act_group: int) -> bool:
-        """Whether the int8 dense weight can be kept in quads (pack_int8_quads) for ember's
-        own int8 tiles: VNNI, and sizes that fit them (outputs in pairs of 16-row panels,
-        inputs and groups in fours)."""
-        return (kernels.has_int8_dot and self.out_features % 32 == 0
-                and self.in_features % 4 == 0 and act_group % 4 == 0)
+        """Whether the int8 dense weight can be kept in quads (int8_quads_fit)."""
+        return int8_quads_fit(kernels, self.out_features, self.in_features, act_group)
 
     @property
     def int8_quads(self) -> bool:

@@ -7,6 +7,8 @@ prompt matmuls (SmoothQuant), the bfloat16 ones.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,8 @@ from gguf import quants as gguf_quants
 from ember import LLM, SamplingParams
 from ember.config import EngineConfig
 from ember.engine.calibrate import activation_group, calibration_prompt
+from ember.engine.matmul_timing import layer_projections, measure_candidates
+from ember.engine.prefill_choice import MAX_ERROR
 from ember.engine.perplexity import perplexity
 from ember.errors import ConfigError
 from ember.kernels import load_kernels, pack_int4_panels, unpack_int4_panels
@@ -337,3 +341,26 @@ def test_int8_prompt_matmuls_with_a_qkv_bias_agree_with_bfloat16_ones(tokenizer_
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.bias is not None and qkv.w8a8 is not None
     assert_greedy_close(outs["bfloat16"], outs["int8"])
+
+
+def test_each_timed_prefill_candidate_computes_the_projections_close_to_float32():
+    """ember/engine/matmul_timing.py against the float32 products of the same values: the
+    bfloat16 candidate within its rounding, the int8 one (int8 activations per row, per
+    group for the down projection over int4 weights) within the guard, farther than
+    bfloat16; over int8 weights the int8 candidate keeps the down projection bfloat16
+    (int8_act_group), so there it computes what the bfloat16 one does."""
+    kernels = load_kernels("auto", "cpu")
+    if kernels is None or not kernels.has_bf16_dot:
+        pytest.skip("int8 prompt matmuls need the compiled kernels with AVX-512 BF16")
+    config = SimpleNamespace(hidden_size=128, intermediate_size=512, num_experts=0,
+                             q_size=128, kv_size=64)
+    projections = layer_projections(config)
+    int8, bf16 = measure_candidates(["int8", "bfloat16"], projections, "int4", kernels,
+                                    rows=64, repeats=2)
+    assert bf16.error < 0.01 and bf16.error < int8.error < MAX_ERROR, (int8, bf16)
+    assert len(int8.rounds) == len(bf16.rounds) == 2 and min(int8.rounds) > 0
+    down = [p for p in projections if p.sharp]
+    over_int8 = measure_candidates(["int8", "bfloat16"], down, "int8", kernels, rows=64,
+                                   repeats=1)
+    over_int4 = measure_candidates(["int8"], down, "int4", kernels, rows=64, repeats=1)
+    assert over_int8[0].error == over_int8[1].error < over_int4[0].error
