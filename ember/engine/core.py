@@ -25,7 +25,7 @@ from ember.errors import ConfigError, ContextTooLong, InvalidRequest
 from ember.kernels import CpuKernels, load_kernels
 from ember.kv.kv_manager import KVCacheManager
 from ember.lora.registry import LoraRegistry
-from ember.quant.packed import step_weights
+from ember.quant.packed import step_weights, use_brgemm_prefill
 from ember.request import FinishReason, PoolingParams, Request, RequestOptions, SamplingParams
 from ember.runner.kv_tensors import (GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks,
                                     resolve_kv_cache_dtype)
@@ -139,6 +139,8 @@ class EngineCore:
         if self.prefill_matmul == "int8" and not self.weights_cached:  # bfloat16 copies out
             # before the KV cache comes
             prepare_int8_prefill(model)
+        elif self.prefill_matmul == "bfloat16-brgemm" and not self.weights_cached:
+            use_brgemm_prefill(model, kernels)
         del files  # the file's metadata (~170 MB of Python objects for a GGUF) goes now,
         if not self.weights_cached:  # before the KV cache is allocated: loading peaks lower
             gc.collect()  # (a cached model left little garbage; a collection costs ~0.15 s)

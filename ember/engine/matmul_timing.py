@@ -8,6 +8,8 @@ own shapes, checked against float32.
                projections; the rest bfloat16)                oneDNN's int8 GEMM
     bfloat16   oneDNN's bfloat16 matmul on the weight in      (AMX's tile unit where the
                its blocked layout                             CPU has one)
+    bfloat16-  torch's brgemm on the weight in its blocks     oneDNN's ukernel on AMX
+    brgemm     (use_brgemm_dense)
 
 The weights are random int8 values times a power of two, so the bfloat16 weight holds them
 exactly and every candidate multiplies the same numbers; the activations are random (the
@@ -124,8 +126,8 @@ def _call(name: str, p: Projection, q: Tensor, method: str, kernels: CpuKernels
           ) -> Callable[[Tensor], Tensor]:
     """x -> the projection's output, on the matmul PackedLinear.forward (and, for gate/up,
     SwiGLU.forward) runs for prompt rows with candidate `name`: w8a8_linear on the int8
-    weight in quads (or rows), or oneDNN's bfloat16 matmul on the weight in its blocked
-    layout. The int8 candidate keeps bfloat16 where int8_act_group says so."""
+    weight in quads (or rows), oneDNN's bfloat16 matmul on the weight in its blocked layout,
+    or brgemm_linear. The int8 candidate keeps bfloat16 where int8_act_group says so."""
     group = int8_act_group(method, p.in_features, p.sharp) if name == "int8" else None
     if group is not None:
         weight = pack_int8_quads(q) if int8_quads_fit(kernels, *q.shape, group) else q
@@ -133,13 +135,20 @@ def _call(name: str, p: Projection, q: Tensor, method: str, kernels: CpuKernels
         smooth = torch.ones(q.shape[1])   # (SmoothQuant's factors: the same work as any)
         return lambda x: kernels.w8a8_linear(x, weight, scales, smooth, swiglu=p.swiglu,
                                              group=group)
-    dense, prepacked = prepack_for_onednn(q.to(torch.bfloat16).mul_(WEIGHT_SCALE))
+    matmul = _bfloat16_matmul(name, q.to(torch.bfloat16).mul_(WEIGHT_SCALE), kernels)
+    return (lambda x: kernels.silu_and_mul(matmul(x))) if p.swiglu else matmul
 
-    def bfloat16(x: Tensor) -> Tensor:
-        out = torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], "") \
-            if prepacked else F.linear(x, dense)
-        return kernels.silu_and_mul(out) if p.swiglu else out
-    return bfloat16
+
+def _bfloat16_matmul(name: str, weight: Tensor, kernels: CpuKernels
+                     ) -> Callable[[Tensor], Tensor]:
+    """x -> x weight^T on brgemm_linear (bfloat16-brgemm) or oneDNN's bfloat16 matmul."""
+    if name == "bfloat16-brgemm":
+        blocks = kernels.brgemm_pack(weight)
+        return lambda x: kernels.brgemm_linear(x, blocks)
+    dense, prepacked = prepack_for_onednn(weight)
+    if prepacked:
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], "")
+    return lambda x: F.linear(x, dense)
 
 
 def _float32_result(p: Projection, x: Tensor, q: Tensor) -> Tensor:

@@ -113,10 +113,15 @@ def busy_cpus(load: float, cpus: int, threads: int, slack: float = BUSY_SLACK) -
 
 def prefill_candidates(method: str, kernels: CpuKernels | None) -> list[str]:
     """The candidates that run here, the incumbent first: int8 where it runs (packed weights,
-    the compiled kernels with AVX-512 BF16), and bfloat16. An AMX int8 path would join them
-    where the CPU has AMX; ember has none yet."""
-    return ["int8", "bfloat16"] if resolve_prefill_matmul("auto", method, kernels) == "int8" \
+    the compiled kernels with AVX-512 BF16); bfloat16 (oneDNN); and bfloat16-brgemm where
+    torch's brgemm runs oneDNN's ukernel (AMX: elsewhere it falls back to a GEMM per block,
+    several times slower than oneDNN's). An AMX int8 path would join them; ember has none
+    yet (torch's int8 brgemm runs only on AMX, where it could not be tested)."""
+    names = ["int8", "bfloat16"] if resolve_prefill_matmul("auto", method, kernels) == "int8" \
         else ["bfloat16"]
+    if method != "none" and kernels is not None and kernels.brgemm_vnni:
+        names.append("bfloat16-brgemm")
+    return names
 
 
 def choose_prefill_matmul(asked: str, candidates: Sequence[str], fields: dict[str, Any],

@@ -6,7 +6,8 @@ argmax), `decode_attention.cpp` (one new token per request, read in place from t
 cache, no gathered copy), `prefill_attention.cpp` (flash attention of a step's prompt chunks
 over their paged contexts, a prefix that several chunks share packed once),
 `int4_matmul.cpp` and `int8_matmul.cpp` (linears on int4 and int8 weights, and on int8
-activations), `lora.cpp` (the LoRA adapters of a mixed batch, each adapter's
+activations), `brgemm_matmul.cpp` (bfloat16 linears on torch's own brgemm: AMX's tile unit
+where the CPU has one), `lora.cpp` (the LoRA adapters of a mixed batch, each adapter's
 rows at once), `decode_stack.cpp` (every decoder layer of a step in one call), the
 inline helpers they share (`vec.h` SIMD, `kv_cache.h` the cache's rows, `common.h` what one
 file calls in another) and `bindings.cpp` (the Python bindings only). Most need a CPU with
@@ -134,6 +135,22 @@ class CpuKernels:
         q in quads (pack_int8_quads; AVX-512 VNNI) on ember's int8 tiles, with the same
         result bit for bit. AVX-512 BF16 only."""
         return self.ops.w8a8_linear(x, q, scales, smooth, swiglu, group)
+
+    @functools.cached_property
+    def brgemm_vnni(self) -> bool:
+        """Whether torch's brgemm runs oneDNN's ukernel here (x86 with AMX), on weights
+        packed into its pairs; elsewhere it falls back to a plain GEMM per block."""
+        return self.ops.brgemm_bf16_vnni()
+
+    def brgemm_pack(self, w: Tensor) -> Tensor:
+        """w [n, k] bfloat16 (n % 32 == 0, k even) -> [n / 32, k, 32], brgemm_linear's
+        weight (in the ukernel's pairs where brgemm_vnni)."""
+        return self.ops.brgemm_bf16_pack(w.contiguous(), self.brgemm_vnni)
+
+    def brgemm_linear(self, x: Tensor, packed: Tensor) -> Tensor:
+        """x [m, k] bfloat16 -> x w^T [m, n] bfloat16 (float32 sums) on torch's brgemm, w as
+        brgemm_pack made it (ember/kernels/cpu/brgemm_matmul.cpp)."""
+        return self.ops.brgemm_bf16_linear(x, packed, self.brgemm_vnni)
 
     def lora_add(self, y: Tensor, x: Tensor, rows: Tensor, starts: Tensor, a: Tensor,
                  a_scales: Tensor, b: Tensor, b_scales: Tensor, ranges: Tensor) -> None:

@@ -3,13 +3,15 @@ timings (never real ones), and the choice kept beside the weight cache."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from ember.config import ModelConfig
 from ember.engine.matmul_timing import Timing, layer_projections
 from ember.engine.prefill_choice import (MAX_ERROR, ChoiceStore, PrefillChoice, busy_cpus,
-                                         choice_fields, choose_prefill_matmul, pick)
+                                         choice_fields, choose_prefill_matmul, pick,
+                                         prefill_candidates)
 from ember.weights.cache import CHOICES, prune
 
 AVX512 = frozenset({"avx512f", "avx512_bf16", "avx512_vnni"})
@@ -157,3 +159,12 @@ def test_pruning_the_weight_cache_keeps_the_stored_choices(tmp_path):
         "auto", CANDIDATES, _fields(), None, _Measure()))
     prune(tmp_path, keep=0)
     assert ChoiceStore(tmp_path / CHOICES).read(_fields()) is not None
+
+
+def test_brgemm_is_a_candidate_only_where_it_runs_the_ukernel():
+    amx = SimpleNamespace(has_bf16_dot=True, brgemm_vnni=True)
+    avx512 = SimpleNamespace(has_bf16_dot=True, brgemm_vnni=False)
+    assert prefill_candidates("int4", amx) == ["int8", "bfloat16", "bfloat16-brgemm"]
+    assert prefill_candidates("int4", avx512) == ["int8", "bfloat16"]
+    assert prefill_candidates("none", amx) == ["bfloat16"]   # nothing packed: no choice
+    assert prefill_candidates("int4", None) == ["bfloat16"]  # the torch path
