@@ -100,7 +100,15 @@ def resolve_prefill_choice(asked: str, method: str, kernels: CpuKernels | None,
     return choose_prefill_matmul(
         asked, candidates, fields, store,
         lambda names: measure_candidates(names, projections, method, kernels),
-        busy=busy_cpus(os.getloadavg()[0], os.cpu_count() or 1, torch.get_num_threads()))
+        busy=busy_cpus(_load_average(), os.cpu_count() or 1, torch.get_num_threads()))
+
+
+def _load_average() -> float:
+    """The 1-minute load average; 0 where the OS gives none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
 
 
 def busy_cpus(load: float, cpus: int, threads: int, slack: float = BUSY_SLACK) -> str | None:
