@@ -41,8 +41,12 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-matmul", default="auto", choices=list(PREFILL_MATMULS),
                    help="prompt chunks' matmuls with packed weights: int8 rounds each row of "
                         "activations to int8 and multiplies int8 weights (about 1.7x bfloat16 "
-                        "on VNNI CPUs; perplexity in docs/benchmarks.md); auto: int8 where "
-                        "the compiled kernels have AVX-512 BF16")
+                        "on VNNI CPUs; perplexity in docs/benchmarks.md); bfloat16 runs "
+                        "oneDNN's matmul (on AMX's tile unit where the CPU has one); auto: "
+                        "measured on the model's shapes the first time it loads on this "
+                        "machine, kept beside the weight cache and printed at start (int8 "
+                        "stays unless bfloat16 is clearly faster; without a weight cache, or "
+                        "on a busy machine, int8 where the compiled kernels have AVX-512 BF16)")
     g.add_argument("--deterministic", action="store_true",
                    help="a request's greedy tokens and logprobs, and its seeded samples, do "
                         "not depend on how many requests decode beside it (they never depend "

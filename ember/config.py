@@ -281,7 +281,8 @@ class EngineConfig:
     quantization: str = "auto"     # weights: auto (the file's own precision), none, int8, int4
     kernels: str = "auto"          # auto: compiled CPU kernels where they build; torch: none
     # prompt chunks' matmuls with packed weights: int8 (dynamic int8 activations, int8
-    # weights) or bfloat16; auto: int8 where the compiled kernels have AVX-512 BF16
+    # weights) or bfloat16; auto: the faster here, measured once per machine and model and
+    # kept beside the weight cache (ember/engine/prefill_choice.py)
     prefill_matmul: str = "auto"
     # a request's tokens and logprobs never depend on the prefix cache, the chunk size,
     # preemption, speculation or the step's prompt rows (every prompt token is a prompt row,

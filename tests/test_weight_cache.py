@@ -10,7 +10,7 @@ import pytest
 
 from ember.engine.llm import LLM
 from ember.request import SamplingParams
-from ember.weights.cache import META, TENSORS
+from ember.weights.cache import CHOICES, META, TENSORS, SUMMARIES
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
 # long enough for a prompt chunk of more than 8 rows: the int8 prompt matmuls run
@@ -25,7 +25,8 @@ def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
 
 
 def cached_folders(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if not p.name.startswith(".") and p.name != "files")
+    return sorted(p for p in root.iterdir()
+                  if not p.name.startswith(".") and p.name not in (SUMMARIES, CHOICES))
 
 
 def assert_same_tokenizer(a: LLM, b: LLM) -> None:
@@ -59,6 +60,8 @@ def test_an_engine_from_the_cache_matches_a_full_load(tiny_llama_dir, tmp_path, 
     assert (cache / TENSORS).is_file() and (cache / META).is_file()
     second = start(str(folder), tmp_path, **TINY_OPTIONS[kind])
     assert second.engine.weights_cached
+    asked = TINY_OPTIONS[kind].get("prefill_matmul")   # else auto: measured, or the rule
+    assert asked is None or second.engine.prefill_choice.how == "asked"
     assert run(second) == run(first)
     assert not (tmp_path / "files").exists()   # a folder's files are summarized by nothing
     assert_same_tokenizer(first, second)

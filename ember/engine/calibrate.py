@@ -67,11 +67,19 @@ def int8_prefill_targets(model: torch.nn.Module) -> dict[PackedLinear, int]:
     for module, sharp in model.int8_prefill_linears():
         if not isinstance(module, PackedLinear):
             continue
-        if not sharp:
-            targets[module] = 0
-        elif module.method == "int4":
-            targets[module] = activation_group(module.in_features)
+        group = int8_act_group(module.method, module.in_features, sharp)
+        if group is not None:
+            targets[module] = group
     return targets
+
+
+def int8_act_group(method: str, in_features: int, sharp: bool) -> int | None:
+    """A linear's activation group in int8 prompt matmuls over `method` weights (0: one scale
+    a row), or None where it keeps bfloat16: sharp inputs over int8 weights
+    (int8_prefill_targets says why)."""
+    if not sharp:
+        return 0
+    return activation_group(in_features) if method == "int4" else None
 
 
 def prepare_int8_prefill(model: torch.nn.Module) -> None:

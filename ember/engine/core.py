@@ -26,7 +26,7 @@ from ember.kernels import CpuKernels, load_kernels
 from ember.kv.kv_manager import KVCacheManager
 from ember.kv.prefix_cache import adapter_salt
 from ember.lora.registry import LoraRegistry
-from ember.quant.packed import step_weights
+from ember.quant.packed import step_weights, use_brgemm_prefill
 from ember.request import FinishReason, PoolingParams, Request, RequestOptions, SamplingParams
 from ember.runner.kv_tensors import (GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks,
                                     resolve_kv_cache_dtype)
@@ -37,9 +37,9 @@ from ember.weights.cache import SUMMARIES, WeightCache, cache_key
 from ember.weights.gguf import GGUFFile
 from ember.weights.safetensors import SafetensorsFolder
 from ember.engine.files_summary import FilesSummary, load_tokenizer, open_summarized
+from ember.engine.prefill_choice import PrefillChoice, resolve_prefill_choice
 from ember.weights.loader import (apply_quantization, load_model, open_model_files,
-                                  resolve_dtype, resolve_prefill_matmul,
-                                  resolve_quantization)
+                                  resolve_dtype, resolve_quantization)
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +116,13 @@ class EngineCore:
         kernels = load_kernels(config.kernels, config.device)
         self.load_phases.mark("kernels")
         self.kernels = kernels   # compiled CPU kernels, or None (the torch path)
-        self.prefill_matmul = resolve_prefill_matmul(config.prefill_matmul, self.quantization,
-                                                     kernels)
+        cache_dir = None if config.weight_cache_dir is None or \
+            torch.device(config.device).type != "cpu" else Path(config.weight_cache_dir)
+        self.prefill_choice = resolve_prefill_choice(config.prefill_matmul, self.quantization,
+                                                     kernels, self.model_config,
+                                                     self.model_path, cache_dir)
+        self.prefill_matmul = self.prefill_choice.prefill_matmul
+        self.load_phases.mark("prefill_choice")
         weight_cache = self._weight_cache(kernels)
         model = None if weight_cache is None else weight_cache.load(self.model_config, kernels)
         self.weights_cached = model is not None   # final weights mapped: no calibration
@@ -135,6 +140,8 @@ class EngineCore:
         if self.prefill_matmul == "int8" and not self.weights_cached:  # bfloat16 copies out
             # before the KV cache comes
             prepare_int8_prefill(model)
+        elif self.prefill_matmul == "bfloat16-brgemm" and not self.weights_cached:
+            use_brgemm_prefill(model, kernels)
         del files  # the file's metadata (~170 MB of Python objects for a GGUF) goes now,
         if not self.weights_cached:  # before the KV cache is allocated: loading peaks lower
             gc.collect()  # (a cached model left little garbage; a collection costs ~0.15 s)
@@ -151,7 +158,8 @@ class EngineCore:
                                     str(self.dtype).removeprefix("torch."))
         log.info("loaded %s (%s, %s, weights %s, prefill matmuls %s, %s kernels, on %s); %s",
                  self.model_path.name, self.model_config.architecture,
-                 str(self.dtype).removeprefix("torch."), self.quantization, self.prefill_matmul,
+                 str(self.dtype).removeprefix("torch."), self.quantization,
+                 self.prefill_choice.describe(),
                  "compiled CPU" if kernels is not None else "torch",
                  config.device, self.cache_info.describe())
         kv_caches = allocate_kv_caches(self.model_config, num_blocks, block_size, self.dtype,
@@ -215,6 +223,7 @@ class EngineCore:
         self.model_config, self.dtype = encoder.model_config, encoder.dtype
         self.max_model_len, self.pooling = encoder.max_model_len, encoder.pooling
         self.quantization, self.kernels, self.prefill_matmul = "none", None, "none"
+        self.prefill_choice = PrefillChoice("none", "an encoder")
         kv = encoder.scheduler.kv
         self.cache_info = CacheInfo(kv.num_blocks, kv.block_size, 0, "none")
         self.scheduler, self.runner = encoder.scheduler, encoder.runner

@@ -7,7 +7,10 @@ Machine (measured here, with torch's threads):
               cache: the report says whether they fit the L3 the OS reports); each buffer in
               huge pages where the OS gives them, as the weights are
   matmul      peak GFLOP/s of a 1024^3 matmul in float32 and in bfloat16, and GOP/s in int8
-              (torch._int_mm: oneDNN's int8 GEMM, what int8 prefill matmuls run on)
+              (torch._int_mm: oneDNN's int8 GEMM); on a CPU with AMX the bfloat16 and int8
+              peaks again with oneDNN held to AVX-512 (ONEDNN_MAX_CPU_ISA, in a child
+              process: oneDNN reads it once, at its first use), which is what the prompt
+              path reaches where it does not use the tile unit
   hand-off    with the compiled kernels: a cache line's round trip between two threads and
               an empty parallel region (CpuKernels.thread_sync_ns). Not a limit, but a
               batch-1 decode step opens ~150 parallel regions, and on a VM both figures
@@ -22,7 +25,8 @@ and the batch is small, or at any batch where the decode stack runs, else the de
 
 Limits: a step of B tokens takes at least max(bytes / bandwidth, FLOPs / peak); decode tok/s
 limit = B / that. Prefill uses the dense weights' compute peak (int8's for the linears whose
-prompt matmuls run on int8 activations, bfloat16's or float32's for the rest). ember's own
+prompt matmuls run on int8 activations, bfloat16's or float32's for the rest), and on a CPU
+with AMX also the AVX-512 peaks: how close prompt steps run to each. ember's own
 figures come from running the engine (decode at batch 1 and at --batch, one 1024-token
 prefill), and each is reported as a percentage of its limit. The read bandwidths and the
 decode runs alternate over three rounds and each figure is its best: the machine's speed
@@ -35,8 +39,11 @@ each round's hand-off figures with them.
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -46,6 +53,9 @@ from typing import Any
 import torch
 
 from ember.engine.memory import huge_page_zeros
+from ember.kernels import cpu_flags, has_amx
+from ember.engine.matmul_timing import Timing
+from ember.engine.prefill_choice import PrefillChoice
 from ember.models.moe import SparseMoE
 from ember.quant.packed import PACKED_MAX_ROWS, KernelInt8Linear, PackedLinear
 from ember.request import RequestOptions, SamplingParams
@@ -65,6 +75,9 @@ class Machine:
     int8_gops: float = 0.0       # torch._int_mm (0: not measured, no int8 prefill here)
     round_trip_ns: float | None = None       # hand-off (None: not measured: no kernels;
     parallel_region_ns: float | None = None  # the round trip also with one thread)
+    amx: bool = False            # the CPU has AMX: the peaks above use its tile unit
+    bf16_gflops_avx512: float | None = None  # with oneDNN held to AVX-512 (None: no AMX,
+    int8_gops_avx512: float | None = None    # the peaks above are AVX-512's already)
 
 
 def l3_cache_bytes() -> int | None:
@@ -115,16 +128,44 @@ def matmul_gflops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
     return 2 * n ** 3 / _best_time(lambda: a @ b, repeats) / 1e9
 
 
+AVX512_ISA = "AVX512_CORE_BF16"   # oneDNN's ISA cap: AVX-512 with BF16 and VNNI, no AMX
+
+
+def peaks_held_to(isa: str, threads: int) -> tuple[float, float]:
+    """(bfloat16 GFLOP/s, int8 GOP/s) of matmul_gflops with oneDNN held to `isa`, measured in
+    a child process on `threads` threads: oneDNN reads ONEDNN_MAX_CPU_ISA once, at its first
+    use, so it is set there before torch is imported."""
+    code = ("import os, json\n"
+            f"os.environ['ONEDNN_MAX_CPU_ISA'] = os.environ['DNNL_MAX_CPU_ISA'] = {isa!r}\n"
+            "import torch\n"
+            "from ember.engine.roofline import matmul_gflops\n"
+            f"torch.set_num_threads({threads})\n"
+            "print(json.dumps([matmul_gflops(torch.bfloat16), matmul_gflops(torch.int8)]))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=600)
+    bf16, int8 = json.loads(done.stdout.strip().splitlines()[-1])
+    return bf16, int8
+
+
 def measure_machine(weight_bytes: int, int8: bool, dram_gb_s: float, cached_gb_s: float,
-                    hand_off: Callable[[], dict[str, float | None]] | None = None) -> Machine:
+                    hand_off: Callable[[], dict[str, float | None]] | None = None,
+                    amx: bool | None = None,
+                    held_peaks: Callable[[str, int], tuple[float, float]] = peaks_held_to
+                    ) -> Machine:
     """The matmul peaks (and with `hand_off`, hand_off_probe's figures) measured here, beside
-    the two read bandwidths (measured alongside ember's decode by roofline_report)."""
-    return Machine(threads=torch.get_num_threads(), dram_gb_s=dram_gb_s,
+    the two read bandwidths (measured alongside ember's decode by roofline_report); where the
+    CPU has AMX (`amx`; None: its flags say), the bfloat16 and int8 peaks also without it
+    (`held_peaks`)."""
+    amx = has_amx(cpu_flags()) if amx is None else amx
+    threads = torch.get_num_threads()
+    bf16_avx512, int8_avx512 = held_peaks(AVX512_ISA, threads) if amx else (None, None)
+    return Machine(threads=threads, dram_gb_s=dram_gb_s,
                    cached_gb_s=cached_gb_s, cached_bytes=weight_bytes,
                    fp32_gflops=matmul_gflops(torch.float32),
                    bf16_gflops=matmul_gflops(torch.bfloat16), l3_bytes=l3_cache_bytes(),
-                   int8_gops=matmul_gflops(torch.int8) if int8 else 0.0,
-                   **(hand_off() if hand_off is not None else {}))
+                   int8_gops=matmul_gflops(torch.int8) if int8 or amx else 0.0,
+                   **(hand_off() if hand_off is not None else {}), amx=amx,
+                   bf16_gflops_avx512=bf16_avx512, int8_gops_avx512=int8_avx512)
 
 
 def hand_off_probe(kernels) -> Callable[[], dict[str, float | None]] | None:
@@ -311,15 +352,22 @@ def roofline_report(llm, batch: int, context: int = 128, rounds: int = 3,
                                                                    dense_peak,
                                                                    machine.int8_gops)
     limits["prefill_tok_s"] = prefill_limit(cost, dense_peak, prompt, machine.int8_gops)
+    if machine.amx and machine.bf16_gflops_avx512 and engine.dtype == torch.bfloat16:
+        limits["prefill_avx512_tok_s"] = prefill_limit(cost, machine.bf16_gflops_avx512,
+                                                       prompt, machine.int8_gops_avx512 or 0.0)
     percent = {f"decode_batch{b}_of_{name}_limit": 100 * measured[f"decode_batch{b}_tok_s"]
                / limits[f"decode_batch{b}_{name}_tok_s"]
                for b in (1, batch) for name in ("cached", "dram")}
     percent["prefill_of_limit"] = 100 * measured["prefill_tok_s"] / limits["prefill_tok_s"]
+    if "prefill_avx512_tok_s" in limits:
+        percent["prefill_of_avx512_limit"] = 100 * measured["prefill_tok_s"] / \
+            limits["prefill_avx512_tok_s"]
     for name, values in paired_percent.items():
         percent[f"decode_batch1_of_{name}_limit_paired"] = statistics.median(values)
     return {"machine": asdict(machine), "model": asdict(cost) | {
                 "dtype": str(engine.dtype).removeprefix("torch."),
                 "weights": engine.quantization, "prefill_matmul": engine.prefill_matmul,
+                "prefill_choice": engine.prefill_choice.as_dict(),
                 "decode_context": context, "rounds": rounds,
                 "flops_per_token": 2 * cost.params},
             "limits": limits, "measured": measured, "percent_of_limit": percent,
@@ -346,15 +394,18 @@ def format_report(report: dict[str, Any]) -> str:
               f"{c['decode_weight_bytes'] / 1e6:.1f} MB of weights per step, prefill "
               f"{c['dense_weight_bytes'] / 1e6:.1f} MB; {c['kv_bytes_per_token']} KV bytes per "
               f"context token; {c['flops_per_token'] / 1e6:.0f} MFLOP per token"),
+             *_matmul_lines(report),
              f"{'':40}{'ember':>10}{'limit':>10}{'% of it':>9}"]
     for key, value in report["measured"].items():
         if key == "prefill_tokens":
             continue
         base = key.removesuffix("_tok_s")
-        for name in (("cached", "dram") if base.startswith("decode") else ("",)):
+        for name in (("cached", "dram") if base.startswith("decode") else
+                     ("", "avx512") if "prefill_avx512_tok_s" in report["limits"] else ("",)):
             limit_key = f"{base}_{name}_tok_s" if name else key
             pct_key = f"{base}_of_{name}_limit" if name else "prefill_of_limit"
-            kind = kinds.get(name, "")
+            kind = kinds.get(name) or ("" if "prefill_avx512_tok_s" not in report["limits"]
+                                       else "AVX-512 peaks" if name else "AMX peaks")
             label = f"{base} tok/s" + (f" ({kind})" if kind else "")
             lines.append(f"{label:40}{value:10.1f}{report['limits'][limit_key]:10.1f}"
                          f"{report['percent_of_limit'][pct_key]:8.0f}%")
@@ -370,6 +421,27 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"{'':60}{'':9}  round trips in those rounds "
                          f"{min(trips):.0f}-{max(trips):.0f} ns")
     return "\n".join(lines)
+
+
+def _matmul_lines(report: dict[str, Any]) -> list[str]:
+    """The matmul peaks with AMX and without, and what prompt rows run on (reports written
+    before these were measured have neither)."""
+    m, lines = report["machine"], []
+    if "amx" in m and not m["amx"]:
+        lines.append("matmuls  no AMX on this CPU: the peaks above are AVX-512's (the same "
+                     "with oneDNN held to it), and the prefill limit is theirs")
+    elif m.get("amx"):
+        lines.append(f"matmuls  AMX: {m['bf16_gflops']:.0f} GFLOP/s bf16, "
+                     f"{m['int8_gops']:.0f} GOP/s int8; AVX-512 only ({AVX512_ISA}): "
+                     f"{m['bf16_gflops_avx512']:.0f} GFLOP/s bf16, "
+                     f"{m['int8_gops_avx512']:.0f} GOP/s int8")
+    choice = report["model"].get("prefill_choice")
+    if choice:
+        described = PrefillChoice(choice["prefill_matmul"], choice["how"],
+                                  tuple(Timing(t["name"], t["seconds"], t["error"])
+                                        for t in choice["timings"])).describe()
+        lines.append(f"prefill  prompt rows on {described}; decode rows as before")
+    return lines
 
 
 def _hand_off_text(machine: dict[str, Any]) -> str:

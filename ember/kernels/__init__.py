@@ -6,7 +6,8 @@ argmax), `decode_attention.cpp` (one new token per request, read in place from t
 cache, no gathered copy), `prefill_attention.cpp` (flash attention of a step's prompt chunks
 over their paged contexts, a prefix that several chunks share packed once),
 `int4_matmul.cpp` and `int8_matmul.cpp` (linears on int4 and int8 weights, and on int8
-activations), `lora.cpp` (the LoRA adapters of a mixed batch, each adapter's
+activations), `brgemm_matmul.cpp` (bfloat16 linears on torch's own brgemm: AMX's tile unit
+where the CPU has one), `lora.cpp` (the LoRA adapters of a mixed batch, each adapter's
 rows at once), `decode_stack.cpp` (every decoder layer of a step in one call), the
 inline helpers they share (`vec.h` SIMD, `kv_cache.h` the cache's rows, `common.h` what one
 file calls in another) and `bindings.cpp` (the Python bindings only). Most need a CPU with
@@ -135,6 +136,22 @@ class CpuKernels:
         result bit for bit. AVX-512 BF16 only."""
         return self.ops.w8a8_linear(x, q, scales, smooth, swiglu, group)
 
+    @functools.cached_property
+    def brgemm_vnni(self) -> bool:
+        """Whether torch's brgemm runs oneDNN's ukernel here (x86 with AMX), on weights
+        packed into its pairs; elsewhere it falls back to a plain GEMM per block."""
+        return self.ops.brgemm_bf16_vnni()
+
+    def brgemm_pack(self, w: Tensor) -> Tensor:
+        """w [n, k] bfloat16 (n % 32 == 0, k even) -> [n / 32, k, 32], brgemm_linear's
+        weight (in the ukernel's pairs where brgemm_vnni)."""
+        return self.ops.brgemm_bf16_pack(w.contiguous(), self.brgemm_vnni)
+
+    def brgemm_linear(self, x: Tensor, packed: Tensor) -> Tensor:
+        """x [m, k] bfloat16 -> x w^T [m, n] bfloat16 (float32 sums) on torch's brgemm, w as
+        brgemm_pack made it (ember/kernels/cpu/brgemm_matmul.cpp)."""
+        return self.ops.brgemm_bf16_linear(x, packed, self.brgemm_vnni)
+
     def lora_add(self, y: Tensor, x: Tensor, rows: Tensor, starts: Tensor, a: Tensor,
                  a_scales: Tensor, b: Tensor, b_scales: Tensor, ranges: Tensor) -> None:
         """In place, y[rows_g] += (x[rows_g] @ A[g].T) @ B[g] for each adapter g: rows [N]
@@ -212,6 +229,23 @@ def unpack_int4_panels(packed: Tensor, scale_min: Tensor) -> tuple[Tensor, Tenso
     scale, minimum = (per_panel[..., i].transpose(1, 2).reshape(panels * 16, groups)
                       for i in (0, 1))
     return q.reshape(panels * 16, groups * 32), scale, minimum
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (/proc/cpuinfo's `flags` on x86,
+    `Features` on ARM); none where it does not."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_amx(flags: frozenset[str]) -> bool:
+    """Whether these CPU flags name AMX's tile unit with bfloat16 (Sapphire Rapids on)."""
+    return "amx_bf16" in flags and "amx_tile" in flags
 
 
 def _cpu_key() -> str:

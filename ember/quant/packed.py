@@ -18,7 +18,8 @@ compute-bound and oneDNN's bfloat16 matmul is 3x faster than the packed kernels 
 of CPU. So a PackedLinear keeps a dense weight too, and picks by
 the number of rows; `keep_dense=False` drops it to save memory at the cost of prefill speed.
 The dense weight is either bfloat16, kept in oneDNN's own blocked layout where oneDNN runs the
-matmul (the same bytes; it saves the reorder oneDNN would do on every call), or, after
+matmul (the same bytes; it saves the reorder oneDNN would do on every call) or, after
+`use_brgemm_dense`, in the blocks of torch's own brgemm (AMX's tile unit), or, after
 `use_int8_dense`, int8 with a scale per output row for "W8A8" matmuls: each row of activations
 is rounded to int8 on the fly and the product runs on int8 dot products (VNNI, twice
 bfloat16's multiply-accumulates per instruction): 1.4-1.8x bfloat16's speed from 64 to 512
@@ -190,6 +191,15 @@ def dequantize_int4(q: Tensor, scale: Tensor, lo: Tensor, group: int = GROUP) ->
     return w.view(n, k)
 
 
+def int8_quads_fit(kernels: CpuKernels, out_features: int, in_features: int,
+                   act_group: int) -> bool:
+    """Whether an int8 prompt weight can be kept in quads (pack_int8_quads) for ember's own
+    int8 tiles: VNNI, and sizes that fit them (outputs in pairs of 16-row panels, inputs and
+    groups in fours); else it stays in rows for oneDNN's int8 GEMM."""
+    return (kernels.has_int8_dot and out_features % 32 == 0 and in_features % 4 == 0
+            and act_group % 4 == 0)
+
+
 class PackedLinear(nn.Module):
     """y = x W^T (+ b) with W stored int8 or int4; the dense weight (if kept) serves big batches.
 
@@ -200,6 +210,9 @@ class PackedLinear(nn.Module):
     # by their number. A class default, so that a module the weight cache builds has it too
     # (the cache keeps only plain settings; this name is private)
     _rows: StepRows | None = None
+    # the kernels whose brgemm_linear runs prompt rows on the dense weight, kept in its blocks
+    # (use_brgemm_dense); None: oneDNN's matmul. A class default for caches written before
+    brgemm: CpuKernels | None = None
 
     def __init__(self, linear: nn.Linear, method: str, keep_dense: bool = True,
                  max_packed_rows: int = PACKED_MAX_ROWS, prepack_dense: bool = True,
@@ -275,12 +288,20 @@ class PackedLinear(nn.Module):
         self.weight, self.prepacked, self.w8a8 = None, False, kernels
         self.int8_source, self.act_group = None, act_group
 
+    def use_brgemm_dense(self, kernels: CpuKernels) -> bool:
+        """Keep the dense bfloat16 weight in brgemm's blocks (CpuKernels.brgemm_pack) for
+        prompt rows and big decode steps, where it has one and the sizes fit (outputs in
+        32s, inputs even). Returns whether it does."""
+        if self.weight is None or self.w8a8 is not None or self.out_features % 32 \
+                or self.in_features % 2:
+            return False
+        dense = self.weight.to_dense() if self.prepacked else self.weight
+        self.weight, self.prepacked, self.brgemm = kernels.brgemm_pack(dense), False, kernels
+        return True
+
     def quads_fit(self, kernels: CpuKernels, act_group: int) -> bool:
-        """Whether the int8 dense weight can be kept in quads (pack_int8_quads) for ember's
-        own int8 tiles: VNNI, and sizes that fit them (outputs in pairs of 16-row panels,
-        inputs and groups in fours)."""
-        return (kernels.has_int8_dot and self.out_features % 32 == 0
-                and self.in_features % 4 == 0 and act_group % 4 == 0)
+        """Whether the int8 dense weight can be kept in quads (int8_quads_fit)."""
+        return int8_quads_fit(kernels, self.out_features, self.in_features, act_group)
 
     @property
     def int8_quads(self) -> bool:
@@ -356,6 +377,9 @@ class PackedLinear(nn.Module):
                                         group=self.act_group)
             return out if self.bias is None else out + self.bias
         if self.weight is not None and dense:
+            if self.brgemm is not None:
+                out = self.brgemm.brgemm_linear(x, self.weight)
+                return out if self.bias is None else out + self.bias
             if self.prepacked:
                 return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none",
                                                           [], "")
@@ -372,6 +396,7 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         dense = ("int8" + (f"/{self.act_group}" if self.act_group else "")) \
             if self.w8a8 is not None else \
+            "bfloat16 brgemm" if self.brgemm is not None else \
             "bfloat16" if self.weight is not None else "dropped"
         return f"in={self.in_features}, out={self.out_features}, {self.method}, dense={dense}"
 
@@ -513,6 +538,14 @@ def quantize_linears(model: nn.Module, method: str, lm_head_method: str,
         setattr(parent, name, PackedLinear(linear, lm_head_method if head else method,
                                            keep_dense, prepack_dense=not head,
                                            kernels=kernels))
+
+
+def use_brgemm_prefill(model: nn.Module, kernels: CpuKernels) -> int:
+    """The decoder's projections (the PackedLinears whose dense weight oneDNN keeps
+    prepacked; not an output projection, whose weight may be the embedding's) on
+    brgemm_linear for prompt rows: the "bfloat16-brgemm" prefill matmuls. Returns how many."""
+    return sum(m.use_brgemm_dense(kernels) for m in model.modules()
+               if isinstance(m, PackedLinear) and m.prepacked)
 
 
 def share_step_rows(model: nn.Module) -> StepRows:

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 FORMAT = 4  # raised whenever packing's results change, so older caches rebuild
 TENSORS, META = "model.safetensors", "model.json"
 SUMMARIES = "files"   # the model files' summaries (ember/engine/files_summary.py), kept apart
+CHOICES = "prefill-matmul"   # measured prefill matmul choices (ember/engine/prefill_choice.py)
 KEEP = 4                  # cached models kept (most recently written); older ones are removed
 PARTIAL_STALE_S = 3600.0  # a partial write this old was cut short (its writer died)
 # the modules quantization puts in place, rebuilt from their settings and tensors
@@ -126,7 +127,7 @@ def prune(root: Path, keep: int, now: float | None = None) -> list[Path]:
     now = time.time() if now is None else now
     removed, kept = [], []
     for folder in root.iterdir():
-        if folder.name == SUMMARIES:
+        if folder.name in (SUMMARIES, CHOICES):
             continue
         if folder.name.startswith(".partial-"):
             if now - folder.stat().st_mtime > PARTIAL_STALE_S:

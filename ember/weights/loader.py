@@ -10,7 +10,7 @@ import torch
 
 from ember.config import ModelConfig
 from ember.errors import ConfigError, ModelLoadError
-from ember.kernels import CpuKernels
+from ember.kernels import CpuKernels, cpu_flags
 from ember.models.layers import rope_inv_freq
 from ember.models.decoder import VariantForCausalLM
 from ember.models.llama import LlamaForCausalLM
@@ -64,11 +64,7 @@ def open_model_files(model: str | Path | None) -> ModelFiles:
 def cpu_has_bf16() -> bool:
     """Whether this CPU has bfloat16 dot products (AVX512-BF16 or AMX), where oneDNN's
     bfloat16 matmuls beat float32 ones (3-4x at prefill sizes on the machine we measured)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

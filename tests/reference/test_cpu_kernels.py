@@ -782,3 +782,33 @@ def test_decode_stack_looks_rope_rows_up_at_positions(smollm_path):
         stack.forward(x, cos, sin, caches, [], slots, block_tables, seq_lens, past)
     with pytest.raises(RuntimeError, match=r"positions must be \[T\]"):
         stack.forward(x, cos, sin, caches, [], slots, block_tables, seq_lens, positions[:2])
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 32), (33, 130, 96), (256, 576, 960)])
+def test_brgemm_linear_is_the_bfloat16_matmul(kernels, m, k, n):
+    """brgemm_linear (torch's brgemm: oneDNN's ukernel on AMX, a GEMM per block elsewhere)
+    against F.linear in float32, rounded to bfloat16 once, strided rows too. Where it runs
+    the ukernel (the only place it is a prefill candidate), a row's output must not depend on
+    the rows beside it (prompt rows' numerics: docs/architecture.md); the fallback GEMM
+    blocks its sums by the number of rows (seen on AVX-512 at k = 576)."""
+    g = torch.Generator().manual_seed(m + k + n)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    x = torch.randn(m, 2 * k, generator=g).bfloat16()[:, :k]   # rows strided
+    blocks = kernels.brgemm_pack(w)
+    assert blocks.shape == (n // 32, k, 32)
+    y = kernels.brgemm_linear(x, blocks)
+    want = F.linear(x.float(), w.float())
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    close(y, want, torch.bfloat16)
+    assert (y.float() - want).abs().max() <= (want.bfloat16().float() - want).abs().max() + \
+        1e-3 * want.abs().max()   # float32 sums: bfloat16's one rounding, little more
+    for rows in (slice(0, 1), slice(m // 2, m // 2 + 1), slice(m - 1, m)):
+        assert torch.equal(kernels.brgemm_linear(x[rows], blocks), y[rows]) or \
+            not kernels.brgemm_vnni
+
+
+def test_brgemm_needs_outputs_in_32s_and_even_inputs(kernels):
+    with pytest.raises(RuntimeError, match="outputs in 32s and even inputs"):
+        kernels.brgemm_pack(torch.zeros(48, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="outputs in 32s and even inputs"):
+        kernels.brgemm_pack(torch.zeros(64, 63, dtype=torch.bfloat16))

@@ -7,15 +7,20 @@ prompt matmuls (SmoothQuant), the bfloat16 ones.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 from gguf import quants as gguf_quants
 
 from ember import LLM, SamplingParams
 from ember.config import EngineConfig
 from ember.engine.calibrate import activation_group, calibration_prompt
+from ember.engine.matmul_timing import layer_projections, measure_candidates
+from ember.engine.prefill_choice import MAX_ERROR
 from ember.engine.perplexity import perplexity
 from ember.errors import ConfigError
 from ember.kernels import load_kernels, pack_int4_panels, unpack_int4_panels
@@ -28,6 +33,7 @@ from ember.quant.packed import (
     packed_everywhere,
     quantize_int4,
     quantize_int8,
+    use_brgemm_prefill,
 )
 from tests.conftest import (
     CHAT_PROMPTS,
@@ -337,3 +343,74 @@ def test_int8_prompt_matmuls_with_a_qkv_bias_agree_with_bfloat16_ones(tokenizer_
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.bias is not None and qkv.w8a8 is not None
     assert_greedy_close(outs["bfloat16"], outs["int8"])
+
+
+def test_each_timed_prefill_candidate_computes_the_projections_close_to_float32():
+    """ember/engine/matmul_timing.py against the float32 products of the same values: the
+    bfloat16 candidate within its rounding, the int8 one (int8 activations per row, per
+    group for the down projection over int4 weights) within the guard, farther than
+    bfloat16; over int8 weights the int8 candidate keeps the down projection bfloat16
+    (int8_act_group), so there it computes what the bfloat16 one does."""
+    kernels = load_kernels("auto", "cpu")
+    if kernels is None or not kernels.has_bf16_dot:
+        pytest.skip("int8 prompt matmuls need the compiled kernels with AVX-512 BF16")
+    config = SimpleNamespace(hidden_size=128, intermediate_size=512, num_experts=0,
+                             q_size=128, kv_size=64)
+    projections = layer_projections(config)
+    int8, bf16 = measure_candidates(["int8", "bfloat16"], projections, "int4", kernels,
+                                    rows=64, repeats=2)
+    assert bf16.error < 0.01 and bf16.error < int8.error < MAX_ERROR, (int8, bf16)
+    assert len(int8.rounds) == len(bf16.rounds) == 2 and min(int8.rounds) > 0
+    down = [p for p in projections if p.sharp]
+    over_int8 = measure_candidates(["int8", "bfloat16"], down, "int8", kernels, rows=64,
+                                   repeats=1)
+    over_int4 = measure_candidates(["int8"], down, "int4", kernels, rows=64, repeats=1)
+    assert over_int8[0].error == over_int8[1].error < over_int4[0].error
+    # torch's brgemm (timed only where it runs the ukernel; here too, on its fallback)
+    [brgemm] = measure_candidates(["bfloat16-brgemm"], projections, "int4", kernels,
+                                  rows=64, repeats=1)
+    assert brgemm.error < 0.01
+
+
+def test_brgemm_prompt_weights_run_prompt_rows_on_brgemm_and_leave_decode_rows():
+    """bfloat16-brgemm prefill matmuls (use_brgemm_prefill): the decoder's prepacked dense
+    weights go into brgemm's blocks and prompt rows run brgemm_linear, the bfloat16 matmul
+    (float32 reference); decode rows keep the packed weight; an output projection (not
+    prepacked: its weight may be the embedding's) and sizes brgemm does not take keep
+    oneDNN."""
+    kernels = load_kernels("auto", "cpu")
+    if kernels is None:
+        pytest.skip("brgemm_linear is one of the compiled kernels")
+    model = torch.nn.ModuleDict({
+        "proj": PackedLinear(_linear(96, 128), "int4", kernels=kernels),
+        "odd": PackedLinear(_linear(48, 128, seed=1), "int4", kernels=kernels),
+        "head": PackedLinear(_linear(64, 128, seed=2), "int8", prepack_dense=False)})
+    x = torch.randn(32, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    before = {name: (m(x), m(x[:4])) for name, m in model.items()}
+    assert use_brgemm_prefill(model, kernels) == 1
+    proj = model["proj"]
+    assert proj.brgemm is kernels and proj.weight.shape == (3, 128, 32)
+    assert "dense=bfloat16 brgemm" in proj.extra_repr()
+    assert torch.equal(proj(x), kernels.brgemm_linear(x, proj.weight))
+    torch.testing.assert_close(proj(x).float(), F.linear(x.float(), _linear(96, 128).weight
+                                                         .float()), atol=2e-2, rtol=2e-2)
+    assert torch.equal(proj(x[:4]), before["proj"][1])          # decode rows: int4
+    for name in ("odd", "head"):
+        assert model[name].brgemm is None
+        assert torch.equal(model[name](x), before[name][0])
+
+
+def test_a_model_on_brgemm_prompt_weights_gives_onednns_greedy_tokens(tiny_llama_dir):
+    """The whole engine with the decoder's prompt matmuls moved to brgemm_linear (what the
+    engine does where auto picks bfloat16-brgemm) against the same engine on oneDNN's
+    bfloat16: greedy tokens by the closeness rule, prompts long enough for dense rows."""
+    kernels = load_kernels("auto", "cpu")
+    if kernels is None or not kernels.has_bf16_dot:
+        pytest.skip("packed int4 weights with prompt weights need the compiled kernels")
+    folder, _ = tiny_llama_dir
+    llm = LLM(str(folder), dtype="bfloat16", quantization="int4", prefill_matmul="bfloat16")
+    prompts = [[100 + (7 * i + j) % 5000 for j in range(24 + 9 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    want = llm.generate(prompts, params)
+    assert use_brgemm_prefill(llm.engine.runner.model, kernels) == 8   # 4 per layer
+    assert_greedy_close(want, llm.generate(prompts, params))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ember.engine.roofline import (ModelCost, best_of_rounds, decode_limit, format_report,
-                                   hand_off_probe, model_cost, paired_rounds, prefill_limit)
+                                   hand_off_probe, measure_machine, model_cost, paired_rounds,
+                                   prefill_limit)
 from ember.quant.packed import PackedLinear
 
 
@@ -180,3 +181,58 @@ def test_the_hand_off_probe_needs_the_kernels_and_a_second_thread_for_its_round_
     assert two() == {"round_trip_ns": 121.5, "parallel_region_ns": 650.0}
     one = hand_off_probe(SimpleNamespace(thread_sync_ns=lambda: (math.nan, 400.0)))
     assert one() == {"round_trip_ns": None, "parallel_region_ns": 400.0}   # JSON-safe
+
+
+def _prefill_report(amx: bool) -> dict:
+    """A report with a prefill row, as roofline_report writes it with or without AMX."""
+    report = _report(32 << 20)
+    report["machine"] |= {"amx": amx, "int8_gops": 2400.0,
+                          "bf16_gflops_avx512": 900.0 if amx else None,
+                          "int8_gops_avx512": 1800.0 if amx else None}
+    report["model"]["prefill_choice"] = {
+        "prefill_matmul": "int8", "how": "measured",
+        "timings": [{"name": "int8", "seconds": 0.0018, "error": 0.017},
+                    {"name": "bfloat16", "seconds": 0.0035, "error": 0.003}]}
+    report["measured"]["prefill_tok_s"] = 4000.0
+    report["limits"]["prefill_tok_s"] = 5000.0
+    report["percent_of_limit"]["prefill_of_limit"] = 80.0
+    if amx:
+        report["machine"]["bf16_gflops"] = 2500.0
+        report["limits"]["prefill_avx512_tok_s"] = 2000.0
+        report["percent_of_limit"]["prefill_of_avx512_limit"] = 200.0
+    return report
+
+
+def test_without_amx_the_report_says_so_instead_of_a_second_column_of_peaks():
+    text = format_report(_prefill_report(amx=False))
+    assert "no AMX on this CPU" in text and "AVX-512 only" not in text
+    assert "AVX-512 peaks" not in text
+    assert "prompt rows on int8 (measured: int8 1.80 ms, bfloat16 3.50 ms" in text
+    assert "no AMX" not in format_report(_report(32 << 20))   # an older report: neither
+
+
+def test_with_amx_the_report_gives_both_peaks_and_the_prefill_against_each():
+    lines = format_report(_prefill_report(amx=True)).splitlines()
+    assert any("AMX: 2500 GFLOP/s bf16, 2400 GOP/s int8; AVX-512 only (AVX512_CORE_BF16): "
+               "900 GFLOP/s bf16, 1800 GOP/s int8" in line for line in lines)
+    [own] = [line for line in lines if line.startswith("prefill tok/s (AMX peaks)")]
+    [held] = [line for line in lines if line.startswith("prefill tok/s (AVX-512 peaks)")]
+    assert own.split()[-3:] == ["4000.0", "5000.0", "80%"]
+    assert held.split()[-3:] == ["4000.0", "2000.0", "200%"]
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_the_peaks_without_amx_are_measured_only_where_the_cpu_has_it(amx):
+    calls = []
+
+    def held(isa: str, threads: int) -> tuple[float, float]:
+        calls.append((isa, threads))
+        return 900.0, 1800.0
+
+    machine = measure_machine(1 << 20, int8=False, dram_gb_s=40.0, cached_gb_s=60.0,
+                              amx=amx, held_peaks=held)
+    assert machine.amx == amx
+    assert calls == ([("AVX512_CORE_BF16", torch.get_num_threads())] if amx else [])
+    assert (machine.bf16_gflops_avx512, machine.int8_gops_avx512) == \
+        ((900.0, 1800.0) if amx else (None, None))
+    assert (machine.int8_gops > 0) == amx   # both int8 peaks where there are two to compare

@@ -45,6 +45,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_rows", &int8_rows, "rows of an int8 weight in 16-row VNNI panels", no_gil);
   m.def("int4_linear", &int4_linear, "x w^T with w int4 (groups of 32) in 16-row panels",
         no_gil);
+  m.def("brgemm_bf16_vnni", &brgemm_bf16_vnni,
+        "whether torch's brgemm runs oneDNN's ukernel on packed bfloat16 weights (AMX)");
+  m.def("brgemm_bf16_pack", &brgemm_bf16_pack, "a bfloat16 weight in brgemm's blocks", no_gil);
+  m.def("brgemm_bf16_linear", &brgemm_bf16_linear, "x w^T on torch's brgemm, bfloat16",
+        no_gil);
   m.def("lora_add", &lora_add, "each adapter's low-rank update added to its rows of y",
         py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("starts"), py::arg("a"),
         py::arg("a_scales"), py::arg("b"), py::arg("b_scales"), py::arg("ranges"), no_gil);

@@ -267,6 +267,9 @@ at::Tensor int8_linear_a8(at::Tensor x, at::Tensor packed, at::Tensor scales, in
 at::Tensor w8a8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor smooth,
                        bool swiglu, int64_t group);
 at::Tensor int8_rows(at::Tensor ids, at::Tensor packed, at::Tensor scales);
+bool brgemm_bf16_vnni();
+at::Tensor brgemm_bf16_pack(at::Tensor w, bool vnni);
+at::Tensor brgemm_bf16_linear(at::Tensor x, at::Tensor packed, bool vnni);
 std::vector<double> thread_sync_ns(int64_t rounds);
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
               const at::Tensor& starts, const at::Tensor& a, const at::Tensor& a_scales,
