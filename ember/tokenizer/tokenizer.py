@@ -193,6 +193,18 @@ class Tokenizer:
         return cls(backend, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids,
                    chat_template=_hf_chat_template(path, config))
 
+    def to_dict(self) -> dict[str, Any]:
+        """The tokenizer as JSON-ready data (from_dict reads it back): a start or a plan
+        that has it needs no model file, whose metadata takes seconds to parse."""
+        return {"backend": self.backend.to_str(), "bos": self.bos_token, "eos": self.eos_token,
+                "eos_ids": sorted(self.eos_token_ids), "chat_template": self.chat_template}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Tokenizer":
+        return cls(HFTokenizer.from_str(data["backend"]), bos_token=data["bos"],
+                   eos_token=data["eos"], eos_token_ids=data["eos_ids"],
+                   chat_template=data["chat_template"])
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
