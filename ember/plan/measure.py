@@ -11,7 +11,6 @@ the scheduler planned, so the fit learns from exactly what the scheduler asks of
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import platform
 import random
@@ -24,12 +23,12 @@ from ember.engine.cold_start import process_age_s
 from ember.engine.core import EngineCore
 from ember.engine.output import SequenceText
 from ember.plan.profile import Profile, step_record
-from ember.plan.stepmodel import StepShape, fit, residuals, step_shape
+from ember.plan.stepmodel import StepShape, fit, interfered, residuals, step_shape
 from ember.request import SamplingParams
 from ember.scheduler.output import RunnerOutput, SchedulerOutput
 from ember.weights.paths import served_model_name
 
-log = logging.getLogger(__name__)
+INTERFERENCE = 1.5   # a step this much over the first fit had its cores taken: refit without
 
 
 class _PlanTap:
@@ -141,7 +140,10 @@ def measure(config: EngineConfig, budget_s: float = 120.0,
             break
         profiler.run(mix)
         progress(f"{mix.name}: {len(profiler.seconds)} steps so far")
-    model = fit(profiler.shapes, profiler.seconds)
+    model = fit(profiler.shapes, profiler.seconds, interference=INTERFERENCE)
+    disturbed = [interfered(model, s, t, INTERFERENCE)
+                 for s, t in zip(profiler.shapes, profiler.seconds)]
+    kept = [(s, t) for (s, t, d) in zip(profiler.shapes, profiler.seconds, disturbed) if not d]
     return Profile(
         model_path=str(core.model_path), model_name=served_model_name(config.model),
         tokenizer=core.tokenizer.to_dict(), vocab_size=core.model_config.vocab_size,
@@ -158,10 +160,10 @@ def measure(config: EngineConfig, budget_s: float = 120.0,
                 "device": config.device, "load_phases": core.load_phases.seconds,
                 "enable_prefix_caching": config.cache.enable_prefix_caching,
                 "eviction_policy": config.cache.eviction_policy},
-        machine=machine(load_before),
-        residuals=residuals(model, profiler.shapes, profiler.seconds),
-        steps=[step_record(s, t, model.predict(s))
-               for s, t in zip(profiler.shapes, profiler.seconds)])
+        machine=machine(load_before) | {"disturbed_steps": sum(disturbed)},
+        residuals=residuals(model, [s for s, _ in kept], [t for _, t in kept]),
+        steps=[step_record(s, t, model.predict(s)) | {"disturbed": d}
+               for s, t, d in zip(profiler.shapes, profiler.seconds, disturbed)])
 
 
 def machine(load_before: float) -> dict[str, object]:

@@ -100,8 +100,27 @@ class StepModel:
         return cls(tuple(float(c) for c in data["coefficients"]), float(data["min_step_s"]))
 
 
-def fit(shapes: Sequence[StepShape], seconds: Sequence[float]) -> StepModel:
-    """Least squares on relative error, non-negative by dropping negative coefficients."""
+def fit(shapes: Sequence[StepShape], seconds: Sequence[float],
+        interference: float | None = None) -> StepModel:
+    """Least squares on relative error, non-negative by dropping negative coefficients.
+    With `interference` (e.g. 1.5), steps measured over that many times the first fit's
+    prediction are taken as disturbed (another process had the cores) and left out of a
+    second fit; interfered() says which."""
+    model = _fit(shapes, seconds)
+    if interference is None:
+        return model
+    kept = [i for i in range(len(shapes)) if not interfered(model, shapes[i], seconds[i],
+                                                            interference)]
+    if len(kept) == len(shapes) or len(kept) < len(FEATURES):
+        return model
+    return _fit([shapes[i] for i in kept], [seconds[i] for i in kept])
+
+
+def interfered(model: StepModel, shape: StepShape, seconds: float, factor: float) -> bool:
+    return seconds > factor * model.predict(shape)
+
+
+def _fit(shapes: Sequence[StepShape], seconds: Sequence[float]) -> StepModel:
     if len(shapes) != len(seconds) or not shapes:
         raise ValueError("fit needs one duration per step shape, and at least one step")
     y = np.asarray(seconds, dtype=np.float64)

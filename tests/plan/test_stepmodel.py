@@ -131,3 +131,15 @@ def test_predict_adds_each_forward_that_runs_and_keeps_the_floor():
     assert model.predict(decode) == pytest.approx(3e-3 + 10 * 6e-4 + 2 * 2e-4 + 1000 * 2e-7)
     assert model.predict(both) == pytest.approx(model.predict(prompt) + model.predict(decode))
     assert StepModel((0.0,) * 7, min_step_s=0.5e-3).predict(decode) == 0.5e-3
+
+
+def test_steps_disturbed_by_other_work_are_left_out_of_the_refit():
+    """One step in eight measured 3x too long (the cores were busy elsewhere): the plain fit
+    is pulled up; with interference=1.5 the refit leaves them out and recovers the truth."""
+    shapes = grid() * 2
+    truth = StepModel(TRUE)
+    seconds = [truth.predict(s) * (3.0 if i % 8 == 0 else 1.0) for i, s in enumerate(shapes)]
+    plain = fit(shapes, seconds)
+    robust = fit(shapes, seconds, interference=1.5)
+    assert robust.coefficients == pytest.approx(TRUE, rel=1e-3)
+    assert plain.coefficients != pytest.approx(TRUE, rel=0.05)
