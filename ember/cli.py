@@ -259,6 +259,10 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
                    help="the most inputs one /v1/embeddings request may send")
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="on SIGTERM, seconds for in-flight requests to finish")
+    g.add_argument("--simulate", default=None, metavar="PROFILE",
+                   help="serve no model: answer with the step times of a profile from `ember "
+                        "plan profile` and drawn tokens (docs/plan.md); `ember route` passes "
+                        "it to its replicas and hashes prompts with the profile's tokenizer")
 
 
 def read_api_keys(path: str | None) -> tuple[ApiKey, ...]:
@@ -392,9 +396,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     _engine_args(serve)
     _server_args(serve)
-    serve.add_argument("--simulate", default=None, metavar="PROFILE",
-                       help="serve no model: answer with the step times of a profile from "
-                            "`ember plan profile` and drawn tokens (docs/plan.md)")
     serve.set_defaults(func=cmd_serve)
     # no abbreviated options: the tokens it passes on to replicas must be the ones it parsed
     route = sub.add_parser("route", help="a gateway over many `ember serve` replicas: "

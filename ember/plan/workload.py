@@ -38,16 +38,14 @@ def sim_requests(requests: list[BenchRequest], tokenizer: Tokenizer, block_size:
                  ) -> list[SimRequest]:
     """Each request's prompt token ids, as `ember serve` makes them, and its block keys."""
     template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
-    out = []
-    for req in requests:
-        if req.messages is not None:
-            text = template.render(req.messages, True)
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = tokenizer.encode(req.prompt)
-        out.append(SimRequest(req.index, ids, req.max_tokens,
-                              extend_keys([], ids, block_size)))
-    return out
+    chats = [i for i, r in enumerate(requests) if r.messages is not None]
+    plain = [i for i, r in enumerate(requests) if r.messages is None]
+    ids: dict[int, list[int]] = {}
+    rendered = [template.render(requests[i].messages, True) for i in chats]
+    ids |= dict(zip(chats, tokenizer.encode_many(rendered, add_special_tokens=False)))
+    ids |= dict(zip(plain, tokenizer.encode_many([requests[i].prompt for i in plain])))
+    return [SimRequest(req.index, ids[i], req.max_tokens, extend_keys([], ids[i], block_size))
+            for i, req in enumerate(requests)]
 
 
 def bench_load(args: argparse.Namespace, num_requests: int, rate: float | None) -> Load:

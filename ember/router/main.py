@@ -14,7 +14,7 @@ from ember.router.cli import check_remote_fleet, router_config, serve_argv, with
 from ember.router.config import RouterConfig
 from ember.router.fleet import Fleet
 from ember.router.gateway import Gateway, create_gateway
-from ember.router.prompts import PromptKeys, load_tokenizer
+from ember.router.prompts import PromptKeys, load_tokenizer, profile_tokenizer
 from ember.router.proxy import Proxy
 from ember.router.replicas import (Launcher, LocalLauncher, RemoteHandle, Replica,
                                   replica_environment)
@@ -77,7 +77,9 @@ def cmd_route(args: argparse.Namespace, server: ServerConfig, tokens: list[str])
     for group in ("canary", "shadow"):
         if group in fleet.launchers:
             fleet.start_replica(group)
-    gateway = assemble(fleet, rollout, config, load_tokenizer(args.model))
+    tokenizer = profile_tokenizer(args.simulate) if args.simulate else \
+        load_tokenizer(args.model)
+    gateway = assemble(fleet, rollout, config, tokenizer)
     app = create_gateway(gateway)
     print(f"ember: routing on http://{server.host}:{server.port} over "
           f"{len(fleet.replicas)} replicas ({config.policy}); see /fleet", file=sys.stderr,

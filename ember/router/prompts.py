@@ -44,6 +44,13 @@ def load_tokenizer(model: str | None) -> Tokenizer | None:
     return None
 
 
+def profile_tokenizer(path: str) -> Tokenizer:
+    """The model's tokenizer that a capacity-planning profile carries: the one replicas
+    served with `--simulate PROFILE` tokenize with."""
+    from ember.plan.profile import load_profile  # (only a simulated fleet reads one)
+    return load_profile(path).load_tokenizer()
+
+
 class PromptKeys:
     def __init__(self, tokenizer: Tokenizer | None, keys: tuple[ApiKey, ...],
                  text_chunk_chars: int, session_header: str) -> None:

@@ -215,6 +215,12 @@ class Tokenizer:
         # tokenizes a long prompt in a worker thread keeps its event loop running meanwhile
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_many(self, texts: Sequence[str], add_special_tokens: bool = True
+                    ) -> list[list[int]]:
+        """encode() of each text, in one call (the library spreads them over the cores)."""
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [e.ids for e in encodings]
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 

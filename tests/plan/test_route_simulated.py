@@ -3,6 +3,8 @@ model's tokenizer, reads the replicas' /kv/events, and routes a prompt to the re
 holds its prefix, exactly as over real replicas (tests/router/test_gateway.py)."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import httpx
@@ -11,6 +13,8 @@ import pytest
 from ember.server.protocol import CompletionRequest
 from tests.plan.conftest import SimulatedServer
 from tests.router.conftest import LiveGateway
+from tests.router.test_route_processes import Route, ready_count
+from tests.server.conftest import TEST_KV_GIB, free_port
 
 SYSTEMS = ["You are a helpful assistant for a bakery. " * 8,
            "You are a terse assistant that answers questions about trains. " * 8]
@@ -63,3 +67,45 @@ def test_prompts_go_to_the_replica_that_holds_their_prefix(fleet):
                            timeout=60)
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
         assert decisions(gateway, holder) - before == 3
+
+
+class SimulatedRoute(Route):
+    """`ember route` as a process, its replicas `ember serve --simulate` processes."""
+
+    def __init__(self, *options: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ember.cli", "route", "--port", str(self.port), "-q",
+             "--kv-cache-gib", str(TEST_KV_GIB), *options],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_route_starts_simulated_replicas_and_hashes_with_the_profiles_tokenizer(
+        tmp_path, profile, smollm_tokenizer):
+    """`ember route --replicas 3 --simulate PROFILE`: three local replicas with no weights,
+    and a gateway that hashes prompts with the profile's tokenizer (no --model given), so a
+    prefix sticks to the replica that holds it."""
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    route = SimulatedRoute("--replicas", "3", "--simulate", str(path))
+    hit = 'ember_router_routing_decisions_total{reason="prefix_hit"'
+    try:
+        route.wait(lambda f: ready_count(f) == 3, "three replicas ready", 120)
+        prompt = SYSTEMS[0] + "A question?"
+        first = httpx.post(route.url + "/v1/completions",
+                           json={"prompt": prompt, "max_tokens": 2}, timeout=60).json()
+        assert first["usage"]["prompt_tokens"] == len(smollm_tokenizer.encode(prompt))
+        deadline = time.monotonic() + 30
+        while route.metric(hit) == 0:   # the gateway knows the prefix now (routed or polled)
+            assert time.monotonic() < deadline, "no request found the prefix"
+            httpx.post(route.url + "/v1/completions",
+                       json={"prompt": SYSTEMS[0] + "Again?", "max_tokens": 2}, timeout=60)
+        before = route.metric(hit)
+        answers = [httpx.post(route.url + "/v1/completions", json={
+            "prompt": SYSTEMS[0] + f"Question {i}?", "max_tokens": 2}, timeout=60).json()
+            for i in range(3)]
+        assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64 for a in answers)
+        assert route.metric(hit) - before == 3
+    finally:
+        route.close()
