@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +76,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
           f"{_load_text(args)}; policy {args.policy}"
           + (f"; SLO {args.slo}" if args.slo else ""))
     out = Path(args.out)
+    began = time.perf_counter()
     answer = {"replicas": _simulate_one, "rate": _replicas_for_rate, "rates": _capacity_curve,
               "at_replicas": _rate_for_replicas}[question](planner, args, out)
+    print(f"simulated {len(planner.points)} fleet(s) of {len(requests)} requests in "
+          f"{time.perf_counter() - began:.1f} s")
     data = {"profile": str(args.profile), "question": question, "answer": answer,
             "options": {k: v for k, v in vars(args).items() if k != "func"},
             "points": [p.to_json() for p in planner.points.values()]}

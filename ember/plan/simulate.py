@@ -14,6 +14,7 @@ summarised (and compared) exactly as a measured one.
 from __future__ import annotations
 
 import heapq
+import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,12 +45,8 @@ class TokenSource:
         if not token_ids:
             raise ValueError("a token source needs at least one token id")
         rng = random.Random(seed)
-        self._drawn = [token_ids[rng.randrange(len(token_ids))] for _ in range(self.POOL)]
-        self._i = 0
-
-    def next(self) -> int:
-        self._i = (self._i + 1) % self.POOL
-        return self._drawn[self._i]
+        drawn = [token_ids[rng.randrange(len(token_ids))] for _ in range(self.POOL)]
+        self.next = itertools.cycle(drawn).__next__   # () -> the next token id
 
 
 class SimRunner:
@@ -63,11 +60,9 @@ class SimRunner:
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         self.last_duration_s = self.model.predict(step_shape(plan))
-        out = RunnerOutput()
-        for item in plan.scheduled:
-            if item.samples:
-                out.sampled_token_ids[item.request.request_id] = [self.tokens.next()]
-        return out
+        draw = self.tokens.next
+        return RunnerOutput({item.request.request_id: [draw()] for item in plan.scheduled
+                             if item.samples})
 
 
 @dataclass(frozen=True)

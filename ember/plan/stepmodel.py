@@ -62,11 +62,13 @@ def step_shape(plan: SchedulerOutput) -> StepShape:
     prompt_rows = prompt_keys = decode_rows = decode_keys = 0
     for item in plan.scheduled:
         start, end = item.start, item.start + item.num_new_tokens
-        split = min(max(item.request.num_prompt_tokens, start), end)
-        prompt_rows += split - start
-        prompt_keys += _keys(start, split)
-        decode_rows += end - split
-        decode_keys += _keys(split, end)
+        split = min(max(len(item.request.prompt_token_ids), start), end)
+        if split > start:
+            prompt_rows += split - start
+            prompt_keys += _keys(start, split)
+        if end > split:   # (a decode: one row reading end keys)
+            decode_rows += end - split
+            decode_keys += end if end - split == 1 else _keys(split, end)
     return StepShape(prompt_rows, prompt_keys, decode_rows, decode_keys)
 
 
