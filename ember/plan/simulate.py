@@ -252,7 +252,10 @@ class FleetStats:
 
 
 class FleetSim:
-    """Replays a workload through `num_replicas` simulated replicas behind a gateway."""
+    """Replays a workload through `num_replicas` simulated replicas behind a gateway (once:
+    the replicas keep what the run left in their caches)."""
+
+    ARRIVAL, STEP_END = 0, 1   # event kinds
 
     def __init__(self, config: ReplicaConfig, num_replicas: int, policy: str,
                  token_ids: Sequence[int], seed: int = 0,
@@ -271,14 +274,15 @@ class FleetSim:
         self.records: list[RequestRecord] = []
         self._routed = [0] * num_replicas
         self._num_admitted = 0
-
-    ARRIVAL, STEP_END = 0, 1
+        self._requests: list[SimRequest] = []
+        self._load = Load()
+        self._next = 0   # the next request to send
 
     def run(self, requests: Sequence[SimRequest], load: Load) -> list[RequestRecord]:
         """Every request's record, ordered by start time (as `ember bench` orders them)."""
-        self._requests = list(requests)
-        self._load = load
-        self._next = 0
+        if self._seq:
+            raise RuntimeError("a FleetSim runs once; make another for another run")
+        self._requests, self._load = list(requests), load
         if load.concurrency is None:
             for t in load.arrival_times[:len(self._requests)]:
                 self._push(t, self.ARRIVAL, -1)
@@ -286,7 +290,6 @@ class FleetSim:
             width = min(load.concurrency, len(self._requests)) or 1
             for k in range(width):
                 self._push(load.ramp_up_s * k / width, self.ARRIVAL, -1)
-        self._closed_loop = load.concurrency is not None
         now = 0.0
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
@@ -407,5 +410,5 @@ class FleetSim:
 
     def _next_client(self, now: float) -> None:
         """A closed-loop client sends its next request when its last one ends."""
-        if self._closed_loop and self._next < len(self._requests):
+        if self._load.concurrency is not None and self._next < len(self._requests):
             self._push(now, self.ARRIVAL, -1)
