@@ -47,10 +47,11 @@ class _PlanTap:
 
 
 class StepRecorder:
-    """Builds the engine core (AsyncEngine's core_factory) and times its steps, start to
-    start, while `recording`."""
+    """Builds the engine core (AsyncEngine's core_factory, with `build`) and times its
+    steps, start to start, while `recording`."""
 
-    def __init__(self) -> None:
+    def __init__(self, build: Callable[[EngineConfig], EngineCore] = EngineCore) -> None:
+        self._build = build
         self.recording = False
         self.shapes: list[StepShape] = []
         self.seconds: list[float] = []
@@ -58,7 +59,7 @@ class StepRecorder:
         self._open: tuple[StepShape, float] | None = None   # a step whose period runs on
 
     def build(self, config: EngineConfig) -> EngineCore:
-        core = EngineCore(config)
+        core = self._build(config)
         tap = _PlanTap(core.runner)
         core.runner = tap
         step = core.step
