@@ -1,41 +1,38 @@
-"""`ember plan profile`: time the engine's steps on this machine, as it serves, and fit.
+"""`ember plan profile`: time the engine's own steps on this machine and fit the step model.
 
-The engine runs as `ember serve` runs it: the AsyncEngine thread behind the HTTP server, its
-answers streamed. A load generator in a process of its own (mixes.py) sends request mixes
-chosen to spread the step shapes the model needs. Each step is recorded with the shape the
-scheduler planned and the time until the engine thread's next step began: the forward and
-sampling, the detokenizing and streaming hand-off, and whatever the server's other threads
-and the machine took from it meanwhile. (The last step before the engine idles counts its
-own time.) So the step model prices a step as a served replica spends it.
+The engine runs a fixed series of request mixes chosen to spread the step shapes the model
+needs (stepmodel.py): lone prompts of many lengths at contexts from 0 (a cached prefix gives
+a prompt its context without computing it), chunked long prompts, several prompts in one
+step, decode batches from 1 to 64 at short and long contexts, and decodes beside a prompt
+chunk. Each step is timed as the serving engine's thread spends it: schedule, forward and
+sample, update, then the detokenizing of its new tokens. Steps are recorded with the shape
+the scheduler planned, so the fit learns from exactly what the scheduler asks of the runner.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import platform
-import subprocess
-import sys
-import threading
+import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
-import httpx
-import uvicorn
-
-from ember.config import EngineConfig, ServerConfig
-from ember.engine.async_engine import AsyncEngine
+from ember.config import EngineConfig
 from ember.engine.cold_start import process_age_s
 from ember.engine.core import EngineCore
+from ember.engine.output import SequenceText
 from ember.plan.profile import Profile, step_record
 from ember.plan.stepmodel import StepShape, fit, interfered, residuals, step_shape
+from ember.request import SamplingParams
 from ember.scheduler.output import RunnerOutput, SchedulerOutput
-from ember.server.app import create_app
 from ember.weights.paths import served_model_name
 
 INTERFERENCE = 1.5   # a step this much over the first fit had its cores taken: refit without
 
 
 class _PlanTap:
-    """Stands in for the runner while profiling: hands each plan on and keeps the last."""
+    """Stands in for the runner during profiling: hands each plan on and keeps the last."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
@@ -46,115 +43,107 @@ class _PlanTap:
         return self.runner.execute(plan)
 
 
-class StepRecorder:
-    """Builds the engine core (AsyncEngine's core_factory, with `build`) and times its
-    steps, start to start, while `recording`."""
+@dataclass(frozen=True)
+class Mix:
+    """Requests added together (and `late` ones added after `late_after` steps)."""
 
-    def __init__(self, build: Callable[[EngineConfig], EngineCore] = EngineCore) -> None:
-        self._build = build
-        self.recording = False
+    name: str
+    prompt_lens: tuple[int, ...]
+    max_tokens: int
+    cached_prefix: int = 0           # tokens every prompt shares, cached before the mix runs
+    late_prompt_lens: tuple[int, ...] = ()
+    late_after: int = 0
+
+
+def mixes() -> list[Mix]:
+    """The series, most informative first (a time budget may cut its tail)."""
+    out = [Mix(f"decode b{b} c64", (64,) * b, 12) for b in (1, 4, 8, 16, 32)]
+    out += [Mix(f"prompt n{n} c{c}", (c + n,), 1, cached_prefix=c)
+            for c in (0, 512, 1536) for n in (16, 64, 128, 256, 512)]
+    out += [Mix(f"decode b{b} c512", (512,) * b, 12) for b in (1, 8, 24)]
+    out += [Mix(f"mixed b{b}", (128,) * b, 24, late_prompt_lens=(700,), late_after=3)
+            for b in (1, 4, 16)]
+    out += [Mix("prompts 4x96", (96,) * 4, 1), Mix("prompt 1500", (1500,), 1)]
+    out += [Mix(f"decode b{b} c256", (256,) * b, 12) for b in (2, 12, 48, 64)]
+    out += [Mix(f"decode b{b} c1024", (1024,) * b, 12) for b in (4, 16)]
+    return out
+
+
+class Profiler:
+    """Runs mixes through one engine and keeps every step's shape and seconds."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.tap = _PlanTap(core.runner)
+        core.runner = self.tap
         self.shapes: list[StepShape] = []
         self.seconds: list[float] = []
-        self.core: EngineCore | None = None
-        self._open: tuple[StepShape, float] | None = None   # a step whose period runs on
+        self._ids = itertools.count()
+        self._rng = random.Random(0)   # prompts of random ids: no accidental cache hits
+        self._texts: dict[str, SequenceText] = {}
 
-    def build(self, config: EngineConfig) -> EngineCore:
-        core = self._build(config)
-        tap = _PlanTap(core.runner)
-        core.runner = tap
-        step = core.step
+    def run(self, mix: Mix, record: bool = True) -> None:
+        prefix = self._tokens(mix.cached_prefix)
+        if prefix:   # one request computes the prefix's blocks; the mix then finds them
+            self._add(prefix + self._tokens(1), 1)
+            self._drain(record=False)
+        for n in mix.prompt_lens:
+            self._add(prefix + self._tokens(n - len(prefix)), mix.max_tokens)
+        for k in itertools.count():
+            if k == mix.late_after:
+                for n in mix.late_prompt_lens:
+                    self._add(self._tokens(n), 1)
+            if not self.core.has_unfinished():
+                break
+            self._step(record)
 
-        def timed_step(only: frozenset[str] | None = None) -> list:
-            began = time.perf_counter()
-            if self._open is not None:
-                self._add(self._open[0], began - self._open[1])
-                self._open = None
-            tap.plan = None
-            advanced = step(only)
-            if self.recording and tap.plan is not None and tap.plan.scheduled:
-                shape = step_shape(tap.plan)
-                if core.has_unfinished():
-                    self._open = (shape, began)
-                else:   # the engine idles now: the step's own time
-                    self._add(shape, time.perf_counter() - began)
-            return advanced
-        core.step = timed_step
-        self.core = core
-        return core
+    def _tokens(self, n: int) -> list[int]:
+        vocab = self.core.tokenizer.vocab_size
+        return [self._rng.randrange(1000, vocab) for _ in range(n)]
 
-    def _add(self, shape: StepShape, seconds: float) -> None:
-        self.shapes.append(shape)
-        self.seconds.append(seconds)
+    def _add(self, prompt_ids: list[int], max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        request = self.core.add_request(f"p{next(self._ids)}", prompt_ids, params)
+        self._texts[request.request_id] = SequenceText(self.core.tokenizer, request, 0)
 
+    def _drain(self, record: bool) -> None:
+        while self.core.has_unfinished():
+            self._step(record)
 
-class _Server:
-    """The app on uvicorn in a thread, on a free port of 127.0.0.1."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(create_app(engine, ServerConfig(port=0)),
-                                                    host="127.0.0.1", port=0,
-                                                    log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            if not self.thread.is_alive():
-                raise RuntimeError("the profiling server did not start")
-            time.sleep(0.05)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def wait_ready(self, engine: AsyncEngine) -> None:
-        while httpx.get(self.url + "/health/ready").status_code != 200:
-            if engine.error is not None:
-                raise RuntimeError(f"the engine failed to start: {engine.error}")
-            time.sleep(0.1)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
+    def _step(self, record: bool) -> None:
+        """One engine step and its detokenizing, timed as the serving thread spends it."""
+        start = time.perf_counter()
+        for request in self.core.step():
+            text = self._texts[request.request_id]
+            text.update()
+            text.take_delta()
+            if request.is_finished:
+                del self._texts[request.request_id]
+        seconds = time.perf_counter() - start
+        if record and self.tap.plan is not None and self.tap.plan.scheduled:
+            self.shapes.append(step_shape(self.tap.plan))
+            self.seconds.append(seconds)
 
 
-def _send_mixes(url: str, vocab: int, budget_s: float, warm_up: bool,
-                progress: Callable[[str], None]) -> None:
-    """The load generator, as its own process (mixes.py)."""
-    argv = [sys.executable, "-m", "ember.plan.mixes", "--url", url, "--vocab", str(vocab),
-            "--max-seconds", str(budget_s)] + (["--warm-up"] if warm_up else [])
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True) as proc:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            progress(line.rstrip())
-        if proc.wait() != 0:
-            raise RuntimeError("the profile's load generator failed:\n" + "".join(lines[-20:]))
-
-
-def measure(config: EngineConfig, budget_s: float = 90.0,
+def measure(config: EngineConfig, budget_s: float = 120.0,
             progress: Callable[[str], None] = lambda _: None) -> Profile:
-    """Serve the engine, send the mixes (until `budget_s` have passed), fit."""
+    """Load the engine, run the mixes (until `budget_s` of measuring has passed), fit."""
     load_before = os.getloadavg()[0]
-    recorder = StepRecorder()
-    engine = AsyncEngine(config, core_factory=recorder.build)
-    server = _Server(engine)
-    try:
-        server.wait_ready(engine)
-        cold_start_s = process_age_s() or 0.0
-        core = recorder.core
-        _send_mixes(server.url, core.tokenizer.vocab_size, budget_s, True, lambda _: None)
-        recorder.recording = True
-        _send_mixes(server.url, core.tokenizer.vocab_size, budget_s, False, progress)
-        recorder.recording = False
-    finally:
-        server.close()
-    return _profile(config, core, recorder, cold_start_s, load_before)
-
-
-def _profile(config: EngineConfig, core: EngineCore, recorder: StepRecorder,
-             cold_start_s: float, load_before: float) -> Profile:
-    shapes, seconds = recorder.shapes, recorder.seconds
-    model = fit(shapes, seconds, interference=INTERFERENCE)
-    disturbed = [interfered(model, s, t, INTERFERENCE) for s, t in zip(shapes, seconds)]
-    kept = [(s, t) for s, t, d in zip(shapes, seconds, disturbed) if not d]
+    core = EngineCore(config)
+    profiler = Profiler(core)
+    profiler.run(Mix("warm-up", (64, 600), 4), record=False)
+    cold_start_s = process_age_s() or sum(core.load_phases.seconds.values())
+    began = time.monotonic()
+    for mix in mixes():
+        if time.monotonic() - began > budget_s:
+            progress(f"time budget spent; skipped {mix.name} and the mixes after it")
+            break
+        profiler.run(mix)
+        progress(f"{mix.name}: {len(profiler.seconds)} steps so far")
+    model = fit(profiler.shapes, profiler.seconds, interference=INTERFERENCE)
+    disturbed = [interfered(model, s, t, INTERFERENCE)
+                 for s, t in zip(profiler.shapes, profiler.seconds)]
+    kept = [(s, t) for (s, t, d) in zip(profiler.shapes, profiler.seconds, disturbed) if not d]
     return Profile(
         model_path=str(core.model_path), model_name=served_model_name(config.model),
         tokenizer=core.tokenizer.to_dict(), vocab_size=core.model_config.vocab_size,
@@ -174,7 +163,7 @@ def _profile(config: EngineConfig, core: EngineCore, recorder: StepRecorder,
         machine=machine(load_before) | {"disturbed_steps": sum(disturbed)},
         residuals=residuals(model, [s for s, _ in kept], [t for _, t in kept]),
         steps=[step_record(s, t, model.predict(s)) | {"disturbed": d}
-               for s, t, d in zip(shapes, seconds, disturbed)])
+               for s, t, d in zip(profiler.shapes, profiler.seconds, disturbed)])
 
 
 def machine(load_before: float) -> dict[str, object]:
@@ -188,3 +177,4 @@ def machine(load_before: float) -> dict[str, object]:
         pass
     return {"cpu": cpu, "cpus": os.cpu_count(), "load_average_before": load_before,
             "load_average_after": os.getloadavg()[0], "measured": time.strftime("%Y-%m-%d")}
+
