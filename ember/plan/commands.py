@@ -68,10 +68,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     token_ids = [i for i in range(tokenizer.vocab_size) if i not in config.eos_token_ids]
     planner = Planner(config, requests, lambda rate: bench_load(args, len(requests), rate),
                       slo, args.policy, token_ids, args.seed)
-    print(f"profile: {profile.model_name} on {profile.machine.get('cpu', '?')} "
-          f"({profile.machine.get('cpus', '?')} CPUs); step model within "
-          f"{profile.residuals.get('all', {}).get('median_abs', float('nan')) * 100:.0f}% "
-          f"(median) of the measured steps")
+    print(_profile_text(profile))
     print(f"workload: {args.workload}, {len(requests)} requests, "
           f"{_load_text(args)}; policy {args.policy}"
           + (f"; SLO {args.slo}" if args.slo else ""))
@@ -95,6 +92,20 @@ def cmd_plan(args: argparse.Namespace) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1, default=str))
     print(f"wrote {out}")
+
+
+def _profile_text(profile: Profile) -> str:
+    m = profile.machine
+    text = (f"profile: {profile.model_name} on {m.get('cpu', '?')} ({m.get('cpus', '?')} "
+            f"CPUs); step model within "
+            f"{profile.residuals.get('all', {}).get('median_abs', float('nan')) * 100:.0f}% "
+            "(median) of the measured steps")
+    load = max(m.get("load_average_before", 0.0), m.get("load_average_after", 0.0))
+    if m.get("disturbed_steps") or load >= 1.0:
+        text += (f"\n  (measured on a busy machine: load average up to {load:.1f}, "
+                 f"{m.get('disturbed_steps', 0)} of {len(profile.steps)} steps disturbed; "
+                 "profile again with the machine to itself)")
+    return text
 
 
 def _load_text(args: argparse.Namespace) -> str:

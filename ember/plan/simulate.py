@@ -103,7 +103,8 @@ class SimReplica:
         self.config = config
         kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                             config.eviction_policy, share_generated=False)
-        self.scheduler = Scheduler(config.scheduler, kv, config.max_model_len)
+        # (the engine's longest sequence is cut to what its KV cache holds, as here)
+        self.scheduler = Scheduler(config.scheduler, kv, config.context_limit)
         self.runner = SimRunner(config.step_model, tokens)
         self.plan: SchedulerOutput | None = None   # the step running now
         self.result: RunnerOutput | None = None
