@@ -20,8 +20,10 @@ from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, P
                           PREFILL_MATMULS, QUANTIZATIONS, SPECULATIVE, TASKS, ApiKey, CacheConfig,
                           EngineConfig, SchedulerConfig, ServerConfig, SpecConfig, parse_api_keys)
 from ember.errors import ConfigError, EmberError, InvalidRequest
+from ember.plan.cli import add_plan_parser
 from ember.request import SamplingParams
 from ember.router.cli import add_route_args, route_only_options
+from ember.weights.paths import served_model_name
 
 if TYPE_CHECKING:  # the engine (and torch) load only for commands that run it
     from ember.engine.llm import LLM
@@ -261,6 +263,10 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
                    help="the most inputs one /v1/embeddings request may send")
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                    help="on SIGTERM, seconds for in-flight requests to finish")
+    g.add_argument("--simulate", default=None, metavar="PROFILE",
+                   help="serve no model: answer with the step times of a profile from `ember "
+                        "plan profile` and drawn tokens (docs/plan.md); `ember route` passes "
+                        "it to its replicas and hashes prompts with the profile's tokenizer")
 
 
 def read_api_keys(path: str | None) -> tuple[ApiKey, ...]:
@@ -287,12 +293,31 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def cmd_serve(args: argparse.Namespace) -> None:
     from ember.engine.async_engine import AsyncEngine  # the engine loads only when serving
     config = server_config(args)  # a bad keys file fails before the model loads
-    engine = AsyncEngine(engine_config(args), max_waiting=config.max_waiting,
+    engine_cfg, factory = engine_config(args), None
+    if args.simulate is not None:
+        engine_cfg, factory = simulated_engine(args, engine_cfg)
+    engine = AsyncEngine(engine_cfg, max_waiting=config.max_waiting,
                          request_timeout_s=config.request_timeout_s,
-                         stall_timeout_s=config.stall_timeout_s)
+                         stall_timeout_s=config.stall_timeout_s,
+                         **({"core_factory": factory} if factory else {}))
     engine.start()  # the model loads while the web server's modules import and it starts
     from ember.server.serve import serve
     serve(engine, config)
+
+
+def simulated_engine(args: argparse.Namespace, config: EngineConfig
+                     ) -> tuple[EngineConfig, Callable]:
+    """`--simulate PROFILE`: the profile's model (its name is served) and a core that loads
+    nothing (ember/plan/replica.py)."""
+    from dataclasses import replace
+
+    from ember.plan.profile import load_profile
+    from ember.plan.replica import SimulatedCore
+    profile = load_profile(args.simulate)
+    if args.model is not None and served_model_name(args.model) != profile.model_name:
+        raise ConfigError(f"--simulate {args.simulate} is a profile of {profile.model_name}; "
+                          f"leave out --model {args.model} (the profile names the model)")
+    return replace(config, model=profile.model_path), lambda cfg: SimulatedCore(cfg, profile)
 
 
 def cmd_route(args: argparse.Namespace) -> None:
@@ -328,6 +353,18 @@ def cmd_roofline(args: argparse.Namespace) -> None:
     print(format_report(report))
     if _write_json(args.out, report):
         print(f"wrote {args.out}")
+
+
+def cmd_plan_profile(args: argparse.Namespace) -> None:
+    from ember.plan.measure import measure
+    profile = measure(engine_config(args), args.max_seconds,
+                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+    profile.save(Path(args.out))
+    fit = profile.residuals["all"]
+    print(f"{len(profile.steps)} steps measured; the step model is within "
+          f"{fit['median_abs'] * 100:.1f}% of them at the median, "
+          f"{fit['p90_abs'] * 100:.1f}% at the 90th percentile")
+    print(f"wrote {args.out}")
 
 
 def cmd_models_inspect(args: argparse.Namespace) -> None:
@@ -372,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     _server_args(route)
     route.set_defaults(func=cmd_route, route_only=route_only_options(add_route_args(route)))
     add_bench_parser(sub, results_dir(os.environ, Path.home()))
+    add_plan_parser(sub, results_dir(os.environ, Path.home()).parent / "plan", _engine_args,
+                    cmd_plan_profile)
     ppl = sub.add_parser("perplexity", help="perplexity of a text: the quality check for "
                          "weight and KV formats")
     ppl.add_argument("--text", default=None, help="a text file (default: the Shakespeare "

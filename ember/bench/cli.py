@@ -58,13 +58,7 @@ def add_load_args(p: argparse.ArgumentParser, base_url: bool = True) -> None:
                    "A,B,C: requests take them in turn (e.g. LoRA adapters mixed)")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     g.add_argument("--api-key", default=None)
-    g.add_argument("--concurrency", type=int, default=None, help="fixed concurrency (default 1 "
-                   "unless --rate is given)")
-    g.add_argument("--rate", type=float, default=None, help="requests/s, Poisson arrivals")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival "
-                   "gaps: < 1 is burstier than Poisson")
-    g.add_argument("--ramp-up", type=float, default=0.0, help="seconds to reach full load")
-    g.add_argument("--duration", type=float, default=None, help="stop sending after S s")
+    add_arrival_args(g)
     g.add_argument("--timeout", type=float, default=600.0, help="per-request limit, s")
     g.add_argument("--cancel-fraction", type=float, default=0.0,
                    help="cancel this fraction of requests after their first chunk")
@@ -73,8 +67,19 @@ def add_load_args(p: argparse.ArgumentParser, base_url: bool = True) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--extra-body", default=None, help="JSON merged into every request")
     g.add_argument("--slo", default=None, help="e.g. ttft=500ms,tpot=50ms: goodput counts "
-                   "requests that meet all")
+                   "requests that meet all; ttft_p99=1s,itl_p99=100ms: the run's percentiles")
     g.add_argument("--label", default=None)
+
+
+def add_arrival_args(g: argparse._ArgumentGroup) -> None:
+    """How requests arrive: `ember bench` sends them so, `ember plan` simulates them so."""
+    g.add_argument("--concurrency", type=int, default=None, help="fixed concurrency (default 1 "
+                   "unless --rate is given)")
+    g.add_argument("--rate", type=float, default=None, help="requests/s, Poisson arrivals")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival "
+                   "gaps: < 1 is burstier than Poisson")
+    g.add_argument("--ramp-up", type=float, default=0.0, help="seconds to reach full load")
+    g.add_argument("--duration", type=float, default=None, help="stop sending after S s")
 
 
 def add_output_args(p: argparse.ArgumentParser, default: Path) -> None:

@@ -18,10 +18,10 @@ import httpx
 from ember.bench.client import LoadConfig, Runner, print_progress
 from ember.bench.metrics import (metric_deltas, parse_prometheus, parse_slo,
                                  spec_decode_summary, summarize)
-from ember.bench.workloads import (BenchRequest, LengthDist, PromptMaker, chat_sessions,
-                                   default_corpus, embedding_batches, from_jsonl, grounded,
-                                   local_tokenizer, multi_tenant, server_tokenizer,
-                                   shared_prefix, synthetic)
+from ember.bench.workloads import (BenchRequest, Decode, Encode, LengthDist, PromptMaker,
+                                   chat_sessions, default_corpus, embedding_batches,
+                                   from_jsonl, grounded, local_tokenizer, multi_tenant,
+                                   server_tokenizer, shared_prefix, synthetic)
 
 
 def load_config(args: argparse.Namespace, base_url: str, model: str | None) -> LoadConfig:
@@ -48,8 +48,10 @@ def server_model(base_url: str, api_key: str | None) -> str | None:
         return None
 
 
-def build_requests(args: argparse.Namespace, base_url: str, model: str | None
-                   ) -> list[BenchRequest]:
+def build_requests(args: argparse.Namespace, base_url: str, model: str | None,
+                   codec: tuple[Encode, Decode] | None = None) -> list[BenchRequest]:
+    """The workload's requests; prompts sized with `codec` if given, else with --tokenizer's
+    files, else with the server's /tokenize."""
     rng = random.Random(args.seed)
     output_len = LengthDist.parse(args.output_len)
     chat = args.endpoint == "chat"
@@ -57,9 +59,7 @@ def build_requests(args: argparse.Namespace, base_url: str, model: str | None
         if not args.dataset:
             raise SystemExit("--workload jsonl needs --dataset FILE")
         return from_jsonl(Path(args.dataset), output_len, rng, chat)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    encode, decode = local_tokenizer(args.tokenizer) if args.tokenizer else \
-        server_tokenizer(base_url, model.split(",")[0] if model else None, headers)
+    encode, decode = codec or _codec(args, base_url, model)
     corpus = Path(args.corpus).read_text() if args.corpus else default_corpus()
     maker = PromptMaker(corpus, encode, decode, rng)
     if args.workload == "shared-prefix":
@@ -79,6 +79,14 @@ def build_requests(args: argparse.Namespace, base_url: str, model: str | None
                              output_len, rng)
     return synthetic(maker, args.num_requests, LengthDist.parse(args.input_len), output_len,
                      rng, chat)
+
+
+def _codec(args: argparse.Namespace, base_url: str, model: str | None
+           ) -> tuple[Encode, Decode]:
+    if args.tokenizer:
+        return local_tokenizer(args.tokenizer)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    return server_tokenizer(base_url, model.split(",")[0] if model else None, headers)
 
 
 def scrape(base_url: str, headers: dict[str, str]) -> dict[str, float] | None:

@@ -79,16 +79,26 @@ def describe(values: list[float]) -> dict[str, float] | None:
     return out
 
 
+SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
+_SLO_NAME = re.compile(r"(ttft|tpot|itl|e2e)(?:_p(\d+(?:\.\d+)?))?")
+
+
 def parse_slo(text: str | None) -> dict[str, float]:
-    """'ttft=500ms,tpot=50ms,e2e=2s' -> {'ttft': 0.5, 'tpot': 0.05, 'e2e': 2.0}."""
+    """'ttft=500ms,tpot=50ms,ttft_p99=1s' -> {'ttft': 0.5, 'tpot': 0.05, 'ttft_p99': 1.0}.
+
+    A bare name is a limit for every request (goodput counts the requests that meet all of
+    them); NAME_pQ is a limit on the run's Q-th percentile of that latency (for itl, of all
+    chunk gaps pooled; for ttft, tpot and e2e, of the requests' values)."""
     if not text:
         return {}
     slo = {}
     for part in text.split(","):
         name, _, value = part.partition("=")
         name = name.strip().lower()
-        if name not in ("ttft", "tpot", "e2e", "itl"):
-            raise ValueError(f"unknown SLO {name!r}; use ttft, tpot, itl or e2e")
+        match = _SLO_NAME.fullmatch(name)
+        if not match or (match.group(2) is not None and not 0 < float(match.group(2)) <= 100):
+            raise ValueError(f"unknown SLO {name!r}; use ttft, tpot, itl or e2e, for every "
+                             "request, or with _pQ (ttft_p99) for a percentile of the run")
         match = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s)?\s*", value)
         if not match:
             raise ValueError(f"SLO {part!r} needs a time like 500ms or 2s")
@@ -97,16 +107,41 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return slo
 
 
+def per_request(slo: dict[str, float]) -> dict[str, float]:
+    """The SLO's limits for every request (its bare names)."""
+    return {name: limit for name, limit in slo.items() if name in SLO_METRICS}
+
+
 def meets(record: RequestRecord, slo: dict[str, float]) -> bool:
+    """Whether the request meets every per-request limit of `slo` (percentile targets are
+    the run's, not a request's)."""
     checks = {"ttft": record.ttft, "tpot": record.tpot, "e2e": record.e2e,
               "itl": max(record.gaps, default=0.0)}
-    for name, limit in slo.items():
+    for name, limit in per_request(slo).items():
         value = checks[name]
         if name == "tpot" and value is None:  # a one-token answer has no TPOT to miss
             continue
         if value is None or value > limit:
             return False
     return True
+
+
+def percentile_targets(records: list[RequestRecord], slo: dict[str, float]
+                       ) -> dict[str, dict[str, Any]]:
+    """Each NAME_pQ target of `slo`: its limit, the run's value, and whether it is met (a run
+    with no value, every request failed, misses it)."""
+    values = {"ttft": [r.ttft for r in records if r.ttft is not None],
+              "tpot": [r.tpot for r in records if r.tpot is not None],
+              "e2e": [r.e2e for r in records if r.e2e is not None],
+              "itl": [g for r in records for g in r.gaps]}
+    out = {}
+    for name, limit in slo.items():
+        if name in SLO_METRICS:
+            continue
+        metric, _, q = name.partition("_p")
+        value = float(np.percentile(values[metric], float(q))) if values[metric] else math.nan
+        out[name] = {"limit_s": limit, "value_s": value, "met": value <= limit}
+    return out
 
 
 def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None
@@ -136,10 +171,13 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None
     if any(r.num_inputs is not None for r in ok):
         summary["embedded_inputs"] = sum(r.num_inputs or 0 for r in ok)
         summary["inputs_per_s"] = rate(summary["embedded_inputs"])
-    if slo:
+    if per_request(slo or {}):
         good = sum(meets(r, slo) for r in ok)
-        summary["goodput"] = {"slo_s": slo, "requests_per_s": rate(good),
+        summary["goodput"] = {"slo_s": per_request(slo), "requests_per_s": rate(good),
                               "fraction": good / len(records) if records else math.nan}
+    targets = percentile_targets(ok, slo or {})
+    if targets:
+        summary["slo_percentiles"] = targets
     return summary
 
 

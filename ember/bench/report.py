@@ -41,6 +41,9 @@ def table(summary: dict[str, Any], title: str = "") -> str:
         slo = ", ".join(f"{k}<={v * 1000:g}ms" for k, v in g["slo_s"].items())
         lines.append(f"goodput    {g['requests_per_s']:.2f} req/s meet {slo} "
                      f"({g['fraction'] * 100:.1f}% of requests)")
+    for name, t in (summary.get("slo_percentiles") or {}).items():
+        lines.append(f"slo        {name} {_ms(t['value_s'])} ms, limit {_ms(t['limit_s'])} ms: "
+                     + ("met" if t["met"] else "MISSED"))
     if "spec_decode" in summary:
         sd = summary["spec_decode"]
         lines.append(f"spec       {sd['draft_tokens']:g} drafted, {sd['accepted_tokens']:g} "

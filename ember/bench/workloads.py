@@ -13,7 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ember.tokenizer.tokenizer import Tokenizer
 
 Encode = Callable[[str], list[int]]
 Decode = Callable[[list[int]], str]
@@ -217,6 +220,11 @@ def local_tokenizer(path: str) -> tuple[Encode, Decode]:
     else:
         from ember.weights.gguf_metadata import read_gguf_metadata
         tokenizer = Tokenizer.from_gguf_metadata(read_gguf_metadata(p))
+    return tokenizer_codec(tokenizer)
+
+
+def tokenizer_codec(tokenizer: "Tokenizer") -> tuple[Encode, Decode]:
+    """encode/decode as workloads size prompts: no special tokens added, none skipped."""
     return (lambda t: tokenizer.encode(t, add_special_tokens=False),
             lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer as HFTokenizer
 
 from ember.config import ModelConfig, RopeScaling
 from ember.tokenizer.tokenizer import Tokenizer
@@ -99,21 +98,14 @@ def _read(path: Path, data: dict[str, Any]) -> FilesSummary:
         config["rope_scaling"] = RopeScaling(**{
             k: tuple(v) if isinstance(v, list) else v
             for k, v in config["rope_scaling"].items()})
-    tok = data["tokenizer"]
-    tokenizer = Tokenizer(HFTokenizer.from_str(tok["backend"]), bos_token=tok["bos"],
-                          eos_token=tok["eos"], eos_token_ids=tok["eos_ids"],
-                          chat_template=tok["chat_template"])
     return FilesSummary(path, ModelConfig(**config), data["bits"], data["packing"],
-                        tokenizer)
+                        Tokenizer.from_dict(data["tokenizer"]))
 
 
 def _write(target: Path, files: ModelFiles, tokenizer: Tokenizer) -> None:
     data = {"config": dataclasses.asdict(files.model_config()), "bits": files.linear_bits(),
             "packing": files.linear_packing(),
-            "tokenizer": {"backend": tokenizer.backend.to_str(), "bos": tokenizer.bos_token,
-                          "eos": tokenizer.eos_token,
-                          "eos_ids": sorted(tokenizer.eos_token_ids),
-                          "chat_template": tokenizer.chat_template}}
+            "tokenizer": tokenizer.to_dict()}
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".partial-")

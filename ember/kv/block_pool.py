@@ -284,9 +284,10 @@ class BlockPool:
     def events_after(self, seq: int) -> tuple[list[KVEvent], bool]:
         """Events with seq > `seq`, and whether older ones were dropped from the log."""
         snapshot = list(self.events)  # one C-level copy: safe while the engine thread appends
-        events = [e for e in snapshot if e.seq > seq]
-        dropped = bool(snapshot) and snapshot[0].seq > seq + 1
-        return events, dropped
+        if not snapshot:
+            return [], False
+        first = snapshot[0].seq   # seqs are consecutive: the log drops only its oldest
+        return snapshot[max(0, seq + 1 - first):], first > seq + 1
 
     def snapshot(self) -> tuple[dict[int, HeldBlock], int]:
         """Every cached block now (key -> parent key, tokens), and the seq to read events

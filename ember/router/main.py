@@ -79,7 +79,13 @@ def cmd_route(args: argparse.Namespace, server: ServerConfig, tokens: list[str])
     for group in ("canary", "shadow"):
         if group in fleet.launchers:
             fleet.start_replica(group)
-    tokenizer, model_name = route_tokenizer(args.model, args.tokenizer, args.served_model_name)
+    if args.simulate:   # the replicas tokenize with the profile's tokenizer
+        from ember.plan.profile import load_profile   # (only a simulated fleet reads one)
+        profile = load_profile(args.simulate)
+        tokenizer, model_name = profile.load_tokenizer(), profile.model_name
+    else:
+        tokenizer, model_name = route_tokenizer(args.model, args.tokenizer,
+                                                args.served_model_name)
     gateway = assemble(fleet, rollout, config, tokenizer, model_name)
     app = create_gateway(gateway)
     print(f"ember: routing on http://{server.host}:{server.port} over "

@@ -188,6 +188,8 @@ class Scheduler:
             self._preempt(self.running.pop())
 
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        if not self.waiting:
+            return
         # a request that would compute a prefix block a running prompt is computing waits a
         # step for it to be cached; those behind it may start meanwhile
         computing = self.kv.computing_keys(

@@ -193,6 +193,18 @@ class Tokenizer:
         return cls(backend, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids,
                    chat_template=_hf_chat_template(path, config))
 
+    def to_dict(self) -> dict[str, Any]:
+        """The tokenizer as JSON-ready data (from_dict reads it back): a start or a plan
+        that has it needs no model file, whose metadata takes seconds to parse."""
+        return {"backend": self.backend.to_str(), "bos": self.bos_token, "eos": self.eos_token,
+                "eos_ids": sorted(self.eos_token_ids), "chat_template": self.chat_template}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Tokenizer":
+        return cls(HFTokenizer.from_str(data["backend"]), bos_token=data["bos"],
+                   eos_token=data["eos"], eos_token_ids=data["eos_ids"],
+                   chat_template=data["chat_template"])
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
@@ -202,6 +214,12 @@ class Tokenizer:
         # encode_batch lets go of the GIL while it works and encode does not: a server that
         # tokenizes a long prompt in a worker thread keeps its event loop running meanwhile
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_many(self, texts: Sequence[str], add_special_tokens: bool = True
+                    ) -> list[list[int]]:
+        """encode() of each text, in one call (the library spreads them over the cores)."""
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [e.ids for e in encodings]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -62,6 +62,26 @@ def test_slo_parsing():
         parse_slo("ttft=fast")
 
 
+def test_percentile_targets_are_the_runs_and_leave_goodput_to_per_request_limits():
+    assert parse_slo("ttft_p99=1s, itl_p50=20ms,tpot=50ms") == \
+        {"ttft_p99": 1.0, "itl_p50": 0.02, "tpot": 0.05}
+    with pytest.raises(ValueError, match="unknown SLO"):
+        parse_slo("ttft_p0=1s")
+    records = [record(i, 0.1 * i, ttft, [0.01, 0.03], 3)
+               for i, ttft in enumerate([0.1, 0.2, 0.3, 0.4, 0.9])]
+    s = summarize(records, parse_slo("ttft_p50=300ms,ttft_p90=500ms,itl_p50=20ms"))
+    assert "goodput" not in s   # no per-request limit
+    targets = s["slo_percentiles"]
+    assert targets["ttft_p50"] == {"limit_s": 0.3, "value_s": pytest.approx(0.3), "met": True}
+    assert targets["ttft_p90"]["value_s"] == pytest.approx(0.7)   # 0.4 + 0.75 x 0.5
+    assert not targets["ttft_p90"]["met"]
+    assert targets["itl_p50"]["value_s"] == pytest.approx(0.02)   # of 0.01 x 5, 0.03 x 5
+    mixed = summarize(records, parse_slo("ttft=350ms,ttft_p90=1s"))
+    assert mixed["goodput"]["fraction"] == pytest.approx(3 / 5)
+    assert mixed["goodput"]["slo_s"] == {"ttft": 0.35}
+    assert mixed["slo_percentiles"]["ttft_p90"]["met"]
+
+
 def test_server_metric_deltas_keep_the_counters_that_matter():
     before = parse_prometheus('# HELP x\nember_num_preemptions_total{model_name="m"} 2.0\n'
                               'vllm:prefix_cache_hits_total 10\nember_kv_cache_usage_perc 0.5\n'

@@ -39,8 +39,13 @@ FORBIDDEN = {
     # the benchmark speaks HTTP to any server; only bench/offline.py runs the engine itself
     "ember.bench": {"torch", "ember.runner", "ember.models", "ember.server", "ember.scheduler",
                     "ember.kv", "ember.sampling", "ember.quant"},
+    # capacity planning drives the scheduler, the KV pool and the router's policies itself;
+    # only the profiler and the simulated replica touch the engine (test below)
+    "ember.plan": {"torch", "ember.runner", "ember.models", "ember.sampling", "ember.quant",
+                   "ember.server"},
 }
 ENGINE_ALLOWED_IN_BENCH = {"ember.bench.offline"}
+ENGINE_ALLOWED_IN_PLAN = {"ember.plan.measure", "ember.plan.replica"}
 
 
 def module_imports(path: Path) -> set[str]:
@@ -75,6 +80,24 @@ def test_bench_runs_the_engine_only_offline():
         if module in ENGINE_ALLOWED_IN_BENCH:
             continue
         assert not any(n.startswith("ember.engine") for n in module_imports(path)), module
+
+
+def test_plan_runs_the_engine_only_to_profile_and_to_serve():
+    for path in (PACKAGE / "plan").rglob("*.py"):
+        module = "ember.plan." + path.stem
+        if module in ENGINE_ALLOWED_IN_PLAN:
+            continue
+        assert not any(n.startswith("ember.engine") for n in module_imports(path)), module
+
+
+def test_planning_runs_without_torch():
+    """`ember plan` simulates fleets without loading torch or the engine."""
+    code = ("import sys, ember.cli, ember.plan.commands; "
+            "print(sorted(m for m in ('torch', 'ember.engine') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"
 
 
 def test_router_runs_without_torch():

@@ -1,0 +1,155 @@
+"""How long one engine step takes, as a linear function of what the step computes.
+
+The runner computes a step's prompt rows and its decode rows in two forwards (docs/
+architecture.md, "Same request, same answer"), so a step costs the sum of
+
+    prompt forward   p0 + p1 * prompt rows + p2 * keys the prompt rows attend to
+    decode forward   d0 + d1 * decode rows + d2 * decode rows past 8 + d3 * keys they read
+
+(each forward's constant only when it runs). Past 8 decode rows a decode step moves from the
+int4 weights to the int8 prompt weights, so the per-row cost changes there. A row at
+position p attends to p + 1 keys. The coefficients are fitted by least squares on relative
+error (a 5 ms decode step matters as much as a 500 ms prompt step), from measured steps
+(measure.py); a coefficient that comes out negative is dropped and the rest refitted, so
+the model never predicts less for more work.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ember.scheduler.output import SchedulerOutput
+
+FEATURES = ("prompt_forward", "prompt_rows", "prompt_keys", "decode_forward", "decode_rows",
+            "decode_rows_past_8", "decode_keys")
+INT8_DECODE_ROWS = 8  # decode steps of more rows run on the int8 prompt weights
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes: its prompt rows and decode rows, and the keys each kind
+    attends to in all (the attention's work)."""
+
+    prompt_rows: int = 0
+    prompt_keys: int = 0
+    decode_rows: int = 0
+    decode_keys: int = 0
+
+    def features(self) -> tuple[float, ...]:
+        """The step's values of FEATURES, in order."""
+        return (float(self.prompt_rows > 0), float(self.prompt_rows), float(self.prompt_keys),
+                float(self.decode_rows > 0), float(self.decode_rows),
+                float(max(0, self.decode_rows - INT8_DECODE_ROWS)), float(self.decode_keys))
+
+    @property
+    def kind(self) -> str:
+        if self.prompt_rows and self.decode_rows:
+            return "mixed"
+        return "prompt" if self.prompt_rows else "decode"
+
+
+def _keys(start: int, end: int) -> int:
+    """Keys attended to by rows at positions [start, end): sum of (p + 1)."""
+    return (end * (end + 1) - start * (start + 1)) // 2
+
+
+def step_shape(plan: SchedulerOutput) -> StepShape:
+    """The shape of a planned step. A request's positions before its prompt's end are prompt
+    rows; the rest are decode rows (a preempted request recomputes its generated tokens as
+    decode rows, as the runner does)."""
+    prompt_rows = prompt_keys = decode_rows = decode_keys = 0
+    for item in plan.scheduled:
+        start, end = item.start, item.start + item.num_new_tokens
+        split = min(max(len(item.request.prompt_token_ids), start), end)
+        if split > start:
+            prompt_rows += split - start
+            prompt_keys += _keys(start, split)
+        if end > split:   # (a decode: one row reading end keys)
+            decode_rows += end - split
+            decode_keys += end if end - split == 1 else _keys(split, end)
+    return StepShape(prompt_rows, prompt_keys, decode_rows, decode_keys)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Fitted seconds per unit of each feature, and the shortest step measured (a floor)."""
+
+    coefficients: tuple[float, ...]
+    min_step_s: float = 0.0
+
+    def predict(self, shape: StepShape) -> float:
+        p0, p1, p2, d0, d1, d2, d3 = self.coefficients   # (written out: a simulation calls
+        seconds = 0.0                                    # this once per step)
+        if shape.prompt_rows:
+            seconds += p0 + p1 * shape.prompt_rows + p2 * shape.prompt_keys
+        if shape.decode_rows:
+            seconds += d0 + d1 * shape.decode_rows + d3 * shape.decode_keys + \
+                d2 * max(0, shape.decode_rows - INT8_DECODE_ROWS)
+        return max(seconds, self.min_step_s)
+
+    def to_json(self) -> dict[str, object]:
+        return {"features": list(FEATURES), "coefficients": list(self.coefficients),
+                "min_step_s": self.min_step_s}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "StepModel":
+        if list(data["features"]) != list(FEATURES):
+            raise ValueError(f"the profile's step model has features {data['features']}, this "
+                             f"ember fits {list(FEATURES)}; measure again with "
+                             "`ember plan profile`")
+        return cls(tuple(float(c) for c in data["coefficients"]), float(data["min_step_s"]))
+
+
+def fit(shapes: Sequence[StepShape], seconds: Sequence[float],
+        interference: float | None = None) -> StepModel:
+    """Least squares on relative error, non-negative by dropping negative coefficients.
+    With `interference` (e.g. 1.5), steps measured over that many times the first fit's
+    prediction are taken as disturbed (another process had the cores) and left out of a
+    second fit; interfered() says which."""
+    model = _fit(shapes, seconds)
+    if interference is None:
+        return model
+    kept = [i for i in range(len(shapes)) if not interfered(model, shapes[i], seconds[i],
+                                                            interference)]
+    if len(kept) == len(shapes) or len(kept) < len(FEATURES):
+        return model
+    return _fit([shapes[i] for i in kept], [seconds[i] for i in kept])
+
+
+def interfered(model: StepModel, shape: StepShape, seconds: float, factor: float) -> bool:
+    return seconds > factor * model.predict(shape)
+
+
+def _fit(shapes: Sequence[StepShape], seconds: Sequence[float]) -> StepModel:
+    if len(shapes) != len(seconds) or not shapes:
+        raise ValueError("fit needs one duration per step shape, and at least one step")
+    y = np.asarray(seconds, dtype=np.float64)
+    x = np.asarray([s.features() for s in shapes], dtype=np.float64) / y[:, None]
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-30)   # columns of similar size for lstsq
+    active = [j for j in range(len(FEATURES)) if x[:, j].any()]
+    coef = np.zeros(len(FEATURES))
+    while active:
+        solution = np.linalg.lstsq(x[:, active] / scale[active], np.ones(len(y)), rcond=None)[0]
+        coef[:] = 0.0
+        coef[active] = solution / scale[active]
+        negative = [j for j in active if coef[j] < 0]
+        if not negative:
+            break
+        active = [j for j in active if j not in negative]
+    return StepModel(tuple(float(c) for c in coef), float(y.min()) * 0.5)
+
+
+def residuals(model: StepModel, shapes: Sequence[StepShape], seconds: Sequence[float]
+              ) -> dict[str, dict[str, float]]:
+    """Relative errors (predicted / measured - 1) by step kind and over all steps: their
+    count, median and 90th percentile of the absolute value, and the mean (the bias)."""
+    rel: dict[str, list[float]] = {"all": []}
+    for shape, measured in zip(shapes, seconds):
+        error = model.predict(shape) / measured - 1.0
+        rel["all"].append(error)
+        rel.setdefault(shape.kind, []).append(error)
+    return {kind: {"steps": len(v), "median_abs": float(np.median(np.abs(v))),
+                   "p90_abs": float(np.percentile(np.abs(v), 90)),
+                   "mean": float(np.mean(v))} for kind, v in rel.items()}

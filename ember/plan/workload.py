@@ -1,0 +1,60 @@
+"""`ember bench`'s workloads and arrivals, turned into simulated requests.
+
+The requests are the ones `ember bench` would send for the same options and seed (its own
+`build_requests`, sized with the model's tokenizer, which the profile carries), tokenized as
+a replica tokenizes them (a completion's prompt with the tokenizer's special tokens, a chat
+through the model's template), with the block keys the gateway routes on. Arrival times are
+bench's own `arrival_times`, drawn from the same generator a bench run seeds.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+from ember.bench.client import arrival_times
+from ember.bench.drive import build_requests
+from ember.bench.workloads import BenchRequest, tokenizer_codec
+from ember.errors import ConfigError
+from ember.kv.prefix_cache import extend_keys
+from ember.plan.simulate import Load, SimRequest
+from ember.tokenizer.chat import ChatTemplate
+from ember.tokenizer.tokenizer import Tokenizer
+
+UNSIMULATED = {"chat-sessions": "its later turns quote the model's real replies",
+               "embeddings": "embeddings are not planned yet"}
+
+
+def bench_requests(args: argparse.Namespace, tokenizer: Tokenizer) -> list[BenchRequest]:
+    """The requests `ember bench serve` makes for these options, their prompts sized with
+    the model's own tokenizer."""
+    if args.workload in UNSIMULATED:
+        raise ConfigError(f"--workload {args.workload} cannot be simulated: "
+                          f"{UNSIMULATED[args.workload]}; use random, shared-prefix, grounded, "
+                          "multi-tenant or jsonl")
+    return build_requests(args, "", None, codec=tokenizer_codec(tokenizer))
+
+
+def sim_requests(requests: list[BenchRequest], tokenizer: Tokenizer, block_size: int
+                 ) -> list[SimRequest]:
+    """Each request's prompt token ids, as `ember serve` makes them, and its block keys."""
+    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    chats = [i for i, r in enumerate(requests) if r.messages is not None]
+    plain = [i for i, r in enumerate(requests) if r.messages is None]
+    ids: dict[int, list[int]] = {}
+    rendered = [template.render(requests[i].messages, True) for i in chats]
+    ids |= dict(zip(chats, tokenizer.encode_many(rendered, add_special_tokens=False)))
+    ids |= dict(zip(plain, tokenizer.encode_many([requests[i].prompt for i in plain])))
+    return [SimRequest(req.index, ids[i], req.max_tokens, extend_keys([], ids[i], block_size))
+            for i, req in enumerate(requests)]
+
+
+def bench_load(args: argparse.Namespace, num_requests: int, rate: float | None) -> Load:
+    """The arrivals an `ember bench serve` run with these options and seed would make: at
+    `rate` (Poisson, or gamma gaps with --burstiness), or --concurrency closed-loop clients."""
+    duration = args.duration
+    if rate is None:
+        return Load(concurrency=args.concurrency or 1, ramp_up_s=args.ramp_up,
+                    duration_s=duration)
+    rng = random.Random(args.seed + 1)   # the bench client's generator, as it seeds it
+    return Load(tuple(arrival_times(num_requests, rate, args.burstiness, args.ramp_up, rng)),
+                duration_s=duration)

@@ -1,0 +1,169 @@
+"""The fleet simulator: ember's scheduler, KV pool, prefix cache and router policy on a
+virtual clock. References: the scheduler's own plans priced by the step model (worked here
+step by step), and ordering facts of the real engine and gateway. No model, no tokenizer:
+prompts are token ids."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ember.bench.metrics import parse_slo, summarize
+from ember.config import SchedulerConfig
+from ember.kv.prefix_cache import extend_keys
+from ember.plan.search import Planner, Slo
+from ember.plan.simulate import FleetSim, Load, ReplicaConfig, SimRequest
+from ember.plan.stepmodel import StepShape
+from tests.plan.conftest import STEP_MODEL
+
+TOKENS = range(1000, 2000)
+
+
+def config(num_blocks: int = 4096, **scheduler) -> ReplicaConfig:
+    return ReplicaConfig(STEP_MODEL, num_blocks=num_blocks,
+                         scheduler=SchedulerConfig(**scheduler))
+
+
+def request(index: int, prompt: list[int], max_tokens: int) -> SimRequest:
+    return SimRequest(index, prompt, max_tokens, extend_keys([], prompt, 16))
+
+
+def own_prompt(index: int, n: int) -> list[int]:
+    return [10_000 + 1000 * index + i for i in range(n)]
+
+
+def random_requests(num: int, prompt_len: int, max_tokens: int, seed: int = 0
+                    ) -> list[SimRequest]:
+    rng = random.Random(seed)
+    return [request(i, [rng.randrange(3, 40_000) for _ in range(prompt_len)], max_tokens)
+            for i in range(num)]
+
+
+def poisson(num: int, rate: float, seed: int = 1) -> Load:
+    rng, t, times = random.Random(seed), 0.0, []
+    for _ in range(num):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return Load(tuple(times))
+
+
+def run(requests, load, replicas=1, cfg=None, policy="prefix"):
+    sim = FleetSim(cfg or config(), replicas, policy, TOKENS)
+    return sim.run(requests, load), sim
+
+
+def test_one_request_takes_the_schedulers_chunks_at_the_models_times():
+    """A 1000-token prompt under a 512-token budget: the scheduler computes it in chunks of
+    512 and 488, then decodes; each step lasts what the step model says for its shape."""
+    records, _ = run([request(0, own_prompt(0, 1000), 3)], Load((0.0,)),
+                     cfg=config(max_num_batched_tokens=512))
+    (r,) = records
+    keys = lambda a, b: sum(p + 1 for p in range(a, b))  # noqa: E731
+    chunk1 = STEP_MODEL.predict(StepShape(512, keys(0, 512)))
+    chunk2 = STEP_MODEL.predict(StepShape(488, keys(512, 1000)))
+    assert r.ttft == pytest.approx(chunk1 + chunk2)
+    decode = [STEP_MODEL.predict(StepShape(decode_rows=1, decode_keys=p + 1))
+              for p in (1000, 1001)]
+    assert r.gaps == pytest.approx(decode)
+    assert (r.output_tokens, r.prompt_tokens, r.cached_tokens) == (3, 1000, 0)
+
+
+def test_a_prefix_hit_shortens_ttft():
+    """B repeats A's 512-token prefix and arrives after A ended: it is served from the
+    cache (whole blocks), and its first token comes sooner than that of C, as long but
+    new."""
+    prefix = own_prompt(0, 512)
+    reqs = [request(0, prefix + own_prompt(1, 40), 4), request(1, prefix + own_prompt(2, 40), 4),
+            request(2, own_prompt(3, 552), 4)]
+    records, _ = run(reqs, Load((0.0, 5.0, 10.0)))
+    a, b, c = records
+    assert (a.cached_tokens, b.cached_tokens, c.cached_tokens) == (0, 512, 0)
+    assert b.ttft < c.ttft
+    assert c.ttft == pytest.approx(a.ttft)
+
+
+def test_preemption_when_the_kv_cache_is_small():
+    """Eight requests that each grow to 264 tokens, in 40 blocks of 16: the scheduler
+    preempts and recomputes, and every request still gets all its tokens; with room for all,
+    nothing is preempted."""
+    reqs = random_requests(8, 64, 200)
+    records, sim = run(reqs, Load((0.0,) * 8), cfg=config(num_blocks=40))
+    assert sum(sim.stats().preemptions) > 0
+    assert [r.output_tokens for r in records] == [200] * 8 and not any(r.error for r in records)
+    records_big, sim_big = run(reqs, Load((0.0,) * 8), cfg=config(num_blocks=4096))
+    assert sum(sim_big.stats().preemptions) == 0
+    assert max(r.e2e for r in records_big) < max(r.e2e for r in records)
+
+
+def test_more_replicas_lower_ttft_p99_at_the_same_rate():
+    reqs = random_requests(300, 256, 32)
+    load = poisson(300, rate=12.0)
+    p99 = []
+    for n in (1, 2, 4):
+        records, _ = run(reqs, load, replicas=n)
+        p99.append(summarize(records)["ttft_s"]["p99"])
+    assert p99[0] > p99[1] > p99[2]
+
+
+def test_the_prefix_policy_keeps_a_group_on_the_replica_that_holds_its_prefix():
+    """Eight 400-token prefixes over two replicas whose caches hold about five each:
+    round-robin sends every group to both, so each cache churns; `prefix` routing keeps a
+    group where its blocks are, and finds more of the prompts cached (the fleet doc's
+    multi-tenant result, in miniature)."""
+    rng = random.Random(5)
+    prefixes = [own_prompt(g, 400) for g in range(8)]
+    reqs = [request(i, prefixes[rng.randrange(8)] + own_prompt(100 + i, 16), 8)
+            for i in range(200)]
+    load = poisson(200, rate=6.0)
+    hits = {}
+    for policy in ("prefix", "round-robin"):
+        _, sim = run(reqs, load, replicas=2, policy=policy, cfg=config(num_blocks=160))
+        stats = sim.stats()
+        hits[policy] = stats.prefix_hit_tokens / stats.prefix_query_tokens
+    assert hits["prefix"] > hits["round-robin"] + 0.05
+
+
+def _planner(reqs, rate_loads=None) -> Planner:
+    slo = Slo(parse_slo("ttft_p99=300ms,itl_p99=60ms"))
+    return Planner(config(), reqs, lambda rate: poisson(len(reqs), rate), slo, "prefix",
+                   TOKENS)
+
+
+def test_at_replicas_is_monotone_and_replicas_needed_is_the_least_that_meets():
+    planner = _planner(random_requests(200, 200, 24))
+    rates = [planner.max_rate(n, start=4.0).rate for n in (1, 2, 3)]
+    assert rates[0] <= rates[1] <= rates[2]
+    assert rates[0] < rates[2]
+    point = planner.replicas_needed(rates[1] * 1.3, max_replicas=16)
+    assert point is not None and point.meets
+    assert not planner.simulate(point.replicas - 1, rates[1] * 1.3).meets
+
+
+def test_a_closed_loop_client_sends_its_next_request_when_the_last_ends():
+    """--concurrency 1: each request starts exactly when the one before it ended (as the
+    bench client's worker does)."""
+    reqs = random_requests(5, 64, 8)
+    records, _ = run(reqs, Load(concurrency=1))
+    for before, after in zip(records, records[1:]):
+        assert after.start == pytest.approx(before.start + before.e2e)
+
+
+def test_a_run_is_a_function_of_its_inputs():
+    reqs, load = random_requests(60, 128, 16), poisson(60, rate=20.0)
+    first, _ = run(reqs, load, replicas=3)
+    second, _ = run(reqs, load, replicas=3)
+    assert [(r.start, r.ttft, r.e2e, r.chunk_times) for r in first] == \
+        [(r.start, r.ttft, r.e2e, r.chunk_times) for r in second]
+
+
+def test_refusals_are_the_replicas_own():
+    """A prompt past the context is a 400; past --max-waiting, a full replica answers 429
+    (after the gateway tried every replica)."""
+    too_long = request(0, own_prompt(0, 200), 4)
+    records, _ = run([too_long], Load((0.0,)), cfg=ReplicaConfig(STEP_MODEL, num_blocks=8))
+    assert records[0].error == "http_400"
+    cfg = ReplicaConfig(STEP_MODEL, num_blocks=4096, max_waiting=1,
+                        scheduler=SchedulerConfig(max_num_seqs=1))
+    records, _ = run(random_requests(6, 32, 50), Load((0.0,) * 6), replicas=2, cfg=cfg)
+    errors = [r.error for r in records]
+    assert errors.count("http_429") == 2 and errors.count(None) == 4
