@@ -75,6 +75,7 @@ class SimulatedRoute(Route):
     def __init__(self, *options: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.headers: dict[str, str] = {}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ember.cli", "route", "--port", str(self.port), "-q",
              "--kv-cache-gib", str(TEST_KV_GIB), *options],
