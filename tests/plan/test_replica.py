@@ -166,8 +166,11 @@ def test_block_keys_and_usage_equal_a_real_replicas(sim, smollm_path):
     a chat) gives the same usage counts and the same stored block keys."""
     real = LiveServer(smollm_path)   # (float32: the keys do not depend on it)
     try:
-        for path, body in (("/v1/completions", {"prompt": PROMPT + " [c]"}),
-                           ("/v1/chat/completions", {"messages": MESSAGES})):
+        # prompts no other test of the module sent: the simulated replica lives on
+        fresh = [{"role": "system", "content": "[k] You answer."},
+                 {"role": "user", "content": PROMPT}]
+        for path, body in (("/v1/completions", {"prompt": "[c] " + PROMPT}),
+                           ("/v1/chat/completions", {"messages": fresh})):
             body = body | {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
             before = {url: stored_keys(url) for url in (real.url, sim.url)}
             answers = [httpx.post(url + path, json=body, timeout=120).json()
