@@ -174,6 +174,8 @@ class KVCacheManager:
         computed = hit.blocks if hit is not None else []
         table = self._tables.get(request.request_id, [])
         num_new = cdiv(num_tokens, self.block_size) - len(table) - len(computed)
+        if num_new <= 0 and not computed:
+            return True   # the table covers them already (most decode steps)
         idle_hits = sum(1 for b in computed if self.pool.ref_count(b) == 0)
         if num_new + idle_hits > self.pool.num_free_blocks:
             return False

@@ -54,6 +54,7 @@ class Scheduler:
                  spec: SpecConfig = SpecConfig(), whole_prompts: bool = False) -> None:
         self.config = config
         self.spec = spec
+        self._lookahead = spec.drafts_with_a_model   # (read for every request of every step)
         self.spec_stats = SpecStats()
         self.whole_prompts = whole_prompts  # never split a prompt across steps (encoders)
         self.kv = kv
@@ -227,7 +228,7 @@ class Scheduler:
         of its drafts there): given where free blocks allow it, never at another request's
         expense. Lookahead blocks hold nothing the cache keeps; verification trims them."""
         request = item.request
-        if not (self.spec.drafts_with_a_model and item.samples and spec_room > 0
+        if not (self._lookahead and item.samples and spec_room > 0
                 and request.grammar is None and request.spec_pause == 0):
             return
         if self.kv.num_free_blocks <= len(self.running):   # kept for the others' next tokens

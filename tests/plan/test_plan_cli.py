@@ -57,6 +57,17 @@ def test_the_rate_a_fleet_holds_grows_with_the_fleet(tmp_path, profile_file):
     assert 0 < rates[0] < rates[1]
 
 
+def test_the_capacity_curve_needs_more_replicas_for_more_load(tmp_path, profile_file, capsys):
+    out = tmp_path / "curve.json"
+    assert main(["plan", "--profile", str(profile_file), "--rates", "10,40,80", *WORKLOAD,
+                 *SLO, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["answer"]["curve"]
+    needed = [r["replicas"] for r in rows]
+    assert [r["rate"] for r in rows] == [10.0, 40.0, 80.0]
+    assert needed == sorted(needed) and needed[0] < needed[-1]
+    assert "80 req/s: " in capsys.readouterr().out
+
+
 def test_mistakes_say_what_to_do(tmp_path, profile_file, capsys):
     assert main(["plan", "--profile", str(profile_file), "--rate", "5"]) == 2
     assert "--slo is needed" in capsys.readouterr().err
