@@ -109,9 +109,10 @@ MAX_FAILURES_IN_A_ROW = 3  # requests failed alone with no good step between: th
 class AsyncEngine:
     def __init__(self, config: EngineConfig, *, max_waiting: int = 256,
                  request_timeout_s: float | None = None, stall_timeout_s: float = 60.0,
-                 core_factory: Callable[[EngineConfig], EngineCore] = EngineCore) -> None:
+                 core_factory: Callable[[EngineConfig], EngineCore] | None = None) -> None:
         """`core_factory` builds the engine core in the engine thread (a simulated replica
-        passes one that loads no model: ember/plan/replica.py)."""
+        passes one that loads no model: ember/plan/replica.py); None: EngineCore, looked up
+        when the thread starts."""
         self.config = config
         self.core_factory = core_factory
         self.max_waiting = max_waiting
@@ -301,7 +302,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.process_s = process_age_s()   # the process's life before the engine loads
-            self.core = self.core_factory(self.config)
+            self.core = (self.core_factory or EngineCore)(self.config)
             self._warm_up()
             self.core.advise_kv_huge_pages()
             self.core.load_phases.mark("warm_up")
