@@ -8,8 +8,10 @@ from torch import Tensor
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
     """Hugging Face's rule: a seen token's logit is divided by the penalty if positive,
-    multiplied by it if negative. seen [B, V] bool (prompt and output); penalty [B]."""
-    p = penalty[:, None]
+    multiplied by it if negative. seen [B, V] bool (prompt and output); penalty [B].
+    A penalty below the dtype's range (a request's 1e-300 is 0 in float32) acts as the
+    smallest it holds: -inf * 0 would be NaN, and a banned (-inf) token must stay banned."""
+    p = penalty[:, None].clamp(min=torch.finfo(penalty.dtype).tiny)
     penalised = torch.where(logits > 0, logits / p, logits * p)
     return torch.where(seen, penalised, logits)
 

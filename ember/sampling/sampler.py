@@ -143,7 +143,9 @@ def sampling_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
         raise ValueError("sampling_probs needs the rows' temperatures (a batch of greedy rows "
                          "has none): sample greedy rows with argmax_rows")
     temperature = batch.temperature.clamp(min=1e-5)  # greedy rows are not read from this
-    logits = P.apply_temperature(logits, temperature)
+    # +inf (a seen token under a vanishing repetition penalty) becomes the largest finite
+    # logit, so the tokens it forces share the probability rather than softmax giving NaN
+    logits = P.apply_temperature(logits, temperature).clamp(max=torch.finfo(logits.dtype).max)
     if batch.top_k is not None or batch.top_p is not None:
         logits = P.apply_top_k_top_p(logits, batch.top_k, batch.top_p)
     if batch.min_p is not None:

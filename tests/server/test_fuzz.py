@@ -162,14 +162,22 @@ EXTREMES = [-1, 2**64, -2**63 - 1, 10**30, math.nan, math.inf, -math.inf]
 NUMBER_FIELDS = ["n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                  "priority", "logprobs"]
+# The smallest float, in each float field of a constrained body: float32 reads it as 0, and
+# the grammar's banned tokens (-inf) must stay banned through every processor.
+FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty"]
+YES_NO = {"max_tokens": 2, "structured_outputs": {"choice": ["yes", "no"]}}
 EXPLICIT = {
     "/v1/completions": [{"prompt": "Hi", "max_tokens": 2, field: value}
-                        for field in NUMBER_FIELDS + ["best_of"] for value in EXTREMES],
+                        for field in NUMBER_FIELDS + ["best_of"] for value in EXTREMES]
+    + [{"prompt": "yes no yes", field: 5e-324} | YES_NO for field in FLOAT_FIELDS],
     "/v1/chat/completions": [{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
                               field: value}
                              for field in NUMBER_FIELDS + ["top_logprobs",
                                                            "max_completion_tokens"]
-                             if field != "logprobs" for value in EXTREMES],
+                             if field != "logprobs" for value in EXTREMES]
+    + [{"messages": [{"role": "user", "content": "yes no yes"}], field: 5e-324} | YES_NO
+       for field in FLOAT_FIELDS],
     "/tokenize": [{"prompt": "Hi", "add_special_tokens": value} for value in EXTREMES],
     "/detokenize": [{"tokens": [value]} for value in EXTREMES],
     "/v1/embeddings": [{"input": "Hi", field: value} for field in ("dimensions", "priority")

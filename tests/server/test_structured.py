@@ -66,6 +66,26 @@ def test_json_object_regex_choice_grammar_on_both_endpoints(client):
         assert check(chat.choices[0].message.content)
 
 
+@pytest.mark.parametrize("extreme", [
+    {"repetition_penalty": 5e-324}, {"repetition_penalty": 5e-324, "temperature": 1.0},
+    {"repetition_penalty": 1e-40, "temperature": 2.0, "top_p": 5e-324},
+    {"temperature": 5e-324, "min_p": 1.0}, {"presence_penalty": -2, "frequency_penalty": -2},
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_extreme_sampling_values_keep_to_the_grammar(server, path, extreme):
+    """Each value in its range, however small: the output is still one of the choices, and
+    (three in a row, with no other request between) the engine keeps serving."""
+    ask = {"prompt": "yes or no? yes no yes"} if path == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": "yes or no? yes no yes"}]}
+    for _ in range(3):
+        r = httpx.post(server.url + path, timeout=60, json=ask | extreme | {
+            "max_tokens": 8, "structured_outputs": {"choice": ["yes", "no"]}})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice.get("text", choice.get("message", {}).get("content")) in ("yes", "no")
+    assert httpx.get(server.url + "/health/ready").status_code == 200
+
+
 @pytest.mark.parametrize("body,words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "array", "uniqueItems": True}}}}, "'uniqueItems' at #"),

@@ -61,6 +61,32 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40, 1e-30])
+def test_a_vanishing_repetition_penalty_keeps_banned_tokens_banned(penalty):
+    """A request may ask for any penalty in (0, 10]; one below float32's range reaches the
+    logits as 0, and -inf * 0 is NaN. A banned token (-inf: a grammar's mask) must stay
+    banned, and nothing may become NaN; a seen positive logit may grow without bound."""
+    logits = LOGITS.clone()
+    logits[0, [0, 3]] = float("-inf")                 # banned, and seen
+    r = req(prompt=[0, 3, 4, 6], repetition_penalty=penalty, temperature=0)
+    out = process_logits(logits, build_sampling_batch([r], VOCAB, torch.device("cpu")))
+    assert not out.isnan().any(), out
+    assert out[0, 0] == out[0, 3] == float("-inf")
+    assert out[0, 4] >= LOGITS[0, 4] and -0.5 <= out[0, 6] <= 0    # 3.0 / p, -0.5 * p
+    assert torch.equal(out[0, [1, 2, 5, 7]], LOGITS[0, [1, 2, 5, 7]])  # not seen
+
+
+def test_a_token_forced_to_infinity_takes_all_the_probability():
+    """+inf (a vanishing penalty on a seen token) is the most likely token, not a NaN row."""
+    logits = LOGITS.clone()
+    logits[0, 2] = float("inf")
+    logits[0, 5] = float("-inf")
+    batch = build_sampling_batch([req(temperature=0.5, top_p=0.9, min_p=0.1)], VOCAB,
+                                 torch.device("cpu"))
+    probs = sampling_probs(logits, batch)
+    assert torch.equal(probs, torch.nn.functional.one_hot(torch.tensor([2]), VOCAB).float())
+
+
 def test_presence_and_frequency_penalties_follow_openai():
     counts = torch.tensor([[3.0, 0, 1, 0, 0, 0, 0, 0]])
     out = P.apply_presence_frequency_penalties(LOGITS, counts, torch.tensor([0.5]),
