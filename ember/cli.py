@@ -48,7 +48,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "measured on the model's shapes the first time it loads on this "
                         "machine, kept beside the weight cache and printed at start (int8 "
                         "stays unless bfloat16 is clearly faster; without a weight cache, or "
-                        "on a busy machine, int8 where the compiled kernels have AVX-512 BF16)")
+                        "on a busy machine, int8 where the compiled kernels have AVX-512 BF16); "
+                        "bfloat16-brgemm: torch's brgemm on AMX's tile unit (AMX CPUs only)")
     g.add_argument("--deterministic", action="store_true",
                    help="a request's greedy tokens and logprobs, and its seeded samples, do "
                         "not depend on how many requests decode beside it (they never depend "

@@ -22,7 +22,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu", "cost")
 KV_CACHE_DTYPES = ("auto", "model", "int8")  # auto: int8 with int4 weights on the kernels
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats (ember/quant/packed.py)
-PREFILL_MATMULS = ("auto", "bfloat16", "int8")  # dense matmuls over 8 rows (ember/quant/packed.py)
+# dense matmuls over 8 rows (ember/quant/packed.py); bfloat16-brgemm: torch's brgemm (AMX)
+PREFILL_MATMULS = ("auto", "bfloat16", "int8", "bfloat16-brgemm")
 KERNELS = ("auto", "torch")  # compiled CPU kernels where they build, or the torch path alone
 # proposers of speculative decoding (ember/spec/); "draft:PATH" names a draft model's files
 SPECULATIVE = ("ngram", "self", "draft:PATH")

@@ -105,6 +105,13 @@ def resolve_prefill_matmul(name: str, method: str, kernels: CpuKernels | None) -
                else "the compiled kernels with AVX-512 BF16 are not available here")
         raise ConfigError(f"--prefill-matmul int8 cannot run: {why}; or use --prefill-matmul "
                           "bfloat16")
+    if name == "bfloat16-brgemm" and (method == "none" or kernels is None
+                                      or not kernels.brgemm_vnni):
+        why = ("the weights are not packed; add --quantization int8 or int4" if method == "none"
+               else "the compiled kernels are not available here" if kernels is None
+               else "torch's brgemm runs its tile kernel only on a CPU with AMX")
+        raise ConfigError(f"--prefill-matmul bfloat16-brgemm cannot run: {why}; use "
+                          "--prefill-matmul auto or bfloat16")
     return name
 
 

@@ -79,6 +79,13 @@ def long_prompt(topic: str) -> str:
     return f"The notes of {topic}, written out at length for the cache. " * 12
 
 
+def assert_prefix_hit_on_r2(gw: LiveGateway, prompt: str) -> None:
+    """A question after `prompt`, sent through the gateway, is routed to r2 for its prefix."""
+    complete(gw.url, prompt + " And a question?")
+    assert gw.metric('ember_router_routing_decisions_total{reason="prefix_hit",'
+                     'replica="r2"}') == 1
+
+
 def test_a_replica_holding_more_blocks_than_its_event_log_is_known_whole_at_first_contact(
         small_window, replicas, tiny_llama_dir):
     """The replica cached a prompt of many more blocks than its log keeps, before the gateway
@@ -95,9 +102,7 @@ def test_a_replica_holding_more_blocks_than_its_event_log_is_known_whole_at_firs
         gw.wait_ready()
         wait_for(lambda: set(keys) <= gw.fleet.blocks["r2"].blocks,
                  "learned every block of the prompt")
-        complete(gw.url, prompt + " And a question?")
-        assert gw.metric('ember_router_routing_decisions_total{reason="prefix_hit",'
-                         'replica="r2"}') == 1
+        assert_prefix_hit_on_r2(gw, prompt)
     finally:
         gw.close()
 
@@ -155,9 +160,7 @@ def test_the_tokenizer_option_hashes_as_a_replica_of_another_model_does(
         assert routed == keys
         wait_for(lambda: set(keys[:-1]) <= gw.fleet.blocks["r2"].blocks,
                  "learned the replica's blocks")
-        complete(gw.url, prompt + " And a question?")
-        assert gw.metric('ember_router_routing_decisions_total{reason="prefix_hit",'
-                         'replica="r2"}') == 1
+        assert_prefix_hit_on_r2(gw, prompt)
     finally:
         gw.close()
 

@@ -7,12 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from ember.cli import build_parser
 from ember.config import ModelConfig
 from ember.engine.matmul_timing import Timing, layer_projections
 from ember.engine.prefill_choice import (MAX_ERROR, ChoiceStore, PrefillChoice, busy_cpus,
                                          choice_fields, choose_prefill_matmul, pick,
                                          prefill_candidates)
+from ember.errors import ConfigError
 from ember.weights.cache import CHOICES, prune
+from ember.weights.loader import resolve_prefill_matmul
 
 AVX512 = frozenset({"avx512f", "avx512_bf16", "avx512_vnni"})
 AMX = AVX512 | {"amx_tile", "amx_bf16", "amx_int8"}
@@ -168,3 +171,15 @@ def test_brgemm_is_a_candidate_only_where_it_runs_the_ukernel():
     assert prefill_candidates("int4", avx512) == ["int8", "bfloat16"]
     assert prefill_candidates("none", amx) == ["bfloat16"]   # nothing packed: no choice
     assert prefill_candidates("int4", None) == ["bfloat16"]  # the torch path
+
+
+def test_asking_for_brgemm_runs_it_only_where_its_tile_kernel_does():
+    amx = SimpleNamespace(has_bf16_dot=True, brgemm_vnni=True)
+    avx512 = SimpleNamespace(has_bf16_dot=True, brgemm_vnni=False)
+    assert resolve_prefill_matmul("bfloat16-brgemm", "int4", amx) == "bfloat16-brgemm"
+    for method, kernels, why in (("int4", avx512, "AMX"), ("none", amx, "not packed"),
+                                 ("int4", None, "compiled kernels")):
+        with pytest.raises(ConfigError, match=f"bfloat16-brgemm cannot run: .*{why}"):
+            resolve_prefill_matmul("bfloat16-brgemm", method, kernels)
+    args = build_parser().parse_args(["serve", "--prefill-matmul", "bfloat16-brgemm"])
+    assert args.prefill_matmul == "bfloat16-brgemm"
