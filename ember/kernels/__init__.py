@@ -8,7 +8,8 @@ over their paged contexts, a prefix that several chunks share packed once),
 `int4_matmul.cpp` and `int8_matmul.cpp` (linears on int4 and int8 weights, and on int8
 activations), `brgemm_matmul.cpp` (bfloat16 linears on torch's own brgemm: AMX's tile unit
 where the CPU has one), `lora.cpp` (the LoRA adapters of a mixed batch, each adapter's
-rows at once), `decode_stack.cpp` (every decoder layer of a step in one call), the
+rows at once), `decode_stack.cpp` (every decoder layer of a step in one call),
+`shm_allreduce.cpp` (the tensor-parallel all-reduce through shared memory), the
 inline helpers they share (`vec.h` SIMD, `kv_cache.h` the cache's rows, `common.h` what one
 file calls in another) and `bindings.cpp` (the Python bindings only). Most need a CPU with
 AVX-512 BF16 (and VNNI, for the int8 activations); the rest run anywhere. They are built as
@@ -180,6 +181,19 @@ class CpuKernels:
         the ~150 parallel regions of a batch-1 decode step pay to hand work between cores."""
         round_trip, region = self.ops.thread_sync_ns(rounds)
         return round_trip, region
+
+    def shm_all_reduce(self, name: str, rank: int, world_size: int, slot_bytes: int,
+                       create: bool):
+        """This rank's end of a shared-memory all-reduce among the processes of one host, on
+        the POSIX segment `name` (rank 0 creates it, the others open it; shm_unlink it once
+        all have). Its all_reduce(x, timeout_s, spin_us) makes x (float32 or bfloat16) the
+        sum over the ranks, added in rank order in float32 (ember/distributed/allreduce.py
+        sum_in_rank_order, bit for bit); close() leaves the group."""
+        return self.ops.ShmAllReduce(name, rank, world_size, slot_bytes, create)
+
+    def shm_unlink(self, name: str) -> None:
+        """Remove a shared-memory segment's name (its memory lives on while mapped)."""
+        self.ops.ShmAllReduce.unlink(name)
 
     def int8_rows(self, ids: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
         """Rows `ids` [t] of that weight -> [t, k] bfloat16 (an embedding lookup)."""

@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "decode_stack.h"
+#include "shm_allreduce.h"
 
 using namespace ember;
 
@@ -53,6 +54,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add", &lora_add, "each adapter's low-rank update added to its rows of y",
         py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("starts"), py::arg("a"),
         py::arg("a_scales"), py::arg("b"), py::arg("b_scales"), py::arg("ranges"), no_gil);
+  // module_local: two builds may share a process (an A/B of two sources loads both)
+  py::class_<ShmAllReduce>(m, "ShmAllReduce", py::module_local())
+      .def(py::init<const std::string&, int64_t, int64_t, int64_t, bool>(), py::arg("name"),
+           py::arg("rank"), py::arg("world_size"), py::arg("slot_bytes"), py::arg("create"))
+      .def("all_reduce", &ShmAllReduce::all_reduce,
+           "in place, the sum over the ranks, added in rank order", py::arg("x"),
+           py::arg("timeout_s"), py::arg("spin_us"), no_gil)
+      .def("close", &ShmAllReduce::close, "leave the group: the others' waits on it raise")
+      .def("segment_bytes", &ShmAllReduce::segment_bytes)
+      .def_static("unlink", &ShmAllReduce::unlink, "remove a segment's name", py::arg("name"));
 #ifdef EMBER_BF16_DOT
   // module_local: two builds may share a process (an A/B of two sources loads both)
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())

@@ -1,0 +1,61 @@
+// The shared-memory all-reduce's interface (shm_allreduce.cpp), bound by bindings.cpp as
+// ShmAllReduce. Layout and reference: as shm_allreduce.cpp states.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace ember {
+
+struct ShmRankState;  // one rank's flags in the segment (shm_allreduce.cpp)
+
+// One rank's end of an all-reduce among the processes of one host, over one POSIX
+// shared-memory segment per group. Rank 0 creates the segment (`create`), the others open
+// it once it exists; ShmAllReduce::unlink removes its name once every rank has it mapped,
+// so that no segment outlives its processes, however they end.
+class ShmAllReduce {
+ public:
+  ShmAllReduce(const std::string& name, int64_t rank, int64_t world_size, int64_t slot_bytes,
+               bool create);
+  ~ShmAllReduce();
+  ShmAllReduce(const ShmAllReduce&) = delete;
+  ShmAllReduce& operator=(const ShmAllReduce&) = delete;
+
+  // x (float32 or bfloat16, contiguous, on the CPU) becomes, in place, the sum over the
+  // ranks of their x, added in rank order 0..T-1 in float32 and rounded to x's type once.
+  // Waits for the others at most timeout_s each time (spinning spin_us first, then asleep,
+  // off the core); raises, and makes every later call (and the others' waits on this rank)
+  // raise, where a rank does not come, has exited or sent another size or type.
+  void all_reduce(at::Tensor& x, double timeout_s, double spin_us);
+
+  // This rank leaves the group: the others' waits on it raise at once, instead of at their
+  // timeout. The destructor closes too.
+  void close();
+
+  static void unlink(const std::string& name);
+  int64_t segment_bytes() const { return static_cast<int64_t>(bytes_); }
+
+ private:
+  struct Chunk;
+  ShmRankState* state(int64_t rank) const;
+  char* slot(int64_t rank, int buffer) const;
+  void wait_for(int64_t peer, uint64_t* word, uint64_t target, const char* what);
+  void await_chunks(uint64_t seq, const Chunk& chunk);
+  void reduce(int buffer, void* out, int64_t elements, bool bf16);
+  void check_peers_alive();
+  void leave(uint64_t state);
+  [[noreturn]] void fail(const std::string& message);
+
+  int64_t rank_, world_size_, slot_bytes_;
+  size_t bytes_ = 0;
+  char* base_ = nullptr;
+  uint64_t seq_ = 0;            // chunks sent so far, the same count on every rank
+  double timeout_s_ = 0, spin_us_ = 0;
+  std::string failed_;          // why this end stopped working; empty while it works
+  std::vector<int8_t> pid_checked_;  // per peer: its pid seen alive from here (same pid space)
+};
+
+}  // namespace ember

@@ -1,0 +1,150 @@
+"""The all-reduce's two transports (ember/distributed/allreduce.py) in real process groups.
+
+Reference: the sum of known per-rank tensors, added in rank order 0..T-1 in float32 and
+rounded once to the dtype, computed here; shared memory and gloo must both equal it bit for
+bit, on every rank. Processes are spawned (gloo over a file store); a dead or silent peer
+must make the survivor raise, never hang.
+"""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ember.distributed.allreduce import make_all_reduce
+from ember.kernels import build_cpu_ops
+
+SLOT = 4096   # a small slot: float32 tensors above 1024 elements go in chunks
+# (numel, dtype): 1 element up to several slots, and one above the default slot (1 MiB)
+CASES = [(n, dtype) for dtype in (torch.float32, torch.bfloat16)
+         for n in (1, 7, 576, 1024, 1025, 576 * 8, 576 * 32)]
+LARGE = [(300_000, torch.float32), (600_001, torch.bfloat16)]
+SEQUENCE = (1, 576, 3000)   # back-to-back calls cycle through these sizes (1, 1, 3 chunks)
+CALLS = 300
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_built() -> None:
+    build_cpu_ops()   # once here, not in every spawned rank; a failed build is a failure
+
+
+def rank_tensor(rank: int, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank `rank`'s known input for case `key`: magnitudes from 1e-3 to 1e3, so that the
+    order of addition shows in the rounding, and some subnormal values."""
+    g = torch.Generator().manual_seed(7919 * key + rank)
+    x = torch.randn(numel, generator=g) * 10.0 ** torch.randint(-3, 4, (numel,), generator=g)
+    x[::17] *= 1e-40
+    return x.to(dtype)
+
+
+def rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    acc = parts[0].float()
+    for part in parts[1:]:
+        acc = acc + part.float()
+    return acc.to(parts[0].dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    view = torch.int32 if a.dtype == torch.float32 else torch.int16
+    return a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
+
+
+def init_group(rank: int, world_size: int, store: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=120))
+
+
+def reduce_cases(rank: int, world_size: int, store: str, out_dir: str) -> None:
+    init_group(rank, world_size, store)
+    shm = make_all_reduce(None, rank, world_size, "shm", slot_bytes=SLOT)
+    transports = {"shm": shm, "shm_default_slot": make_all_reduce(None, rank, world_size, "shm"),
+                  "gloo": make_all_reduce(None, rank, world_size, "gloo")}
+    auto = make_all_reduce(None, rank, world_size, "auto")
+    results: dict = {"auto": auto.kind}
+    for key, (numel, dtype) in enumerate(CASES + LARGE):
+        for name, all_reduce in transports.items():
+            x = rank_tensor(rank, key, numel, dtype)
+            all_reduce(x)
+            results[name, key] = x
+    for call in range(CALLS):
+        x = rank_tensor(rank, 1000 + call, SEQUENCE[call % 3], torch.bfloat16)
+        shm(x)
+        results["sequence", call] = x
+    fresh = make_all_reduce(None, rank, world_size, "shm", slot_bytes=SLOT)
+    try:   # the ranks disagree on the size: each must say so
+        fresh(torch.ones(576 + rank))
+        results["mismatch"] = ""
+    except RuntimeError as e:
+        results["mismatch"] = str(e)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5])   # 5: the sum for any number of ranks
+def test_shm_and_gloo_equal_the_rank_order_sum(tmp_path: Path, world_size: int) -> None:
+    mp.spawn(reduce_cases, args=(world_size, str(tmp_path / "store"), str(tmp_path)),
+             nprocs=world_size)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+    for key, (numel, dtype) in enumerate(CASES + LARGE):
+        want = rank_order_sum([rank_tensor(r, key, numel, dtype) for r in range(world_size)])
+        for rank, got in enumerate(results):
+            for name in ("shm", "shm_default_slot", "gloo"):
+                assert same_bits(got[name, key], want), f"{name} {numel} {dtype} rank {rank}"
+    for call in range(CALLS):
+        want = rank_order_sum([rank_tensor(r, 1000 + call, SEQUENCE[call % 3], torch.bfloat16)
+                               for r in range(world_size)])
+        assert all(same_bits(got["sequence", call], want) for got in results), f"call {call}"
+    assert [got["auto"] for got in results] == ["shm"] * world_size
+    for got in results:
+        assert "same shapes" in got["mismatch"], got["mismatch"]
+    if world_size >= 3:   # the inputs tell the orders apart: an unordered sum would fail
+        key = CASES.index((576 * 32, torch.float32))
+        parts = [rank_tensor(r, key, *CASES[key]) for r in range(world_size)]
+        assert not same_bits(rank_order_sum(parts[::-1]), rank_order_sum(parts))
+
+
+def survive_a_lost_peer(rank: int, store: str, how: str, outcome) -> None:
+    init_group(rank, 2, store)
+    all_reduce = make_all_reduce(None, rank, 2, "shm", timeout_s=3.0)
+    all_reduce(torch.ones(576))   # both ranks are in
+    if rank == 1:
+        if how == "exit":
+            os._exit(0)            # gone without a word, as a crash
+        if how == "close":
+            all_reduce.close()
+        time.sleep(600)            # silent: the test ends it
+    errors = []
+    for _ in range(2):             # the failure, then a refusal to go on
+        try:
+            all_reduce(torch.ones(576))
+            errors.append("")
+        except RuntimeError as e:
+            errors.append(str(e))
+    outcome.put(errors)
+
+
+@pytest.mark.parametrize("how", ["exit", "stall", "close"])
+def test_a_lost_peer_makes_the_survivor_raise(tmp_path: Path, how: str) -> None:
+    ctx = mp.get_context("spawn")
+    outcome = ctx.Queue()
+    procs = [ctx.Process(target=survive_a_lost_peer, args=(r, str(tmp_path / "store"), how,
+                                                           outcome)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        if how == "exit":
+            procs[1].join(120)     # reaped: its pid is gone, as a crashed peer's would be
+        errors = outcome.get(timeout=300)   # a hang fails here instead of stalling the suite
+    finally:
+        procs[1].kill()
+        for p in procs:
+            p.join(60)
+    assert errors[0] and "rank 1" in errors[0], errors
+    assert "failed before" in errors[1], errors
