@@ -28,6 +28,8 @@ KERNELS = ("auto", "torch")  # compiled CPU kernels where they build, or the tor
 # proposers of speculative decoding (ember/spec/); "draft:PATH" names a draft model's files
 SPECULATIVE = ("ngram", "self", "draft:PATH")
 TASKS = ("generate", "embed")  # generate also serves embeddings; embed serves only them
+ROLES = ("both", "prefill", "decode")  # disaggregated serving (ember/kv_transfer/)
+KV_TRANSPORTS = ("auto", "http")       # auto: shared memory on one host, else HTTP
 POOLINGS = ("auto", "last", "mean", "cls")  # auto: the model folder's sentence-transformers
                                             # pooling, else the last token
 
@@ -274,6 +276,39 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregated serving: a prefill replica computes prompts and keeps their KV blocks
+    pinned for a decode replica, which pulls them and generates the rest (ember/kv_transfer/).
+    `both` is an ordinary replica, which does neither."""
+
+    role: str = "both"
+    # how a decode replica pulls: auto maps the prefill replica's KV cache where both run on
+    # one host (else HTTP); http always asks the prefill replica's server
+    kv_transport: str = "auto"
+    # a prompt's pinned blocks go back to the pool this long after the prompt finished,
+    # unless a decode replica pulled them first
+    kv_pin_seconds: float = 30.0
+    # a decode replica's whole pull, after which it recomputes the prompt itself
+    kv_pull_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        check_choice("role", self.role, ROLES)
+        check_choice("kv_transport", self.kv_transport, KV_TRANSPORTS)
+        for name in ("kv_pin_seconds", "kv_pull_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value <= 3600:
+                raise ConfigError(f"{name}={value} must be in (0, 3600] seconds; try 30")
+
+    @property
+    def exports(self) -> bool:
+        return self.role == "prefill"
+
+    @property
+    def imports(self) -> bool:
+        return self.role == "decode"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the user chooses about one engine. `model=None` means the default model."""
 
@@ -299,6 +334,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     loras: tuple[tuple[str, str], ...] = ()   # (name, path) of LoRA adapters loaded at start
     max_loras: int = 8             # adapters resident in memory at once (least recently used out)
     max_lora_rank: int = 64
@@ -320,6 +356,10 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len={self.max_model_len} must be positive, or None "
                               "for the model's own context length")
+        if self.kv_transfer.role != "both" and self.spec.drafts_with_a_model:
+            raise ConfigError(f"--role {self.kv_transfer.role} moves the model's KV only; a "
+                              f"drafting model's would stay behind: leave out --speculative "
+                              f"{self.spec.speculative} (ngram drafts need no KV)")
 
     @classmethod
     def from_options(cls, **options: object) -> "EngineConfig":
@@ -329,9 +369,9 @@ class EngineConfig:
         the close matches.
         """
         groups: dict[type, dict[str, object]] = {cls: {}, CacheConfig: {}, SchedulerConfig: {},
-                                                 SpecConfig: {}}
+                                                 SpecConfig: {}, KVTransferConfig: {}}
         owners = {f.name: owner for owner in groups for f in fields(owner)
-                  if f.name not in ("cache", "scheduler", "spec")}
+                  if f.name not in ("cache", "scheduler", "spec", "kv_transfer")}
         for name, value in options.items():
             if name not in owners:
                 close = difflib.get_close_matches(name, owners, n=3)
@@ -341,7 +381,8 @@ class EngineConfig:
             groups[owners[name]][name] = value
         return cls(**groups[cls], cache=CacheConfig(**groups[CacheConfig]),
                    scheduler=SchedulerConfig(**groups[SchedulerConfig]),
-                   spec=SpecConfig(**groups[SpecConfig]))
+                   spec=SpecConfig(**groups[SpecConfig]),
+                   kv_transfer=KVTransferConfig(**groups[KVTransferConfig]))
 
 
 TENANT_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
