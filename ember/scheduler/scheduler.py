@@ -78,7 +78,7 @@ class Scheduler:
         self.held: frozenset[str] = frozenset()
         self.loading: dict[str, Request] = {}    # LOADING, or aborted while LOADING
         self._loads: list[KVLoad] = []           # copies to start (take_loads)
-        self._kept: dict[str, list[int]] = {}    # blocks handed over (take_kept)
+        self._kept: list[tuple[Request, list[int]]] = []   # blocks handed over (take_kept)
 
     # -- admission and removal -------------------------------------------------------------
 
@@ -121,14 +121,16 @@ class Scheduler:
     # -- copies from and to other replicas --------------------------------------------------
 
     def take_loads(self) -> list[KVLoad]:
-        """The copies of other replicas' KV that the last schedule() started; clears them."""
+        """The copies of other replicas' KV that the last schedule() started, and those it
+        found wholly cached here (nothing to copy: the request went on at once); clears
+        them."""
         loads, self._loads = self._loads, []
         return loads
 
-    def take_kept(self) -> dict[str, list[int]]:
-        """Blocks of finished `keep_blocks` requests, by request id, now the caller's to
-        release (kv.release_blocks); clears them."""
-        kept, self._kept = self._kept, {}
+    def take_kept(self) -> list[tuple[Request, list[int]]]:
+        """Finished `keep_blocks` requests and their blocks, now the caller's to release
+        (kv.release_blocks); clears them."""
+        kept, self._kept = self._kept, []
         return kept
 
     def _start_load(self, request: Request) -> bool:
@@ -143,14 +145,14 @@ class Scheduler:
             request.num_cached_tokens = hit.num_tokens
         request.num_computed_tokens = hit.num_tokens
         num_blocks = cdiv(request.num_external_tokens, self.kv.block_size)
+        table = self.kv.block_table(request.request_id)
+        self._loads.append(KVLoad(request.request_id, list(table[:num_blocks]),
+                                  len(hit.blocks)))
         if len(hit.blocks) >= num_blocks:   # this replica's cache holds all of it
             self._end_external(request, loaded=True)
             return True
         request.status = RequestStatus.LOADING
         self.loading[request.request_id] = request
-        table = self.kv.block_table(request.request_id)
-        self._loads.append(KVLoad(request.request_id, list(table[:num_blocks]),
-                                  len(hit.blocks)))
         return True
 
     def end_load(self, request_id: str, loaded: bool) -> None:
@@ -420,6 +422,10 @@ class Scheduler:
             drafts = None
         request.draft_token_ids = drafts or []
 
+    def stop_reason(self, request: Request) -> FinishReason | None:
+        """Why the request's newest token ends it, or None."""
+        return self._stop_reason(request)
+
     def _stop_reason(self, request: Request) -> FinishReason | None:
         params = request.params
         last = request.output_token_ids[-1]
@@ -436,7 +442,7 @@ class Scheduler:
 
     def _retire(self, request: Request, reason: FinishReason) -> None:
         if request.keep_blocks and reason is FinishReason.LENGTH:
-            self._kept[request.request_id] = self.kv.detach(request)
+            self._kept.append((request, self.kv.detach(request)))
         else:
             self.kv.free(request)
         request.status = RequestStatus.FINISHED

@@ -32,12 +32,12 @@ def test_kept_blocks_outlive_the_request_until_released():
     sched.add(request)
     step(sched)
     assert request.is_finished and request.finish_reason is FinishReason.LENGTH
-    kept = sched.take_kept()
-    assert list(kept) == ["p"] and len(kept["p"]) == 3
+    ((kept_request, blocks),) = sched.take_kept()
+    assert kept_request is request and len(blocks) == 3
     assert sched.kv.num_free_blocks == 8 - 3
-    assert all(sched.kv.pool.ref_count(b) == 1 for b in kept["p"])
+    assert all(sched.kv.pool.ref_count(b) == 1 for b in blocks)
     assert sched.kv.pool.num_cached_blocks == 3   # two full blocks and the tail
-    sched.kv.release_blocks(kept["p"])
+    sched.kv.release_blocks(blocks)
     assert sched.kv.num_free_blocks == 8
 
 
@@ -50,7 +50,7 @@ def test_kept_request_stopped_by_eos_frees_its_blocks():
     sched.add(request)
     step(sched, token=EOS)
     assert request.finish_reason is FinishReason.STOP
-    assert sched.take_kept() == {} and sched.kv.num_free_blocks == 8
+    assert sched.take_kept() == [] and sched.kv.num_free_blocks == 8
 
 
 def test_loading_request_decodes_from_its_first_token_once_loaded():
@@ -157,10 +157,27 @@ def _random_moment(rng: random.Random, sched, pending: list[str], kept: list[lis
                    ) -> None:
     step(sched, token=rng.choice((7, 7, 7, EOS)))
     pending += [load.request_id for load in sched.take_loads()]
-    kept += sched.take_kept().values()
+    kept += [blocks for _, blocks in sched.take_kept()]
     if sched.requests and rng.random() < 0.2:
         sched.finish(rng.choice(sorted(sched.requests)), FinishReason.ABORT)
     if pending and rng.random() < 0.5:
         sched.end_load(pending.pop(rng.randrange(len(pending))), loaded=rng.random() < 0.5)
     if kept and rng.random() < 0.5:
         sched.kv.release_blocks(kept.pop(rng.randrange(len(kept))))
+
+
+def test_a_prompt_wholly_cached_here_copies_nothing():
+    """A prompt of whole blocks that this replica holds already decodes at once; its load
+    is still reported (the other replica's pin is to be released), with nothing to copy."""
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    prompt = list(range(100, 108))
+    sched.add(remote_request("a", prompt))
+    step(sched)
+    sched.take_loads()
+    sched.end_load("a", loaded=True)
+    second = remote_request("b", prompt)
+    sched.add(second)
+    step(sched)
+    (load,) = sched.take_loads()
+    assert load.first_block == len(load.block_ids) == 2
+    assert second.status is RequestStatus.RUNNING and second.num_computed_tokens == 8
