@@ -356,6 +356,8 @@ class AsyncEngine:
                                       "restart the server"))
         finally:
             self._loaded.set()
+            if self.core is not None and self.core.kv_connector is not None:
+                self.core.kv_connector.close()
 
     def _warm_up(self) -> None:
         """One short generation (or embedding), so the first user does not pay for lazy

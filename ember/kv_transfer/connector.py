@@ -39,7 +39,7 @@ from torch import Tensor
 from ember.config import KVTransferConfig
 from ember.kv.prefix_cache import prompt_block_keys
 from ember.kv_transfer.blocks import BlockWriter, block_nbytes, copy_blocks, read_blocks
-from ember.kv_transfer.http import PrefillClient, TransferFailed
+from ember.kv_transfer.http import PrefillClient, TransferFailed, make_http_client
 from ember.kv_transfer.params import Export, KVFormat, RemotePrefill
 from ember.kv_transfer.shm import Mappings, SharedKV
 from ember.request import Request
@@ -144,11 +144,15 @@ class KVConnector:
         self._transports: list[KVTransport] = [HttpTransport(tensors)]
         if config.kv_transport == "auto":
             self._transports.insert(0, ShmTransport(tensors))
-        self._workers = ThreadPoolExecutor(2, "ember-kv") if config.imports else None
+        self._workers = self._http = None
+        if config.imports:
+            self._workers = ThreadPoolExecutor(2, "ember-kv")
+            self._http = make_http_client(config.kv_pull_timeout_s)
 
     def close(self) -> None:
         if self._workers is not None:
             self._workers.shutdown(wait=False, cancel_futures=True)
+            self._http.close()
 
     # -- the prefill replica ---------------------------------------------------------------
 
@@ -264,22 +268,19 @@ class KVConnector:
             self.stats.count(self.stats.fallbacks, reason)
 
     def _release_remote(self, remote: RemotePrefill) -> None:
-        client = PrefillClient(remote.url, remote.export.transfer_id,
-                               min(5.0, self.config.kv_pull_timeout_s), remote.authorization)
+        client = PrefillClient(self._http, remote.url, remote.export.transfer_id,
+                               remote.authorization)
         try:
             client.release()
         except TransferFailed:
             pass   # gone, or expired: either way it holds nothing now
-        finally:
-            client.close()
 
     def _pull(self, load: KVLoad, remote: RemotePrefill) -> None:
         start = time.monotonic()
         export = remote.export
         pairs = [(export.block_ids[i], load.block_ids[i])
                  for i in range(load.first_block, len(load.block_ids))]
-        client = PrefillClient(remote.url, export.transfer_id, self.config.kv_pull_timeout_s,
-                               remote.authorization)
+        client = PrefillClient(self._http, remote.url, export.transfer_id, remote.authorization)
         loaded = False
         try:
             claim = client.claim()
@@ -305,7 +306,6 @@ class KVConnector:
             self._count_fallback("transfer_failed", load.request_id, remote)
             self._try_release(client)
         finally:
-            client.close()
             with self._lock:
                 self._finished.append((load.request_id, loaded))
             self.on_ready()
