@@ -99,6 +99,20 @@ def test_greedy_text_and_usage_match_one_replica(trio, stream):
     assert_all_free(trio.prefill, trio.decode)
 
 
+def test_seeded_samples_match_one_replica(trio):
+    """A seeded request's noise depends on its seed and the position drawn, so the decode
+    replica draws what one replica would have, from the second token on."""
+    prompt = "Sampled, with a seed, through two replicas:"
+    fields = {"temperature": 0.9, "seed": 7, "ignore_eos": True, "max_tokens": 12}
+    want = complete(trio.single.url, prompt, **fields)["choices"][0]["text"]
+    first = complete(trio.prefill.url, prompt, kv_transfer_params={"do_remote_decode": True},
+                     **fields)
+    rest = complete(trio.decode.url, prompt, kv_transfer_params=first["kv_transfer_params"],
+                    **fields)
+    assert first["choices"][0]["text"] + rest["choices"][0]["text"] == want
+    assert_all_free(trio.prefill, trio.decode)
+
+
 def test_decode_pulls_only_the_blocks_it_lacks(trio):
     """The same prompt twice: the second time the decode replica's prefix cache holds its
     full blocks, so only the tail block moves. The answers are the ordinary replica's, asked
