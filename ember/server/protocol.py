@@ -76,7 +76,7 @@ class KVTransferParams(Strict):
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
-    transfer_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    transfer_id: str | None = Field(None, pattern=r"^[0-9a-f]{1,64}$")
     remote_url: str | None = Field(None, max_length=MAX_URL_CHARS)
     remote_replica_id: str | None = Field(None, max_length=MAX_ID_CHARS)
     remote_block_ids: list[int] | None = Field(None, max_length=MAX_TRANSFER_BLOCKS)

@@ -113,6 +113,20 @@ def test_seeded_samples_match_one_replica(trio):
     assert_all_free(trio.prefill, trio.decode)
 
 
+def test_text_held_back_for_a_stop_string_is_shown_once(trio):
+    """With stop strings, the tail that could start one is held back: the prefill replica's
+    answer leaves it out, the decode replica's shows it, and the two join into one text."""
+    prompt = "Stop strings hold text back, here across two replicas:"
+    fields = {"stop": ["never in this text, surely"]}
+    want = complete(trio.single.url, prompt, **fields)["choices"][0]["text"]
+    first = complete(trio.prefill.url, prompt, kv_transfer_params={"do_remote_decode": True},
+                     **fields)
+    rest = complete(trio.decode.url, prompt, kv_transfer_params=first["kv_transfer_params"],
+                    **fields)
+    assert first["choices"][0]["text"] == ""   # one token is shorter than the holdback
+    assert first["choices"][0]["text"] + rest["choices"][0]["text"] == want
+
+
 def test_decode_pulls_only_the_blocks_it_lacks(trio):
     """The same prompt twice: the second time the decode replica's prefix cache holds its
     full blocks, so only the tail block moves. The answers are the ordinary replica's, asked
