@@ -32,18 +32,20 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
 
 from ember.config import KVTransferConfig
 from ember.kv.prefix_cache import prompt_block_keys
 from ember.kv_transfer.blocks import BlockWriter, block_nbytes, copy_blocks, read_blocks
-from ember.kv_transfer.http import PrefillClient, TransferFailed, make_http_client
-from ember.kv_transfer.params import Export, KVFormat, RemotePrefill
+from ember.kv_transfer.params import Export, KVFormat, RemotePrefill, TransferFailed
 from ember.kv_transfer.shm import Mappings, SharedKV
 from ember.request import Request
 from ember.scheduler.output import KVLoad
+
+if TYPE_CHECKING:   # imported by decode replicas only (httpx)
+    from ember.kv_transfer.http import PrefillClient
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +148,10 @@ class KVConnector:
             self._transports.insert(0, ShmTransport(tensors))
         self._workers = self._http = None
         if config.imports:
+            from ember.kv_transfer import http
             self._workers = ThreadPoolExecutor(2, "ember-kv")
-            self._http = make_http_client(config.kv_pull_timeout_s)
+            self._http = http.make_http_client(config.kv_pull_timeout_s)
+            self._client = http.PrefillClient
 
     def close(self) -> None:
         if self._workers is not None:
@@ -268,7 +272,7 @@ class KVConnector:
             self.stats.count(self.stats.fallbacks, reason)
 
     def _release_remote(self, remote: RemotePrefill) -> None:
-        client = PrefillClient(self._http, remote.url, remote.export.transfer_id,
+        client = self._client(self._http, remote.url, remote.export.transfer_id,
                                remote.authorization)
         try:
             client.release()
@@ -280,7 +284,7 @@ class KVConnector:
         export = remote.export
         pairs = [(export.block_ids[i], load.block_ids[i])
                  for i in range(load.first_block, len(load.block_ids))]
-        client = PrefillClient(self._http, remote.url, export.transfer_id, remote.authorization)
+        client = self._client(self._http, remote.url, export.transfer_id, remote.authorization)
         loaded = False
         try:
             claim = client.claim()

@@ -1,17 +1,14 @@
 """The decode replica's calls to a prefill replica's server (server/kv_transfer.py): claim a
 transfer, stream its blocks, release it. Every failure is a TransferFailed with the reason
-the decode replica counts when it computes the prompt itself instead."""
+the decode replica counts when it computes the prompt itself instead. (Imported by decode
+replicas only: an ordinary server never loads httpx.)"""
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import httpx
 
-
-class TransferFailed(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
+from ember.kv_transfer.params import TransferFailed
 
 
 def make_http_client(timeout_s: float) -> httpx.Client:

@@ -16,6 +16,14 @@ FALLBACK_REASONS = ("incompatible", "prompt_mismatch", "expired", "unreachable",
                     "transfer_failed", "timeout")
 
 
+class TransferFailed(Exception):
+    """A pull that did not load; `reason` is one of FALLBACK_REASONS."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class KVFormat:
     """What a block's bytes mean: two replicas move blocks only when these agree."""

@@ -113,6 +113,22 @@ def test_seeded_samples_match_one_replica(trio):
     assert_all_free(trio.prefill, trio.decode)
 
 
+def test_chat_through_two_replicas(trio):
+    def chat(url: str, **fields) -> dict:
+        resp = httpx.post(url + "/v1/chat/completions", timeout=60, json={"messages": [
+            {"role": "user", "content": "Say something, through two replicas."}]}
+            | GREEDY | fields)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+    want = chat(trio.single.url)
+    first = chat(trio.prefill.url, kv_transfer_params={"do_remote_decode": True})
+    rest = chat(trio.decode.url, kv_transfer_params=first["kv_transfer_params"])
+    assert first["choices"][0]["message"]["content"] + \
+        rest["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    assert rest["usage"] == want["usage"]
+    assert_all_free(trio.prefill, trio.decode)
+
+
 def test_text_held_back_for_a_stop_string_is_shown_once(trio):
     """With stop strings, the tail that could start one is held back: the prefill replica's
     answer leaves it out, the decode replica's shows it, and the two join into one text."""
