@@ -33,7 +33,8 @@ from ember.engine.core import EngineCore, StepFailed
 from ember.engine.embed import PooledSequence
 from ember.engine.memory import return_free_memory
 from ember.engine.output import SequenceText
-from ember.errors import EmberError, EngineDead, EngineLoading, Overloaded, RequestFailed
+from ember.errors import (EmberError, EngineDead, EngineLoading, Overloaded, RequestFailed,
+                          TooManySequences)
 from ember.request import (CompletionOutput, FinishReason, PoolingParams, RequestOptions,
                            SamplingParams)
 from ember.weights.loader import served_model_name
@@ -264,6 +265,11 @@ class AsyncEngine:
         queued = self.stats.num_waiting + sum(len(p[2]) if kind == "add" else len(p[1])
                                               for kind, p in list(self._inbox)
                                               if kind in ("add", "embed"))
+        if num_sequences > self.max_waiting:
+            raise TooManySequences(f"the server takes at most {self.max_waiting} sequences "
+                                   f"waiting and this request adds {num_sequences} (prompts x "
+                                   "n); send fewer prompts or a smaller n, or raise the "
+                                   "server's --max-waiting")
         if queued + num_sequences > self.max_waiting:
             raise Overloaded(f"the server has {queued} sequences waiting and takes at most "
                              f"{self.max_waiting}; this request adds {num_sequences}; "
