@@ -237,6 +237,7 @@ class EngineCore:
                           self.quantization, self.prefill_matmul, kv_dtype, num_blocks,
                           self.max_model_len, tuple(shards))
         self.weight_cache, self.weights_cached = None, False
+        self.rank_setup = setup   # what every rank built from
         self.executor = start_ranks(setup, cpus)
         try:
             model = load_rank_model(files, self.model_config, setup, 0, kernels,

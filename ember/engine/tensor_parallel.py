@@ -61,8 +61,8 @@ def plan_ranks(config: EngineConfig, model: ModelConfig, quantization: str
     size = config.parallel.tensor_parallel_size
     if size == 1:
         return None
-    cpus = rank_cpus(config.parallel, sorted(os.sched_getaffinity(0)))
     shards = plan_shards(model, size)
+    cpus = rank_cpus(config.parallel, sorted(os.sched_getaffinity(0)))
     if quantization == "int4":
         odd = sorted({n for s in shards for n in _input_sizes(s.local_config(model)) if n % GROUP})
         if odd:
