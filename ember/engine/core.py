@@ -245,8 +245,9 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        log.info("tensor parallel: the whole-model decode stack runs in one process only; "
-                 "steps run layer by layer")
+        if self.quantization == "int4" and kernels is not None:
+            log.info("tensor parallel: the whole-model decode stack runs in one process "
+                     "only; steps run layer by layer")
         self.load_phases.mark("weights")
         return model
 

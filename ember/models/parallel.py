@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import Tensor, nn
 
 AllReduce = Callable[[Tensor], None]
@@ -61,7 +60,3 @@ def reduce_(all_reduce: AllReduce | None, x: Tensor) -> Tensor:
     all_reduce(x)
     return x
 
-
-def empty_logits(num_rows: int, like: Tensor) -> Tensor:
-    """[num_rows, 0]: what a rank other than the driver gets for its logits."""
-    return torch.empty((num_rows, 0), dtype=like.dtype, device=like.device)
