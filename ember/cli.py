@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ember.bench.cli import add_bench_parser, results_dir
-from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, POOLINGS,
-                          PREFILL_MATMULS, QUANTIZATIONS, SPECULATIVE, TASKS, ApiKey, CacheConfig,
-                          EngineConfig, SchedulerConfig, ServerConfig, SpecConfig, parse_api_keys)
+from ember.config import (DISTRIBUTED_EXECUTORS, DTYPES, EVICTION_POLICIES, KERNELS,
+                          KV_CACHE_DTYPES, POOLINGS, PREFILL_MATMULS, QUANTIZATIONS, SPECULATIVE,
+                          TASKS, ApiKey, CacheConfig, EngineConfig, ParallelConfig,
+                          SchedulerConfig, ServerConfig, SpecConfig, parse_api_keys)
 from ember.errors import ConfigError, EmberError, InvalidRequest
 from ember.plan.cli import add_plan_parser
 from ember.request import SamplingParams
@@ -118,6 +119,20 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "memory-mapped on the next start)")
     g.add_argument("-q", "--quiet", action="store_true",
                    help="do not report the model and KV cache on stderr at start")
+    p = parser.add_argument_group("parallelism")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="T",
+                   help="split every layer's heads and MLP columns over T processes on this "
+                        "host, each on its own CPU cores (their all-reduces over gloo); each "
+                        "process caches only its KV heads")
+    p.add_argument("--distributed-executor", default=ParallelConfig.distributed_executor,
+                   choices=list(DISTRIBUTED_EXECUTORS),
+                   help="how the ranks start: mp, local processes (ray: not built yet)")
+    p.add_argument("--cpu-bind", default=None, metavar="CPUS|CPUS",
+                   help="each rank's CPUs, ranks split by '|', e.g. '0-3|4-7' (default: this "
+                        "process's CPUs split evenly; printed at start)")
+    p.add_argument("--collective-timeout-s", type=float,
+                   default=ParallelConfig.collective_timeout_s,
+                   help="a rank that keeps the others waiting this long ends the engine")
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -157,7 +172,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   fair_share=args.fair_share),
         spec=SpecConfig(speculative=args.speculative,
                         num_speculative_tokens=args.num_speculative_tokens,
-                        self_draft_layers=args.self_draft_layers))
+                        self_draft_layers=args.self_draft_layers),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                distributed_executor=args.distributed_executor,
+                                cpu_bind=args.cpu_bind,
+                                collective_timeout_s=args.collective_timeout_s))
 
 
 def parse_lora(spec: str) -> tuple[str, str]:

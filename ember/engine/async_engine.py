@@ -324,6 +324,7 @@ class AsyncEngine:
                         worked = False
                     if next(unfaulted, False) is None:  # idle: one more KV huge page in
                         continue                        # (~1 ms), then the inbox again
+                    self.core.check_alive()   # a rank of the model gone: the engine is dead
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
@@ -340,6 +341,8 @@ class AsyncEngine:
                 stream.put(EngineDead(f"the engine stopped after an internal error ({e!r}); "
                                       "restart the server"))
         finally:
+            if self.core is not None:
+                self.core.close()   # the model's other ranks, if any, stop too
             self._loaded.set()
 
     def _warm_up(self) -> None:
