@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ember.bench.cli import add_bench_parser, results_dir
-from ember.config import (DISTRIBUTED_EXECUTORS, DTYPES, EVICTION_POLICIES, KERNELS,
+from ember.config import (ALL_REDUCES, DISTRIBUTED_EXECUTORS, DTYPES, EVICTION_POLICIES, KERNELS,
                           KV_CACHE_DTYPES, POOLINGS, PREFILL_MATMULS, QUANTIZATIONS, SPECULATIVE,
                           TASKS, ApiKey, CacheConfig, EngineConfig, ParallelConfig,
                           SchedulerConfig, ServerConfig, SpecConfig, parse_api_keys)
@@ -122,7 +122,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument_group("parallelism")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="T",
                    help="split every layer's heads and MLP columns over T processes on this "
-                        "host, each on its own CPU cores (their all-reduces over gloo); each "
+                        "host, each on its own CPU cores (see --all-reduce); each "
                         "process caches only its KV heads")
     p.add_argument("--distributed-executor", default=ParallelConfig.distributed_executor,
                    choices=list(DISTRIBUTED_EXECUTORS),
@@ -133,6 +133,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--collective-timeout-s", type=float,
                    default=ParallelConfig.collective_timeout_s,
                    help="a rank that keeps the others waiting this long ends the engine")
+    p.add_argument("--all-reduce", default=ParallelConfig.all_reduce, choices=list(ALL_REDUCES),
+                   help="the ranks' all-reduce: shm through shared memory (ranks on one host), "
+                        "gloo over sockets; both add in rank order, so tokens do not depend "
+                        "on it (auto: shm where it runs)")
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -176,7 +180,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 distributed_executor=args.distributed_executor,
                                 cpu_bind=args.cpu_bind,
-                                collective_timeout_s=args.collective_timeout_s))
+                                collective_timeout_s=args.collective_timeout_s,
+                                all_reduce=args.all_reduce))
 
 
 def parse_lora(spec: str) -> tuple[str, str]:

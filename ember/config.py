@@ -29,6 +29,8 @@ KERNELS = ("auto", "torch")  # compiled CPU kernels where they build, or the tor
 SPECULATIVE = ("ngram", "self", "draft:PATH")
 TASKS = ("generate", "embed")  # generate also serves embeddings; embed serves only them
 DISTRIBUTED_EXECUTORS = ("mp", "ray")  # how a model's ranks start: local processes, Ray actors
+# the ranks' all-reduce (ember/distributed/allreduce.py): shm on one host, else gloo
+ALL_REDUCES = ("auto", "shm", "gloo")
 POOLINGS = ("auto", "last", "mean", "cls")  # auto: the model folder's sentence-transformers
                                             # pooling, else the last token
 
@@ -227,9 +229,11 @@ class ParallelConfig:
     # a collective that waits longer than this on a rank (hung, or dead without closing its
     # sockets) ends the engine
     collective_timeout_s: float = 60.0
+    all_reduce: str = "auto"   # both kinds add in rank order: the same bits either way
 
     def __post_init__(self) -> None:
         check_choice("distributed_executor", self.distributed_executor, DISTRIBUTED_EXECUTORS)
+        check_choice("all_reduce", self.all_reduce, ALL_REDUCES)
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be in "
                               "[1, 64]; 1 runs the model in one process")

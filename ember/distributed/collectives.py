@@ -3,8 +3,8 @@ ProcessGroupGloo, never the process-wide default group, so that a process may ho
 engines), the all-reduce and logits gather the model calls, and each step's plan broadcast
 from the driver.
 
-The all-reduce here gathers every rank's tensor and sums them in rank order, so its result
-does not depend on the transport; a faster one (shared memory) fits the same AllReduceFn.
+The all-reduce comes from ember/distributed/allreduce.py (shared memory on one host, else
+gloo; both add in rank order, so the result does not depend on the transport).
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-AllReduceFn = Callable[[Tensor], None]   # x -> None: x becomes the sum over the ranks
+from ember.distributed.allreduce import AllReduceFn
+
 HOST = "127.0.0.1"   # mp ranks share a host
 # a worker waits this long for the next step: an idle engine is not a failed one
 IDLE_WAIT = timedelta(days=365)
@@ -43,19 +44,6 @@ def connect(store: dist.Store, rank: int, world_size: int, timeout: timedelta
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
     return dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, world_size, options)
-
-
-def all_reduce_in_rank_order(group: dist.ProcessGroup, world_size: int) -> AllReduceFn:
-    """An AllReduceFn over `group`: all-gather, then the sum of rank 0's, rank 1's, ...
-    tensors, accumulated in float32 for 16-bit ones, so every rank gets the same bits."""
-    def all_reduce(x: Tensor) -> None:
-        parts = [torch.empty_like(x) for _ in range(world_size)]
-        dist.all_gather(parts, x, group=group)
-        total = parts[0].float() if x.dtype != torch.float32 else parts[0].clone()
-        for part in parts[1:]:
-            total += part
-        x.copy_(total)
-    return all_reduce
 
 
 def gather_logits(group: dist.ProcessGroup, rank: int, widths: list[int]

@@ -36,8 +36,9 @@ from typing import Any, Protocol
 import torch
 
 import ember
-from ember.distributed.collectives import (RankCollectives, all_reduce_in_rank_order,
-                                           broadcast_object, connect, gather_logits, open_store)
+from ember.distributed.allreduce import make_all_reduce
+from ember.distributed.collectives import (RankCollectives, broadcast_object, connect,
+                                           gather_logits, open_store)
 from ember.distributed.parallel import format_cpus
 from ember.errors import ConfigError, EngineDead
 from ember.request import PoolingParams
@@ -89,6 +90,8 @@ class WorkerPayload:
     build: BuildRunner
     setup: Any
     log_level: int
+    all_reduce: str          # ParallelConfig.all_reduce
+    timeout_s: float         # a collective's wait within a step
 
 
 class LocalProcesses:
@@ -98,9 +101,11 @@ class LocalProcesses:
     connect() once it has."""
 
     def __init__(self, cpus: list[tuple[int, ...]], vocab_widths: list[int], timeout_s: float,
-                 build: BuildRunner, setup: Any) -> None:
+                 build: BuildRunner, setup: Any, all_reduce: str = "auto") -> None:
         self.world_size = len(cpus)
         self.timeout_s = timeout_s
+        self.all_reduce_kind = all_reduce
+        self.all_reduce: Any = None   # the bound one, closed at shutdown
         self.vocab_widths = vocab_widths
         self.collectives = RankCollectives()   # rank 0's, bound by connect()
         self.broken: str | None = None   # why the ranks are out of step, once they are
@@ -110,7 +115,7 @@ class LocalProcesses:
         level = logging.getLogger().getEffectiveLevel()
         self.workers = [_spawn(WorkerPayload(rank, self.world_size, self.store.port,
                                              cpus[rank], tuple(vocab_widths), build, setup,
-                                             level))
+                                             level, all_reduce, timeout_s))
                         for rank in range(1, self.world_size)]
         # a driver that fails to start, or is dropped without shutdown(), kills its workers
         self._release = weakref.finalize(self, _release, self.workers, self._saved_binding)
@@ -140,8 +145,10 @@ class LocalProcesses:
                                   f"{LOAD_TIMEOUT_S:.0f} s")
             time.sleep(0.02)
         self.group = connect(self.store, 0, self.world_size, timedelta(seconds=self.timeout_s))
-        self.collectives.bind(all_reduce_in_rank_order(self.group, self.world_size),
-                              gather_logits(self.group, 0, self.vocab_widths))
+        self.all_reduce = make_all_reduce(self.group, 0, self.world_size, self.all_reduce_kind,
+                                          timeout_s=self.timeout_s)
+        log.info("tensor parallel: all-reduce over %s", self.all_reduce.kind)
+        self.collectives.bind(self.all_reduce, gather_logits(self.group, 0, self.vocab_widths))
 
     def send(self, step: ForwardStep) -> None:
         if self.broken is not None:
@@ -183,6 +190,8 @@ class LocalProcesses:
                 pass   # killed by _release
         self.broken = self.broken or "shut down"
         self.group = None
+        if self.all_reduce is not None:
+            self.all_reduce.close()
         self._release()
 
 

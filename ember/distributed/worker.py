@@ -11,8 +11,8 @@ import pickle
 import sys
 import traceback
 
-from ember.distributed.collectives import (IDLE_WAIT, RankCollectives,
-                                           all_reduce_in_rank_order, connect, gather_logits,
+from ember.distributed.allreduce import make_all_reduce
+from ember.distributed.collectives import (IDLE_WAIT, RankCollectives, connect, gather_logits,
                                            join_store, receive_object)
 from ember.distributed.executor import WorkerPayload, pin_process
 from ember.runner.runner import ModelRunner
@@ -37,7 +37,8 @@ def main() -> None:
     store.set(f"ready/{rank}", "1")
     # waits as long as the driver may idle: the driver's own timeout bounds a step
     group = connect(store, rank, payload.world_size, IDLE_WAIT)
-    collectives.bind(all_reduce_in_rank_order(group, payload.world_size),
+    collectives.bind(make_all_reduce(group, rank, payload.world_size, payload.all_reduce,
+                                     timeout_s=payload.timeout_s),
                      gather_logits(group, rank, list(payload.vocab_widths)))
     try:
         serve_steps(group, runner)

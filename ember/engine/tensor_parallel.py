@@ -91,8 +91,9 @@ def tensor_parallel_prefill(asked: str) -> PrefillChoice:
 def start_ranks(setup: RankSetup, cpus: list[tuple[int, ...]]) -> LocalProcesses:
     """Start ranks 1..T-1 loading their parts (this process is rank 0)."""
     widths = [s.vocab[1] - s.vocab[0] for s in setup.shards]
-    return LocalProcesses(cpus, widths, setup.config.parallel.collective_timeout_s,
-                          build_worker_runner, setup)
+    parallel = setup.config.parallel
+    return LocalProcesses(cpus, widths, parallel.collective_timeout_s, build_worker_runner,
+                          setup, parallel.all_reduce)
 
 
 def load_rank_model(files: ModelFiles, model_config: ModelConfig, setup: RankSetup,
