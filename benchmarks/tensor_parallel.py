@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/tensor_parallel.py --tp 1 --prefill-matmul bfloat16 memory
     .venv/bin/python benchmarks/tensor_parallel.py --tp 2 memory
     .venv/bin/python benchmarks/tensor_parallel.py --tp 1 speed
-    .venv/bin/python benchmarks/tensor_parallel.py --tp 2 speed
+    .venv/bin/python benchmarks/tensor_parallel.py --tp 2 speed [--all-reduce gloo]
 
 memory: the bytes of every tensor each rank's model holds (the packed int4 panels, the dense
 copies prompt rows run on, the int8 output projection; rank 1's counted by loading its part
@@ -125,9 +125,10 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--prefill-matmul", default="auto")
     parser.add_argument("--kv-cache-gib", type=float, default=0.05)
+    parser.add_argument("--all-reduce", default="auto", choices=("auto", "shm", "gloo"))
     args = parser.parse_args()
     llm = LLM(tensor_parallel_size=args.tp, prefill_matmul=args.prefill_matmul,
-              kv_cache_gib=args.kv_cache_gib)
+              kv_cache_gib=args.kv_cache_gib, all_reduce=args.all_reduce)
     try:
         if args.what == "memory":
             llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))
