@@ -3,7 +3,7 @@ runs (the placement, in SQLite), what each plane should run, and which plane may
 request.
 
     plane heartbeat -> heard(): joined, came back or changed -> re-solve; reply: its fleets
-    check() every tick: a plane silent for `down_after_s` -> down, event, re-solve
+    check() every tick: a plane silent for `down_after_s` -> down, event; re-solve if due
     views(): planes as routing.py sees them, from what the planes report running
 
 Planes pull their work: the heartbeat's reply is the plane's desired fleets. A restarted
@@ -53,6 +53,8 @@ class Controller:
         # a restart gives every known plane a full `down_after_s` to be heard from again
         self.live = {name: PlaneLive(last_seen=now) for name in state.planes()}
         self.served: dict[tuple[str, str], int] = {}   # (tenant, plane) -> requests sent
+        self.pending = ""            # why a re-solve is due ("": none)
+        self.first_heard = 0.0       # monotonic: the first heartbeat since start
         changed = set(state.deployments()) != set(config.deployments)
         state.save_deployments(config.deployments)
         if changed and self.live:
@@ -74,7 +76,8 @@ class Controller:
                 self.state.event("plane_up", f"{plane.name} is heard from again")
             else:
                 self.state.event("plane_changed", f"{plane.name} reports a new capacity")
-            self.resolve(f"plane {plane.name} joined or changed")
+            self.pending = self.pending or f"plane {plane.name} joined or changed"
+            self.first_heard = self.first_heard or live.last_seen
         return self.desired(plane.name)
 
     def check(self) -> None:
@@ -90,7 +93,13 @@ class Controller:
                                  f"{now - live.last_seen:.1f} s; marked down")
                 lost.append(name)
         if lost:
-            self.resolve(f"plane(s) {', '.join(lost)} went down")
+            self.pending = f"plane(s) {', '.join(lost)} went down"
+        # with nothing placed yet, planes starting together get `down_after_s` to join, so
+        # the first placement is not undone as each one registers
+        settling = not self.state.placement() and now - self.first_heard < self.down_after_s
+        if self.pending and not settling:
+            why, self.pending = self.pending, ""
+            self.resolve(why)
 
     def resolve(self, why: str) -> None:
         planes = tuple(p for p, _, _ in self.state.planes().values())

@@ -199,6 +199,7 @@ def test_a_tenant_with_no_healthy_allowed_plane_gets_503_naming_why(cluster):
     r = c.ask(ACME)
     assert r.status_code == 503 and r.headers["Retry-After"]
     assert "regions eu" in r.json()["error"]["message"]
-    assert "us-1" not in c.snapshot()["served"]["acme"]
     assert c.ask(GLOBEX).status_code == 200
+    assert "us-1" not in c.snapshot()["served"].get("acme", {})
+    assert tenant_count(fleets(c.snapshot())["us-1"][0], "acme") == 0
 
