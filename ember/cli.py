@@ -23,6 +23,7 @@ from ember.config import (ALL_REDUCES, DISTRIBUTED_EXECUTORS, DTYPES, EVICTION_P
 from ember.errors import ConfigError, EmberError, InvalidRequest
 from ember.plan.cli import add_plan_parser
 from ember.request import SamplingParams
+from ember.control.main import add_control_parsers
 from ember.router.cli import add_route_args, route_only_options
 from ember.weights.paths import served_model_name
 
@@ -472,6 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat, max_tokens=1024)
     chat.set_defaults(func=cmd_chat)
     _models_parser(sub)
+    add_control_parsers(sub)
     return parser
 
 

@@ -242,6 +242,8 @@ async def route(gw: Gateway, request: Request, model: type, path: str) -> Respon
     """Validate (as the replica would), hash, pick, forward."""
     arrival = time.monotonic()
     server = gw.fleet.config.server
+    if request.state.tenant is not None:   # where each tenant's inputs were processed
+        gw.fleet.metrics.tenant_requests.labels(request.state.tenant.tenant).inc()
     raw = await read_request(gw, request)
     body = parse_body(raw, model, server.max_json_depth, server.max_n)
     embedding = isinstance(body, EmbeddingRequest)

@@ -135,7 +135,7 @@ class Proxy:
                 tap.feed(upstream.first)
             _finish(tap, on_done)
             return Response(upstream.first, status_code=resp.status,
-                            media_type=resp.content_type, headers=_kept_headers(resp))
+                            media_type=resp.content_type, headers=kept_headers(resp))
         relay = Relay(self, upstream, tap, on_done)
         return RelayResponse(relay, status_code=resp.status, media_type="text/event-stream",
                              headers=SSE_HEADERS)
@@ -185,25 +185,7 @@ class Proxy:
                                                     headers=headers, timeout=timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise Attempt("connect") from e
-        try:
-            if resp.status in RETRYABLE and not _request_fault(resp):
-                body = await resp.read()
-                resp.release()
-                raise Attempt(f"status_{resp.status}", resp.status, body,
-                              _retry_after(resp.headers.get("Retry-After")))
-            if resp.content_type == "text/event-stream":
-                first = await resp.content.readany()
-                if not first:
-                    raise Attempt("empty_stream")
-            else:
-                first = await resp.read()
-                resp.release()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            resp.close()
-            raise Attempt("disconnect") from e
-        except BaseException:   # an Attempt, or cancelled: the connection goes, not reused
-            resp.close()
-            raise
+        first = await read_first(resp)
         return Upstream(replica, resp, first)
 
     def _eject_after(self, replica: Replica, failed: Attempt) -> None:
@@ -233,23 +215,18 @@ class Relay:
         self.closed = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        resp, fleet = self.upstream.response, self.proxy.fleet
         try:
-            chunk = self.upstream.first
-            while chunk:
-                if self.tap is not None:
-                    self.tap.feed(chunk)
+            async for chunk in relay_stream(self.upstream.response, self.upstream.first,
+                                            self.tap.feed if self.tap is not None else None,
+                                            self._failed):
                 yield chunk
-                chunk = await resp.content.readany()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            self.status = 502
-            fleet.eject(self.upstream.replica, "mid_stream")
-            fleet.metrics.stream_errors.inc()
-            message = "the replica serving this stream failed after it had started; retry"
-            yield b"data: " + json.dumps(error_body(502, message, "server_error")).encode() \
-                + b"\n\n" + b"data: [DONE]\n\n"
         finally:
             self.close()
+
+    def _failed(self) -> None:
+        self.status = 502
+        self.proxy.fleet.eject(self.upstream.replica, "mid_stream")
+        self.proxy.fleet.metrics.stream_errors.inc()
 
     def close(self) -> None:
         if self.closed:
@@ -272,6 +249,52 @@ class RelayResponse(StreamingResponse):
             self.relay.close()
 
 
+async def read_first(resp: aiohttp.ClientResponse) -> bytes:
+    """The first chunk of a stream, or the whole of a plain body; an Attempt (retry it
+    elsewhere) for a retryable status the server does not mark as the request's own fault,
+    an empty stream, or a connection lost before the first byte."""
+    try:
+        if resp.status in RETRYABLE and not _request_fault(resp):
+            body = await resp.read()
+            resp.release()
+            raise Attempt(f"status_{resp.status}", resp.status, body,
+                          _retry_after(resp.headers.get("Retry-After")))
+        if resp.content_type == "text/event-stream":
+            first = await resp.content.readany()
+            if not first:
+                raise Attempt("empty_stream")
+        else:
+            first = await resp.read()
+            resp.release()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        resp.close()
+        raise Attempt("disconnect") from e
+    except BaseException:   # an Attempt, or cancelled: the connection goes, not reused
+        resp.close()
+        raise
+    return first
+
+
+async def relay_stream(resp: aiohttp.ClientResponse, first: bytes,
+                       on_chunk: Callable[[bytes], None] | None,
+                       on_failure: Callable[[], None]) -> AsyncIterator[bytes]:
+    """`first`, then the rest of a streamed body as it comes. A connection lost after the
+    first byte calls `on_failure` and ends the stream with an error event and [DONE], never
+    silently (the client has bytes already: it cannot be retried)."""
+    try:
+        chunk = first
+        while chunk:
+            if on_chunk is not None:
+                on_chunk(chunk)
+            yield chunk
+            chunk = await resp.content.readany()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        on_failure()
+        message = "the server answering this stream failed after it had started; retry"
+        yield b"data: " + json.dumps(error_body(502, message, "server_error")).encode() \
+            + b"\n\n" + b"data: [DONE]\n\n"
+
+
 def _finish(tap: Capture | None, on_done: Callable[[], None] | None) -> None:
     if tap is not None:
         tap.close()
@@ -279,7 +302,7 @@ def _finish(tap: Capture | None, on_done: Callable[[], None] | None) -> None:
         on_done()
 
 
-def _kept_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
+def kept_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
     """The replica's headers that a plain answer keeps: whose fault it is, when to retry."""
     return {name: resp.headers[name] for name in (FAULT_HEADER, "Retry-After")
             if name in resp.headers}
