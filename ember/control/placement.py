@@ -187,9 +187,9 @@ def place(problem: Problem, time_limit_s: float = 10.0, workers: int = 2,
         solver.parameters.num_workers = workers
         solver.parameters.relative_gap_limit = gap
         status = solver.solve(model)
-        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if status != cp_model.INFEASIBLE:    # out of time is no reason to relax the model
             break
-    else:
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise ConfigError(f"CP-SAT found no placement in {time_limit_s} s "
                           f"({solver.status_name(status)}); raise the time limit")
     assignments = v.read(solver)
