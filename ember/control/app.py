@@ -120,12 +120,13 @@ def _tenant(ctl: Controller, request: Request) -> Tenant | None:
 
 def choose(ctl: Controller, model: str, tenant: Tenant | None, client_region: str | None
            ) -> list[PlaneView]:
-    """The planes to try, best first: active fleets, else (every active one gone) the
-    deployments' standbys. Both lists lie inside the tenant's regions (routing.py)."""
+    """The planes to try, best first: active fleets, then the deployments' standbys, so a
+    request whose active planes all fail (one just died, not yet marked down) is served by
+    a standby before its first byte. Both lists lie inside the tenant's regions."""
     regions = tenant.regions if tenant is not None else ()
     planes, why = candidates(ctl.views("active"), model, regions, client_region)
-    if not planes:
-        planes, _ = candidates(ctl.views("standby"), model, regions, client_region)
+    standbys, _ = candidates(ctl.views("standby"), model, regions, client_region)
+    planes += [p for p in standbys if p.name not in {a.name for a in planes}]
     if not planes:
         raise Unavailable(why)
     return planes

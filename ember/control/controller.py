@@ -111,7 +111,11 @@ class Controller:
                           + (f" (standby {a.standby})" if a.standby else "")
                           for d, a in result.assignments.items())
         unplaced = f"; unplaced: {', '.join(result.unplaced)}" if result.unplaced else ""
-        self.state.event("placed", f"{why}: {where or 'nothing placed'}{unplaced}")
+        short = [f"{d.name} ({n} of {d.replicas})" for d in self.config.deployments
+                 if (a := result.assignments.get(d.name))
+                 and (n := sum(a.active.values())) < d.replicas]
+        short_text = f"; short of replicas: {', '.join(short)}" if short else ""
+        self.state.event("placed", f"{why}: {where or 'nothing placed'}{unplaced}{short_text}")
 
     def reported(self) -> dict[str, Assignment]:
         """The placement the planes' reported fleets amount to (for re-adoption)."""

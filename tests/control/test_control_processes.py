@@ -71,9 +71,10 @@ class Proc:
 
 
 class Cluster:
-    def __init__(self, folder: Path, profile_path: Path, model: str) -> None:
+    def __init__(self, folder: Path, profile_path: Path, model: str, template: str = CONFIG
+                 ) -> None:
         config = folder / "deployments.toml"
-        config.write_text(CONFIG.format(model=model, profile=profile_path, kv=TEST_KV_GIB))
+        config.write_text(template.format(model=model, profile=profile_path, kv=TEST_KV_GIB))
         self.state = folder / "control.db"
         self.config, self.port = config, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -130,15 +131,63 @@ def tenant_count(fleet_url: str, tenant: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, smollm_path):
+def start_cluster(folder: Path, smollm_path: Path, template: str = CONFIG) -> Cluster:
     from ember.router.prompts import load_tokenizer
-    folder = tmp_path_factory.mktemp("control")
     profile = make_profile(smollm_path, load_tokenizer(str(smollm_path)))
     profile.save(folder / "profile.json")
-    c = Cluster(folder, folder / "profile.json", profile.model_name)
+    return Cluster(folder, folder / "profile.json", profile.model_name, template)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, smollm_path):
+    c = start_cluster(tmp_path_factory.mktemp("control"), smollm_path)
     yield c
     c.close()
+
+
+PASSIVE = """
+[[deployment]]
+name = "chat"
+model = "{model}"
+replicas = 1
+cores = 1
+memory_gib = 1
+regions = ["eu"]
+mode = "active-passive"
+serve_args = ["--simulate", "{profile}", "--kv-cache-gib", "{kv}"]
+
+[[tenant]]
+name = "acme"
+keys = ["sk-acme"]
+regions = ["eu"]
+"""
+
+
+def test_active_passive_the_standby_serves_once_the_primary_dies(tmp_path, smollm_path):
+    c = start_cluster(tmp_path, smollm_path, PASSIVE)
+    try:
+        snap = c.wait(lambda s: ready(s, "chat") and all(
+            p["fleets"] and p["fleets"][0]["ready"] for p in s["planes"]
+            if p["name"] in ("eu-1", "eu-2")), "primary and standby ready")
+        where = snap["deployments"][0]["placement"]
+        [primary], standby = list(where["active"]), where["standby"]
+        assert {primary, standby} == {"eu-1", "eu-2"}
+        for _ in range(3):
+            assert c.ask(ACME, stream=True).status_code == 200
+        assert set(c.snapshot()["served"]["acme"]) == {primary}   # the standby is idle
+        c.planes[primary].end(signal.SIGKILL)
+        statuses = []     # the primary's fleets may answer a last request as they die
+        while c.snapshot()["served"]["acme"].get(standby, 0) < 4:
+            statuses.append(c.ask(ACME, stream=bool(len(statuses) % 2)).status_code)
+            assert len(statuses) < 200, statuses
+        assert set(statuses) == {200}          # retried on the standby before a first byte
+        snap = c.wait(lambda s: s["deployments"][0]["placement"]["active"] == {standby: 1},
+                      "the standby promoted")
+        assert next(p for p in snap["planes"] if p["name"] == primary)["health"] == "down"
+        assert c.ask(ACME).status_code == 200
+        assert "us-1" not in c.snapshot()["served"]["acme"]
+    finally:
+        c.close()
 
 
 def test_an_eu_tenant_stays_in_eu_through_a_plane_failure(cluster):

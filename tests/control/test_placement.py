@@ -34,14 +34,15 @@ def problems(draw, max_planes: int = 5, max_deployments: int = 4, max_replicas: 
 
 
 def options(d: Deployment, problem: Problem) -> list[Assignment | None]:
-    """Every assignment of `d` alone that holds its own constraints, and None (unplaced)."""
+    """Every assignment of `d` alone that holds its own constraints (any count from one to
+    its replicas, with or without a standby), and None (unplaced)."""
     names = [p.name for p in problem.planes]
     out: list[Assignment | None] = [None]
     for counts in itertools.product(range(d.replicas + 1), repeat=len(names)):
-        if sum(counts) != d.replicas:
+        if not 1 <= sum(counts) <= d.replicas:
             continue
         active = {p: n for p, n in zip(names, counts) if n}
-        standbys = [None] if d.mode == "active-active" else names
+        standbys = [None] if d.mode == "active-active" else [None, *names]
         for standby in standbys:
             a = Assignment(active, standby)
             alone = Problem(problem.planes, (d,))
@@ -108,9 +109,27 @@ def test_resolve_moves_only_the_lost_replicas():
     assert all("eu-1" not in a.active for a in second.assignments.values())
 
 
-def test_too_little_capacity_leaves_deployments_unplaced_not_overcommitted():
+def test_too_little_capacity_keeps_a_replica_of_each_deployment_not_overcommitted():
     planes = (Plane("a", "eu", 2, 4096), Plane("b", "eu", 2, 4096))
     deployments = tuple(Deployment(f"d{i}", "m", 2, 1, 1024) for i in range(3))
     placed = place(Problem(planes, deployments))
-    assert len(placed.unplaced) == 1 and len(placed.assignments) == 2
+    assert placed.unplaced == ()
+    counts = sorted(sum(a.active.values()) for a in placed.assignments.values())
+    assert counts == [1, 1, 2]                     # four cores: one deployment whole
     assert violations(Problem(planes, deployments), placed.assignments) == []
+    fewer = tuple(Deployment(f"d{i}", "m", 2, 1, 1024) for i in range(5))
+    placed = place(Problem(planes, fewer))          # four cores, five deployments
+    assert len(placed.unplaced) == 1 and len(placed.assignments) == 4
+    assert violations(Problem(planes, fewer), placed.assignments) == []
+
+
+def test_a_plane_failure_keeps_the_replicas_that_still_fit():
+    planes = [Plane("a", "eu", 2, 4096), Plane("b", "eu", 2, 4096), Plane("c", "eu", 1, 4096)]
+    chat = Deployment("chat", "m", 4, 1, 1024)
+    first = place(Problem(tuple(planes), (chat,)))
+    assert sum(first.assignments["chat"].active.values()) == 4
+    planes[0] = Plane("a", "eu", 2, 4096, up=False)
+    problem = Problem(tuple(planes), (chat,), first.assignments)
+    second = place(problem)
+    assert second.unplaced == () and violations(problem, second.assignments) == []
+    assert second.assignments["chat"].active == {"b": 2, "c": 1}   # three fit, not none
