@@ -1,12 +1,19 @@
 """Soak: many concurrent streams for minutes, with clients that hang up or time out.
 
-Targets an `ember serve` on 127.0.0.1 (--base-url) or starts one (--start). Every request ends in
+Targets an `ember serve` or an `ember route` gateway on 127.0.0.1 (--base-url), or starts one
+(--start: `ember serve`; --start-route N: `ember route --replicas N`). Every request ends in
 exactly one bucket: finished (a whole answer), error (a 4xx/5xx with a body), aborted (we hung
 up mid-stream on purpose), timed_out (our client timeout fired), or LOST (none of these: a stream
 that stopped without [DONE], a dropped connection we did not cause, a malformed answer). LOST
 must be 0, and once idle the KV cache must be empty (the /metrics usage gauge at 0).
 
+Through a gateway (a server whose GET /fleet lists replicas) the idle check reads each
+replica's own gauges, the gateway's ejection and restart counters must stay at 0, and the
+resident memory of the gateway and of each replica is reported (start, end, and the largest
+of one sample a second).
+
     python benchmarks/soak.py --start --minutes 2
+    python benchmarks/soak.py --start-route 2 --minutes 3
     python benchmarks/soak.py --base-url http://127.0.0.1:8000 --pid 1234
 
 Prints one JSON object. Loops stop by themselves: each worker at the deadline, the whole run
@@ -42,10 +49,22 @@ class Tally:
     errors: Counter = field(default_factory=Counter)
     lost_examples: list = field(default_factory=list)
 
-    def lose(self, why: str) -> None:
-        self.lost += 1
-        if len(self.lost_examples) < 10:
-            self.lost_examples.append(why)
+    def record(self, outcome: str) -> None:
+        """One request's bucket: finished, aborted, timed_out, error:STATUS or lost:WHY."""
+        kind, _, detail = outcome.partition(":")
+        if kind == "error":
+            self.errors[detail] += 1
+        elif kind == "lost":
+            self.lost += 1
+            if len(self.lost_examples) < 10:
+                self.lost_examples.append(detail)
+        else:
+            setattr(self, kind, getattr(self, kind) + 1)
+
+    @property
+    def num_recorded(self) -> int:
+        return self.finished + self.aborted + self.timed_out + self.lost + \
+            sum(self.errors.values())
 
 
 def random_body(rng: random.Random, max_tokens: int) -> tuple[str, dict]:
@@ -67,35 +86,36 @@ async def one_request(client: httpx.AsyncClient, base_url: str, rng: random.Rand
     timeout = (rng.uniform(0.05, 1.0) if args.abort_fraction <= roll
                < args.abort_fraction + args.timeout_fraction else args.request_timeout)
     tally.sent += 1
+    # the outcome is noted as soon as the answer is judged: a timeout or an error while the
+    # connection closes afterwards does not count the request twice
+    judged: list[str] = []
     try:
         async with asyncio.timeout(timeout):
-            await send(client, base_url + path, body, abort_after, tally)
+            await send(client, base_url + path, body, abort_after, judged)
     except TimeoutError:
-        tally.timed_out += 1
+        pass
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:  # dropped or malformed
-        tally.lose(f"{path} stream={body['stream']}: {type(e).__name__}: {e}")
+        judged.append(f"lost:{path} stream={body['stream']}: {type(e).__name__}: {e}")
+    tally.record(judged[0] if judged else "timed_out")
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict, abort_after: int | None,
-               tally: Tally) -> None:
+               judged: list[str]) -> None:
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             data = json.loads(await r.aread())
-            if "message" not in data.get("error", {}):
-                tally.lose(f"{r.status_code} without an error envelope: {data}")
-            tally.errors[str(r.status_code)] += 1
+            judged.append(f"error:{r.status_code}" if "message" in data.get("error", {})
+                          else f"lost:{r.status_code} without an error envelope: {data}")
             return
         if not body["stream"]:
             data = json.loads(await r.aread())
-            if data["choices"][0].get("finish_reason") is None:
-                tally.lose(f"non-streamed answer without finish_reason: {data}")
-            else:
-                tally.finished += 1
+            judged.append("finished" if data["choices"][0].get("finish_reason") is not None
+                          else f"lost:non-streamed answer without finish_reason: {data}")
             return
-        await read_stream(r, abort_after, tally)
+        await read_stream(r, abort_after, judged)
 
 
-async def read_stream(r: httpx.Response, abort_after: int | None, tally: Tally) -> None:
+async def read_stream(r: httpx.Response, abort_after: int | None, judged: list[str]) -> None:
     chunks, done, finish = 0, False, None
     async for line in r.aiter_lines():
         if not line.startswith("data: "):
@@ -105,18 +125,16 @@ async def read_stream(r: httpx.Response, abort_after: int | None, tally: Tally) 
             break
         data = json.loads(line[6:])
         if "error" in data:       # an error after the headers went out: the stream's own report
-            tally.errors["stream_error"] += 1
+            judged.append("error:stream_error")
             return
         chunks += 1
         for choice in data.get("choices", []):
             finish = choice.get("finish_reason") or finish
         if abort_after is not None and chunks >= abort_after:
-            tally.aborted += 1    # leaving the block closes the connection mid-stream
+            judged.append("aborted")   # leaving the block closes the connection mid-stream
             return
-    if done and finish is not None:
-        tally.finished += 1
-    else:
-        tally.lose(f"stream ended after {chunks} chunks: done={done} finish={finish}")
+    judged.append("finished" if done and finish is not None else
+                  f"lost:stream ended after {chunks} chunks: done={done} finish={finish}")
 
 
 async def worker(base_url: str, seed: int, deadline: float, args: argparse.Namespace,
@@ -127,68 +145,174 @@ async def worker(base_url: str, seed: int, deadline: float, args: argparse.Names
             await one_request(client, base_url, rng, args, tally)
 
 
-async def wait_idle(base_url: str, timeout_s: float) -> dict[str, float]:
-    """The engine gauges once nothing runs or waits (or whatever they read at the timeout)."""
-    names = ("ember_num_requests_running", "ember_num_requests_waiting",
-             "ember_kv_cache_usage_perc")
+GAUGES = ("ember_num_requests_running", "ember_num_requests_waiting",
+          "ember_kv_cache_usage_perc")
+
+
+async def read_gauges(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    text = (await client.get(url + "/metrics")).text
+    return {n: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            for n in GAUGES if line.startswith(n + " ") or line.startswith(n + "{")}
+
+
+async def wait_idle(engines: dict[str, str], timeout_s: float) -> dict[str, dict[str, float]]:
+    """Each engine's gauges (name -> URL) once nothing runs or waits in any of them (or
+    whatever they read at the timeout)."""
     end = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=10) as client:
         while True:
-            text = (await client.get(base_url + "/metrics")).text
-            gauges = {n: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                      for n in names if line.startswith(n + " ") or line.startswith(n + "{")}
-            if all(gauges.get(n, 1) == 0 for n in names) or time.monotonic() > end:
+            gauges = {name: await read_gauges(client, url) for name, url in engines.items()}
+            if all(g.get(n, 1) == 0 for g in gauges.values() for n in GAUGES) or \
+                    time.monotonic() > end:
                 return gauges
             await asyncio.sleep(0.5)
+
+
+def fleet_of(base_url: str) -> dict | None:
+    """The gateway's GET /fleet, or None if the target is a single server."""
+    try:
+        r = httpx.get(base_url + "/fleet", timeout=10)
+        return r.json() if r.status_code == 200 and "replicas" in r.json() else None
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def rss_kib(pid: int | None) -> int | None:
     if pid is None:
         return None
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:   # exited (a replica restarted, say)
+        return None
     return None
+
+
+@dataclass
+class Memory:
+    """One process's resident set over the run, in KiB."""
+
+    pid: int | None
+    start: int | None = None
+    end: int | None = None
+    peak: int = 0
+    each_minute: list = field(default_factory=list)   # from the start, then the end
+
+    def sample(self, keep: bool = False) -> None:
+        rss = rss_kib(self.pid)
+        self.end = rss
+        if rss is not None:
+            self.start = rss if self.start is None else self.start
+            self.peak = max(self.peak, rss)
+        if keep:
+            self.each_minute.append(rss)
+
+    def report(self) -> dict:
+        change = None if not (self.start and self.end) else \
+            round(100 * (self.end - self.start) / self.start, 1)
+        return {"pid": self.pid, "rss_kib_start": self.start, "rss_kib_end": self.end,
+                "rss_kib_max": self.peak or None, "change_pct": change,
+                "rss_kib_each_minute": self.each_minute}
+
+
+async def sample_memory(memory: dict[str, Memory], stop: asyncio.Event) -> None:
+    """Every process's RSS once a second until `stop`, kept each minute and at the end."""
+    started, num_kept = time.monotonic(), 0
+    while not stop.is_set():
+        keep = (time.monotonic() - started) // 60 >= num_kept
+        num_kept += keep
+        for m in memory.values():
+            m.sample(keep)
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except TimeoutError:
+            pass
+    for m in memory.values():
+        m.sample(keep=True)
+
+
+def gateway_counters(base_url: str) -> dict:
+    """The gateway's answers by status, ejections, restarts and its own refusals."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    out: dict = {"answers_by_status": Counter(), "ejections": 0.0, "restarts": 0.0,
+                 "rejected_by_gateway": 0.0}
+    for line in text.splitlines():
+        value = line.rsplit(" ", 1)[-1]
+        if line.startswith("ember_router_requests_total{"):
+            out["answers_by_status"][line.split('status="')[1].split('"')[0]] += float(value)
+        elif line.startswith("ember_router_ejections_total"):
+            out["ejections"] += float(value)
+        elif line.startswith("ember_router_replica_restarts_total"):
+            out["restarts"] += float(value)
+        elif line.startswith("ember_router_rejected_total"):
+            out["rejected_by_gateway"] += float(value)
+    out["answers_by_status"] = dict(out["answers_by_status"])
+    return out
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Until the server is ready and, for a gateway, every replica it lists."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
+                fleet = fleet_of(url)
+                if fleet is None or all(r["state"] == "ready" for r in fleet["replicas"]):
+                    return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    return False
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "ember.cli", "serve", "--host", "127.0.0.1",
+    fleet = ["route", "--replicas", str(args.start_route)] if args.start_route else ["serve"]
+    command = [sys.executable, "-m", "ember.cli", *fleet, "--host", "127.0.0.1",
                "--port", str(port), "-q", *args.serve_args]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + args.start_timeout
-    while time.monotonic() < end and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
+    if wait_ready(url, proc, args.start_timeout):
+        return proc, url
     proc.kill()
     raise SystemExit(f"the server did not become ready: {' '.join(command)}")
 
 
 async def soak(base_url: str, args: argparse.Namespace, pid: int | None) -> dict:
     tally = Tally()
-    rss_start = rss_kib(pid)
+    fleet = fleet_of(base_url)
+    replicas = {r["id"]: r for r in fleet["replicas"]} if fleet else {}
+    memory = {"gateway" if fleet else "server": Memory(pid)} | \
+        {rid: Memory(r["pid"]) for rid, r in replicas.items()}
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_memory(memory, stop))
     started = time.monotonic()
     deadline = started + args.minutes * 60
     workers = [worker(base_url, args.seed + i, deadline, args, tally)
                for i in range(args.concurrency)]
     await asyncio.wait_for(asyncio.gather(*workers), args.minutes * 60 + args.request_timeout + 30)
-    gauges = await wait_idle(base_url, 60)
-    accounted = tally.finished + tally.aborted + tally.timed_out + sum(tally.errors.values())
-    return {"base_url": base_url, "minutes": args.minutes, "concurrency": args.concurrency,
-            "seconds": round(time.monotonic() - started, 1), "sent": tally.sent,
-            "finished": tally.finished, "aborted_by_client": tally.aborted,
-            "client_timeouts": tally.timed_out, "errors_by_status": dict(tally.errors),
-            "LOST": tally.lost + (tally.sent - accounted - tally.lost),
-            "lost_examples": tally.lost_examples, "idle_gauges": gauges,
-            "kv_all_free_when_idle": gauges.get("ember_kv_cache_usage_perc") == 0,
-            "rss_kib_start": rss_start, "rss_kib_end": rss_kib(pid)}
+    engines = {rid: r["url"] for rid, r in replicas.items()} or {"server": base_url}
+    gauges = await wait_idle(engines, 60)
+    stop.set()
+    await sampler
+    report = {"base_url": base_url, "minutes": args.minutes, "concurrency": args.concurrency,
+              "seconds": round(time.monotonic() - started, 1), "sent": tally.sent,
+              "finished": tally.finished, "aborted_by_client": tally.aborted,
+              "client_timeouts": tally.timed_out, "errors_by_status": dict(tally.errors),
+              "LOST": tally.lost + (tally.sent - tally.num_recorded),
+              "lost_examples": tally.lost_examples, "idle_gauges": gauges,
+              "kv_all_free_when_idle": all(g.get("ember_kv_cache_usage_perc") == 0
+                                           for g in gauges.values()),
+              "memory": {name: m.report() for name, m in memory.items()}}
+    if fleet:
+        after = {r["id"]: r for r in fleet_of(base_url)["replicas"]}
+        report["gateway"] = gateway_counters(base_url) | {
+            "replicas_replaced": sorted(rid for rid, r in replicas.items()
+                                        if after.get(rid, {}).get("pid") != r["pid"])}
+    return report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -196,7 +320,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--base-url", help="a running server on 127.0.0.1")
     target.add_argument("--start", action="store_true", help="start `ember serve` here")
-    p.add_argument("--pid", type=int, help="the target server's process (for RSS)")
+    target.add_argument("--start-route", type=int, metavar="N",
+                        help="start `ember route --replicas N` here")
+    p.add_argument("--pid", type=int, help="the target server's or gateway's process (for "
+                   "RSS; a gateway's replicas are found in its /fleet)")
     p.add_argument("--minutes", type=float, default=5.0)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -207,7 +334,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--start-timeout", type=float, default=180.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("serve_args", nargs="*", help="after --: options for `ember serve`")
+    p.add_argument("serve_args", nargs="*", help="after --: options for `ember serve` (or "
+                   "`ember route`, which passes them on to its replicas)")
     args = p.parse_args(argv)
     if args.base_url and not args.base_url.startswith(("http://127.0.0.1", "http://localhost")):
         p.error("--base-url must be on 127.0.0.1")
@@ -217,7 +345,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     proc, pid, url = None, args.pid, args.base_url
-    if args.start:
+    if args.start or args.start_route:
         proc, url = start_server(args)
         pid = proc.pid
     try:
@@ -230,7 +358,9 @@ def main(argv: list[str] | None = None) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
     print(json.dumps(report, indent=2))
-    sys.exit(1 if report["LOST"] or not report["kv_all_free_when_idle"] else 0)
+    harmed = report.get("gateway", {})
+    sys.exit(1 if report["LOST"] or not report["kv_all_free_when_idle"] or harmed.get("ejections")
+             or harmed.get("restarts") or harmed.get("replicas_replaced") else 0)
 
 
 if __name__ == "__main__":

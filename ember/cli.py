@@ -16,13 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ember.bench.cli import add_bench_parser, results_dir
-from ember.config import (DTYPES, EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, KV_TRANSPORTS,
-                          POOLINGS, PREFILL_MATMULS, QUANTIZATIONS, ROLES, SPECULATIVE, TASKS,
-                          ApiKey, CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig,
-                          ServerConfig, SpecConfig, parse_api_keys)
+from ember.config import (ALL_REDUCES, DISTRIBUTED_EXECUTORS, DTYPES, EVICTION_POLICIES, KERNELS,
+                          KV_CACHE_DTYPES, KV_TRANSPORTS, POOLINGS, PREFILL_MATMULS, QUANTIZATIONS,
+                          ROLES, SPECULATIVE, TASKS, ApiKey, CacheConfig, EngineConfig,
+                          KVTransferConfig, ParallelConfig, SchedulerConfig, ServerConfig,
+                          SpecConfig, parse_api_keys)
 from ember.errors import ConfigError, EmberError, InvalidRequest
 from ember.plan.cli import add_plan_parser
 from ember.request import SamplingParams
+from ember.control.main import add_control_parsers
 from ember.router.cli import add_route_args, route_only_options
 from ember.weights.paths import served_model_name
 
@@ -119,6 +121,24 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "memory-mapped on the next start)")
     g.add_argument("-q", "--quiet", action="store_true",
                    help="do not report the model and KV cache on stderr at start")
+    p = parser.add_argument_group("parallelism")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="T",
+                   help="split every layer's heads and MLP columns over T processes on this "
+                        "host, each on its own CPU cores (see --all-reduce); each "
+                        "process caches only its KV heads")
+    p.add_argument("--distributed-executor", default=ParallelConfig.distributed_executor,
+                   choices=list(DISTRIBUTED_EXECUTORS),
+                   help="how the ranks start: mp, local processes (ray: not built yet)")
+    p.add_argument("--cpu-bind", default=None, metavar="CPUS|CPUS",
+                   help="each rank's CPUs, ranks split by '|', e.g. '0-3|4-7' (default: this "
+                        "process's CPUs split evenly; printed at start)")
+    p.add_argument("--collective-timeout-s", type=float,
+                   default=ParallelConfig.collective_timeout_s,
+                   help="a rank that keeps the others waiting this long ends the engine")
+    p.add_argument("--all-reduce", default=ParallelConfig.all_reduce, choices=list(ALL_REDUCES),
+                   help="the ranks' all-reduce: shm through shared memory (ranks on one host), "
+                        "gloo over sockets; both add in rank order, so tokens do not depend "
+                        "on it (auto: shm where it runs)")
 
 
 def _disaggregation_args(parser: argparse.ArgumentParser) -> None:
@@ -192,6 +212,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         spec=SpecConfig(speculative=args.speculative,
                         num_speculative_tokens=args.num_speculative_tokens,
                         self_draft_layers=args.self_draft_layers),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                distributed_executor=args.distributed_executor,
+                                cpu_bind=args.cpu_bind,
+                                collective_timeout_s=args.collective_timeout_s,
+                                all_reduce=args.all_reduce),
         kv_transfer=kv_transfer_config(args))
 
 
@@ -484,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat, max_tokens=1024)
     chat.set_defaults(func=cmd_chat)
     _models_parser(sub)
+    add_control_parsers(sub)
     return parser
 
 

@@ -28,6 +28,9 @@ KERNELS = ("auto", "torch")  # compiled CPU kernels where they build, or the tor
 # proposers of speculative decoding (ember/spec/); "draft:PATH" names a draft model's files
 SPECULATIVE = ("ngram", "self", "draft:PATH")
 TASKS = ("generate", "embed")  # generate also serves embeddings; embed serves only them
+DISTRIBUTED_EXECUTORS = ("mp", "ray")  # how a model's ranks start: local processes, Ray actors
+# the ranks' all-reduce (ember/distributed/allreduce.py): shm on one host, else gloo
+ALL_REDUCES = ("auto", "shm", "gloo")
 ROLES = ("both", "prefill", "decode")  # disaggregated serving (ember/kv_transfer/)
 KV_TRANSPORTS = ("auto", "http")       # auto: shared memory on one host, else HTTP
 POOLINGS = ("auto", "last", "mean", "cls")  # auto: the model folder's sentence-transformers
@@ -215,6 +218,62 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """One model over several processes (ember/distributed/): tensor parallel splits every
+    layer's heads and MLP columns over `tensor_parallel_size` ranks, each a process with its
+    own CPU cores; rank 0 is the engine's own process and runs the scheduler and sampler."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor: str = "mp"   # mp: local processes; ray: not built yet
+    # each rank's CPUs, ranks split by "|", e.g. "0-3|4-7" or "0|1"; None: this process's
+    # CPUs split evenly among the ranks
+    cpu_bind: str | None = None
+    # a collective that waits longer than this on a rank (hung, or dead without closing its
+    # sockets) ends the engine
+    collective_timeout_s: float = 60.0
+    all_reduce: str = "auto"   # both kinds add in rank order: the same bits either way
+
+    def __post_init__(self) -> None:
+        check_choice("distributed_executor", self.distributed_executor, DISTRIBUTED_EXECUTORS)
+        check_choice("all_reduce", self.all_reduce, ALL_REDUCES)
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be in "
+                              "[1, 64]; 1 runs the model in one process")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError(f"collective_timeout_s={self.collective_timeout_s} must be "
+                              "positive; try 60")
+        if self.cpu_bind is not None:
+            ranks = parse_cpu_bind(self.cpu_bind)
+            if len(ranks) != self.tensor_parallel_size:
+                raise ConfigError(f"cpu_bind={self.cpu_bind!r} gives CPUs for {len(ranks)} "
+                                  f"ranks, tensor_parallel_size={self.tensor_parallel_size}; "
+                                  "give one CPU list per rank, split by '|'")
+
+
+def parse_cpu_bind(spec: str) -> list[tuple[int, ...]]:
+    """'0-1,4|2-3' -> [(0, 1, 4), (2, 3)]: each rank's CPUs, in order, none given twice."""
+    ranks: list[tuple[int, ...]] = []
+    for part in spec.split("|"):
+        cpus: list[int] = []
+        for item in part.split(","):
+            first, sep, last = item.strip().partition("-")
+            try:
+                lo, hi = int(first), int(last if sep else first)
+            except ValueError:
+                raise ConfigError(f"cpu_bind={spec!r}: {item.strip()!r} is not a CPU number or "
+                                  "range; write e.g. '0-3|4-7' (one list per rank)") from None
+            if lo < 0 or hi < lo:
+                raise ConfigError(f"cpu_bind={spec!r}: range {lo}-{hi} is empty or negative")
+            cpus += range(lo, hi + 1)
+        ranks.append(tuple(cpus))
+    seen = [c for r in ranks for c in r]
+    if len(seen) != len(set(seen)):
+        raise ConfigError(f"cpu_bind={spec!r} gives a CPU to more than one rank; give each "
+                          "rank CPUs of its own")
+    return ranks
+
+
+@dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding: a proposer guesses the next tokens, one target forward checks
     them all. Off (None) by default."""
@@ -335,6 +394,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     loras: tuple[tuple[str, str], ...] = ()   # (name, path) of LoRA adapters loaded at start
     max_loras: int = 8             # adapters resident in memory at once (least recently used out)
     max_lora_rank: int = 64
@@ -360,6 +420,28 @@ class EngineConfig:
             raise ConfigError(f"--role {self.kv_transfer.role} moves the model's KV only; a "
                               f"drafting model's would stay behind: leave out --speculative "
                               f"{self.spec.speculative} (ngram drafts need no KV)")
+        if self.parallel.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallel does not run yet, refused before anything starts."""
+        size = self.parallel.tensor_parallel_size
+        if self.parallel.distributed_executor == "ray":
+            raise ConfigError("--distributed-executor ray is not built yet: ranks start as "
+                              "local processes only; use --distributed-executor mp")
+        unsupported = [(not self.device.startswith("cpu"), f"device={self.device!r} (ranks "
+                        "talk over gloo on the CPU)"),
+                       (bool(self.loras), "LoRA adapters"),
+                       (self.spec.speculative not in (None, "ngram"),
+                        f"speculative={self.spec.speculative!r} (a model drafts; ngram works)"),
+                       (self.prefill_matmul == "int8", "prefill_matmul='int8' (its "
+                        "calibration runs in one process; use bfloat16)"),
+                       (self.kv_transfer.role != "both", f"role={self.kv_transfer.role!r} "
+                        "(each rank holds only its KV heads)")]
+        named = [what for bad, what in unsupported if bad]
+        if named:
+            raise ConfigError(f"tensor_parallel_size={size} does not run with "
+                              f"{', '.join(named)} yet; drop them or use tensor_parallel_size=1")
 
     @classmethod
     def from_options(cls, **options: object) -> "EngineConfig":
@@ -369,9 +451,10 @@ class EngineConfig:
         the close matches.
         """
         groups: dict[type, dict[str, object]] = {cls: {}, CacheConfig: {}, SchedulerConfig: {},
-                                                 SpecConfig: {}, KVTransferConfig: {}}
+                                                 SpecConfig: {}, ParallelConfig: {},
+                                                 KVTransferConfig: {}}
         owners = {f.name: owner for owner in groups for f in fields(owner)
-                  if f.name not in ("cache", "scheduler", "spec", "kv_transfer")}
+                  if f.name not in ("cache", "scheduler", "spec", "parallel", "kv_transfer")}
         for name, value in options.items():
             if name not in owners:
                 close = difflib.get_close_matches(name, owners, n=3)
@@ -382,6 +465,7 @@ class EngineConfig:
         return cls(**groups[cls], cache=CacheConfig(**groups[CacheConfig]),
                    scheduler=SchedulerConfig(**groups[SchedulerConfig]),
                    spec=SpecConfig(**groups[SpecConfig]),
+                   parallel=ParallelConfig(**groups[ParallelConfig]),
                    kv_transfer=KVTransferConfig(**groups[KVTransferConfig]))
 
 

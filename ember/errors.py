@@ -68,6 +68,12 @@ class Overloaded(EmberError):
     error_type = "rate_limit_error"
 
 
+class TooManySequences(Overloaded):
+    """One request of more sequences than the queue ever takes: every server with these
+    options refuses it alike, and none of them is the worse for it (a router in front must
+    not take them for full)."""
+
+
 class RequestFailed(EmberError):
     """This one request failed inside the engine; the others keep running."""
 

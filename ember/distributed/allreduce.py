@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import secrets
 import socket
 from collections.abc import Callable
@@ -45,8 +46,24 @@ def sum_in_rank_order(parts: Tensor) -> Tensor:
     return acc.to(parts.dtype)
 
 
-# torch 2.13 renamed all_gather_into_tensor (which now warns) to all_gather_single
-gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def process_group(group: Any) -> dist.ProcessGroup:
+    """`group` itself, or torch.distributed's default group for None. The ProcessGroup's own
+    collectives are used, so a group built standalone (not registered with
+    torch.distributed, as the tensor-parallel ranks' is) works as well."""
+    if group is not None:
+        return group
+    if not dist.is_initialized():
+        raise ConfigError("torch.distributed is not initialized; call "
+                          "init_process_group('gloo', ...) before make_all_reduce, or pass "
+                          "a process group")
+    return dist.group.WORLD
+
+
+def all_gather(group: dist.ProcessGroup, x: Tensor) -> list[Tensor]:
+    """Every rank's `x` (the same shape on every rank), in rank order."""
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    group.allgather([parts], [x]).wait()
+    return parts
 
 
 class GlooAllReduce:
@@ -59,9 +76,7 @@ class GlooAllReduce:
 
     def __call__(self, x: Tensor) -> None:
         check_tensor(x)
-        parts = x.new_empty(self.world_size * x.numel())   # rank r's x at [r * numel, ...)
-        gather_into(parts, x.view(-1), group=self.group)
-        x.copy_(sum_in_rank_order(parts.view(self.world_size, *x.shape)))
+        x.copy_(sum_in_rank_order(torch.stack(all_gather(self.group, x.contiguous()))))
 
     def close(self) -> None:
         """Nothing to release: the process group is the caller's."""
@@ -101,6 +116,7 @@ def make_all_reduce(group: Any, rank: int, world_size: int, kind: str = "auto", 
     cannot run); "gloo": over the process group; "auto": shm where every rank is on one host
     and shared memory works, else gloo (logged). The result is an AllReduceFn (with `kind`
     and close())."""
+    group = process_group(group)
     check_args(group, rank, world_size, kind, slot_bytes, timeout_s, spin_us)
     if kind == "gloo":
         return GlooAllReduce(group, world_size)
@@ -119,12 +135,9 @@ def check_args(group: Any, rank: int, world_size: int, kind: str, slot_bytes: in
                timeout_s: float, spin_us: float) -> None:
     if kind not in KINDS:
         raise ConfigError(f"all-reduce kind {kind!r} is not one of {', '.join(KINDS)}")
-    if not dist.is_initialized():
-        raise ConfigError("torch.distributed is not initialized; call "
-                          "init_process_group('gloo', ...) before make_all_reduce")
-    if (dist.get_rank(group), dist.get_world_size(group)) != (rank, world_size):
+    if (group.rank(), group.size()) != (rank, world_size):
         raise ConfigError(f"rank {rank} of {world_size} does not match the group's rank "
-                          f"{dist.get_rank(group)} of {dist.get_world_size(group)}")
+                          f"{group.rank()} of {group.size()}")
     if slot_bytes < 64 or slot_bytes % 64 or slot_bytes > 1 << 31:
         raise ConfigError(f"slot_bytes={slot_bytes} must be a multiple of 64 in [64, 2^31]")
     if not timeout_s > 0 or not spin_us >= 0:
@@ -199,11 +212,14 @@ def local_shm_support(world_size: int, slot_bytes: int) -> tuple[Any, str]:
     return kernels, ""
 
 
-def gather(group: Any, world_size: int, obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order (a collective: every rank calls it)."""
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj, group=group)
-    return out
+def gather(group: dist.ProcessGroup, world_size: int, obj: Any) -> list[Any]:
+    """Every rank's `obj` (pickled), in rank order (a collective: every rank calls it)."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sizes = all_gather(group, torch.tensor([len(data)], dtype=torch.int64))
+    padded = torch.zeros(max(int(s) for s in sizes), dtype=torch.uint8)
+    padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return [pickle.loads(part[:int(size)].numpy().tobytes())
+            for part, size in zip(all_gather(group, padded), sizes)]
 
 
 __all__ = ["AllReduceFn", "GlooAllReduce", "KINDS", "ShmAllReduce", "make_all_reduce",

@@ -33,7 +33,8 @@ from ember.engine.core import EngineCore, StepFailed
 from ember.engine.embed import PooledSequence
 from ember.engine.memory import return_free_memory
 from ember.engine.output import SequenceText
-from ember.errors import EmberError, EngineDead, EngineLoading, Overloaded, RequestFailed
+from ember.errors import (EmberError, EngineDead, EngineLoading, Overloaded, RequestFailed,
+                          TooManySequences)
 from ember.kv_transfer.connector import TransferStats
 from ember.kv_transfer.params import Export, RemotePrefill
 from ember.request import (CompletionOutput, FinishReason, PoolingParams, RequestOptions,
@@ -278,6 +279,11 @@ class AsyncEngine:
         queued = self.stats.num_waiting + sum(len(p[2]) if kind == "add" else len(p[1])
                                               for kind, p in list(self._inbox)
                                               if kind in ("add", "embed"))
+        if num_sequences > self.max_waiting:
+            raise TooManySequences(f"the server takes at most {self.max_waiting} sequences "
+                                   f"waiting and this request adds {num_sequences} (prompts x "
+                                   "n); send fewer prompts or a smaller n, or raise the "
+                                   "server's --max-waiting")
         if queued + num_sequences > self.max_waiting:
             raise Overloaded(f"the server has {queued} sequences waiting and takes at most "
                              f"{self.max_waiting}; this request adds {num_sequences}; "
@@ -336,6 +342,7 @@ class AsyncEngine:
                         worked = False
                     if next(unfaulted, False) is None:  # idle: one more KV huge page in
                         continue                        # (~1 ms), then the inbox again
+                    self.core.check_alive()   # a rank of the model gone: the engine is dead
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
@@ -355,9 +362,9 @@ class AsyncEngine:
                 stream.put(EngineDead(f"the engine stopped after an internal error ({e!r}); "
                                       "restart the server"))
         finally:
+            if self.core is not None:
+                self.core.close()   # the model's other ranks, if any, stop too
             self._loaded.set()
-            if self.core is not None and self.core.kv_connector is not None:
-                self.core.kv_connector.close()
 
     def _warm_up(self) -> None:
         """One short generation (or embedding), so the first user does not pay for lazy

@@ -22,7 +22,11 @@ from ember.engine.encoder import build_encoder, is_encoder
 from ember.engine.memory import (advise_huge_pages, fault_in, huge_page_copies,
                                  large_blocks_mapped_alone, lazy_zeros, move_to_huge_pages,
                                  return_free_memory, temporaries_from_the_heaps)
-from ember.errors import ConfigError, ContextTooLong, InvalidRequest
+from ember.distributed.executor import Executor, LocalProcesses, SingleProcess
+from ember.distributed.parallel import TensorShard
+from ember.engine.tensor_parallel import (RankSetup, describe_kv_gain, load_rank_model,
+                                          plan_ranks, start_ranks, tensor_parallel_prefill)
+from ember.errors import ConfigError, ContextTooLong, EngineDead, InvalidRequest
 from ember.kernels import CpuKernels, load_kernels
 from ember.kv.kv_manager import KVCacheManager
 from ember.kv.prefix_cache import adapter_salt, prompt_block_keys
@@ -45,7 +49,8 @@ from ember.weights.gguf import GGUFFile
 from ember.weights.safetensors import SafetensorsFolder
 from ember.engine.files_summary import FilesSummary, load_tokenizer, open_summarized
 from ember.engine.prefill_choice import PrefillChoice, resolve_prefill_choice
-from ember.weights.loader import (apply_quantization, load_model, open_model_files,
+from ember.models.llama import LlamaForCausalLM
+from ember.weights.loader import (ModelFiles, apply_quantization, load_model, open_model_files,
                                   resolve_dtype, resolve_quantization)
 
 log = logging.getLogger(__name__)
@@ -100,6 +105,10 @@ class CacheInfo:
 
 class EngineCore:
     task = "generate"  # config.task once loaded (the calibration run generates, whatever it is)
+    # the ranks the model runs on (engine/tensor_parallel.py); one process unless started
+    # with tensor_parallel_size > 1 (a stateless default, for cores built without __init__)
+    executor: Executor = SingleProcess()
+    weight_cache: WeightCache | None = None
     kv_connector: KVConnector | None = None   # a prefill or decode replica's (--role)
     idle_step = False  # the last step had nothing to compute (requests wait on copies)
 
@@ -121,19 +130,99 @@ class EngineCore:
                                        encoder=False)
         self.quantization = resolve_quantization(config.quantization, files, self.model_config,
                                                  self.dtype, config.device)
+        ranks = plan_ranks(config, self.model_config, self.quantization)  # None: one process
         self.load_phases.mark("files")
         kernels = load_kernels(config.kernels, config.device)
         self.load_phases.mark("kernels")
         self.kernels = kernels   # compiled CPU kernels, or None (the torch path)
-        cache_dir = None if config.weight_cache_dir is None or \
+        cache_dir = None if config.weight_cache_dir is None or ranks is not None or \
             torch.device(config.device).type != "cpu" else Path(config.weight_cache_dir)
-        self.prefill_choice = resolve_prefill_choice(config.prefill_matmul, self.quantization,
-                                                     kernels, self.model_config,
-                                                     self.model_path, cache_dir)
+        self.prefill_choice = tensor_parallel_prefill(config.prefill_matmul) if ranks else \
+            resolve_prefill_choice(config.prefill_matmul, self.quantization, kernels,
+                                   self.model_config, self.model_path, cache_dir)
         self.prefill_matmul = self.prefill_choice.prefill_matmul
         self.load_phases.mark("prefill_choice")
+        block_size = config.cache.block_size
+        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.quantization,
+                                          self.dtype, self.model_config.head_dim, kernels)
+        # a rank's cache holds its KV heads, rank 0 the most of any: blocks are planned for it
+        rank_config = self.model_config if ranks is None else \
+            ranks[0][0].local_config(self.model_config)
+        num_blocks = plan_num_blocks(rank_config, config.cache, self.dtype, kv_dtype)
+        if ranks is None:
+            model = self._load_model(files, kernels)
+        else:
+            model = self._start_ranks(files, kernels, ranks, kv_dtype, num_blocks)
+        del files  # the file's metadata (~170 MB of Python objects for a GGUF) goes now,
+        if not self.weights_cached:  # before the KV cache is allocated: loading peaks lower
+            gc.collect()  # (a cached model left little garbage; a collection costs ~0.15 s)
+            return_free_memory()
+        self.max_model_len = resolve_max_model_len(config, self.model_config,
+                                                   num_blocks * block_size)
+        self.cache_info = CacheInfo(num_blocks, block_size,
+                                    kv_bytes_per_token(rank_config, self.dtype, kv_dtype),
+                                    kv_dtype if kv_dtype != "model" else
+                                    str(self.dtype).removeprefix("torch."))
+        log.info("loaded %s (%s, %s, weights %s, prefill matmuls %s, %s kernels, on %s); %s",
+                 self.model_path.name, self.model_config.architecture,
+                 str(self.dtype).removeprefix("torch."), self.quantization,
+                 self.prefill_choice.describe(),
+                 "compiled CPU" if kernels is not None else "torch",
+                 config.device, self.cache_info.describe())
+        if ranks is not None:
+            log.info("tensor parallel: the KV cache above is each rank's; %s",
+                     describe_kv_gain(self.model_config, ranks[0], self.dtype, kv_dtype))
+        shared = None
+        if config.kv_transfer.exports and torch.device(config.device).type == "cpu":
+            # decode replicas on this host map it (kv_transfer/shm.py)
+            kv_caches, shared = shared_kv_caches(rank_config, num_blocks, block_size,
+                                                 self.dtype, kv_dtype)
+        else:
+            kv_caches = allocate_kv_caches(rank_config, num_blocks, block_size, self.dtype,
+                                           config.device, kv_dtype, zeros=lazy_zeros)
+        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
+                            config.cache.eviction_policy,
+                            self.model_config.window_of_every_layer(),
+                            share_generated=False, max_events=config.cache.max_kv_events)
+        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, config.spec)
+        self._init_kv_transfer(kv_caches, shared)
+        self.loras = LoraRegistry(self.model_config, config.max_loras, config.max_lora_rank)
+        self.loras.in_use = self._loras_in_use
+        drafter = build_drafter(config, model, kv_caches, self.tokenizer, self.dtype, kernels,
+                                num_blocks, kv_dtype, self.max_model_len, self.model_path)
+        peers = None
+        if isinstance(self.executor, LocalProcesses):
+            self.executor.connect()   # the other ranks have loaded their parts
+            peers = self.executor
+        # a step's LoRA factors in huge pages: read every step, a TLB miss per 4 KiB page else
+        self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
+                                  kernels, self.loras, config.spec, drafter, huge_page_copies,
+                                  batch_invariant=config.deterministic, peers=peers,
+                                  vocab_size=self.model_config.vocab_size)
+        for name, path in config.loras:
+            self.loras.add(name, path)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.load_phases.mark("kv_cache")
+        if self.prefill_matmul == "int8" and self.weights_cached:
+            model.use_int8_decode()   # the cached int8 weights are calibrated already
+        elif self.prefill_matmul == "int8":  # SmoothQuant int8 from a calibration prompt
+            use_int8_prefill(self, kernels)
+            gc.collect()
+            return_free_memory()
+        self.load_phases.mark("calibrate")
+        if self.weight_cache is not None and not self.weights_cached:
+            self.weight_cache.save(model, self.model_path)
+            return_free_memory()
+            self.load_phases.mark("cache_write")
+        self.task = config.task
+
+    def _load_model(self, files: ModelFiles, kernels: CpuKernels | None) -> LlamaForCausalLM:
+        """The whole model in this process: from the weight cache where it holds it, else
+        loaded and packed; ready to step (decode stack, RoPE tables, prompt matmuls)."""
+        config = self.config
         weight_cache = self._weight_cache(kernels)
         model = None if weight_cache is None else weight_cache.load(self.model_config, kernels)
+        self.weight_cache = weight_cache
         self.weights_cached = model is not None   # final weights mapped: no calibration
         with large_blocks_mapped_alone():  # weights and load temporaries in separate mappings
             if model is None:
@@ -151,65 +240,43 @@ class EngineCore:
             prepare_int8_prefill(model)
         elif self.prefill_matmul == "bfloat16-brgemm" and not self.weights_cached:
             use_brgemm_prefill(model, kernels)
-        del files  # the file's metadata (~170 MB of Python objects for a GGUF) goes now,
-        if not self.weights_cached:  # before the KV cache is allocated: loading peaks lower
-            gc.collect()  # (a cached model left little garbage; a collection costs ~0.15 s)
-            return_free_memory()
-        block_size = config.cache.block_size
-        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.quantization,
-                                          self.dtype, self.model_config.head_dim, kernels)
-        num_blocks = plan_num_blocks(self.model_config, config.cache, self.dtype, kv_dtype)
-        self.max_model_len = resolve_max_model_len(config, self.model_config,
-                                                   num_blocks * block_size)
-        self.cache_info = CacheInfo(num_blocks, block_size,
-                                    kv_bytes_per_token(self.model_config, self.dtype, kv_dtype),
-                                    kv_dtype if kv_dtype != "model" else
-                                    str(self.dtype).removeprefix("torch."))
-        log.info("loaded %s (%s, %s, weights %s, prefill matmuls %s, %s kernels, on %s); %s",
-                 self.model_path.name, self.model_config.architecture,
-                 str(self.dtype).removeprefix("torch."), self.quantization,
-                 self.prefill_choice.describe(),
-                 "compiled CPU" if kernels is not None else "torch",
-                 config.device, self.cache_info.describe())
-        shared = None
-        if config.kv_transfer.exports and torch.device(config.device).type == "cpu":
-            # decode replicas on this host map it (kv_transfer/shm.py)
-            kv_caches, shared = shared_kv_caches(self.model_config, num_blocks, block_size,
-                                                 self.dtype, kv_dtype)
-        else:
-            kv_caches = allocate_kv_caches(self.model_config, num_blocks, block_size,
-                                           self.dtype, config.device, kv_dtype,
-                                           zeros=lazy_zeros)
-        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
-                            config.cache.eviction_policy,
-                            self.model_config.window_of_every_layer(),
-                            share_generated=False, max_events=config.cache.max_kv_events)
-        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, config.spec)
-        self._init_kv_transfer(kv_caches, shared)
-        self.loras = LoraRegistry(self.model_config, config.max_loras, config.max_lora_rank)
-        self.loras.in_use = self._loras_in_use
-        drafter = build_drafter(config, model, kv_caches, self.tokenizer, self.dtype, kernels,
-                                num_blocks, kv_dtype, self.max_model_len, self.model_path)
-        # a step's LoRA factors in huge pages: read every step, a TLB miss per 4 KiB page else
-        self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
-                                  kernels, self.loras, config.spec, drafter, huge_page_copies,
-                                  batch_invariant=config.deterministic)
-        for name, path in config.loras:
-            self.loras.add(name, path)
-        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
-        self.load_phases.mark("kv_cache")
-        if self.prefill_matmul == "int8" and self.weights_cached:
-            model.use_int8_decode()   # the cached int8 weights are calibrated already
-        elif self.prefill_matmul == "int8":  # SmoothQuant int8 from a calibration prompt
-            use_int8_prefill(self, kernels)
-            gc.collect()
-            return_free_memory()
-        self.load_phases.mark("calibrate")
-        if weight_cache is not None and not self.weights_cached:
-            weight_cache.save(model, self.model_path)
-            return_free_memory()
-            self.load_phases.mark("cache_write")
-        self.task = config.task
+        return model
+
+    def _start_ranks(self, files: ModelFiles, kernels: CpuKernels | None,
+                     ranks: tuple[list[TensorShard], list[tuple[int, ...]]], kv_dtype: str,
+                     num_blocks: int) -> LlamaForCausalLM:
+        """Start the other ranks loading their parts (engine/tensor_parallel.py), then load
+        rank 0's here; connected to them once the KV cache is allocated. No weight cache:
+        each rank's part is loaded afresh."""
+        shards, cpus = ranks
+        setup = RankSetup(self.config, str(self.dtype).removeprefix("torch."),
+                          self.quantization, self.prefill_matmul, kv_dtype, num_blocks,
+                          self.max_model_len, tuple(shards))
+        self.weight_cache, self.weights_cached = None, False
+        self.rank_setup = setup   # what every rank built from
+        self.executor = start_ranks(setup, cpus)
+        try:
+            model = load_rank_model(files, self.model_config, setup, 0, kernels,
+                                    self.executor.collectives)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        if self.quantization == "int4" and kernels is not None:
+            log.info("tensor parallel: the whole-model decode stack runs in one process "
+                     "only; steps run layer by layer")
+        self.load_phases.mark("weights")
+        return model
+
+    def check_alive(self) -> None:
+        """Raise EngineDead if a rank of the model has gone (between steps)."""
+        self.executor.check_alive()
+
+    def close(self) -> None:
+        """Stop the model's other ranks, if any, and the KV connector's workers (the engine
+        steps no more)."""
+        self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     def _init_kv_transfer(self, kv_caches: list, shared) -> None:
         """A prefill or decode replica's connector (--role); none for `both`."""
@@ -251,6 +318,9 @@ class EngineCore:
         return [t for kv in caches for t in (kv.data, kv.scale) if t is not None]
 
     def _init_encoder(self, config: EngineConfig, files: SafetensorsFolder) -> None:
+        if config.parallel.tensor_parallel_size > 1:
+            raise ConfigError(f"{self.model_path.name} is an encoder, which runs in one "
+                              "process; use tensor_parallel_size=1")
         encoder = build_encoder(config, files)
         self.tokenizer = load_tokenizer(files)
         self.model_config, self.dtype = encoder.model_config, encoder.dtype
@@ -491,6 +561,8 @@ class EngineCore:
         try:
             result = self.runner.execute(plan)           # forward + sample on the device
             advanced = self.scheduler.update(plan, result)   # append tokens, finish, free
+        except EngineDead:   # the model's ranks are out of step: no request's fault
+            raise
         except Exception as e:
             self.scheduler.unschedule(plan)
             raise StepFailed([s.request.request_id for s in plan.scheduled], e) from e

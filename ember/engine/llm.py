@@ -49,6 +49,11 @@ class LLM:
         self._ids = itertools.count()
         self._live: dict[str, SequenceText] = {}  # sequences still generating, by request id
 
+    def close(self) -> None:
+        """Stop the model's other processes (tensor_parallel_size > 1); the LLM runs no more.
+        (They stop too when the LLM is garbage-collected or the interpreter exits.)"""
+        self.engine.close()
+
     @property
     def chat_template(self) -> ChatTemplate:
         if self._chat_template is None:

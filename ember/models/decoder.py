@@ -41,7 +41,7 @@ GLOBAL, LOCAL = "global", "local"  # RoPE tables: Gemma 3's local layers have th
 class GeGLU(SwiGLU):
     """down(gelu_tanh(gate(x)) * up(x)), gate and up fused."""
 
-    def forward(self, x: Tensor, lora: LoraLayer | None = None) -> Tensor:
+    def _forward(self, x: Tensor, lora: LoraLayer | None) -> Tensor:
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             gate_up = lora.add_("gate_up", gate_up, x)

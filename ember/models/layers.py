@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from ember.config import RopeScaling
 from ember.kernels import CpuKernels
 from ember.lora.batch import LoraLayer
+from ember.models.parallel import AllReduce, reduce_
 from ember.quant.packed import PackedLinear
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled CPU kernels take
@@ -102,9 +103,16 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.kernels: CpuKernels | None = None  # compiled CPU kernels, if the engine has them
+        # tensor parallel: down_proj's output is this rank's partial sum over its columns,
+        # summed across the ranks (ember/distributed/); None in one process, or in an expert
+        # (its mixture of experts sums once for all of them)
+        self.all_reduce: AllReduce | None = None
 
     def forward(self, x: Tensor, lora: LoraLayer | None = None) -> Tensor:
         """`lora`: the rows' adapters on gate/up and down, if any."""
+        return reduce_(self.all_reduce, self._forward(x, lora))
+
+    def _forward(self, x: Tensor, lora: LoraLayer | None) -> Tensor:
         proj = self.gate_up_proj
         if lora is None and isinstance(proj, PackedLinear) and proj.takes_swiglu(x):
             return self.down_proj(proj.swiglu(x))  # from the int32 sums, one pass

@@ -16,6 +16,7 @@ from ember.models.attention import (AttentionMetadata, DecodeBatch, PagedKV, Pro
                                     prefill_in_kernel)
 from ember.models.layers import (KERNEL_DTYPES, RMSNorm, SwiGLU, apply_rope, rope_cos_sin,
                                  rope_inv_freq)
+from ember.models.parallel import AllReduce, reduce_
 from ember.quant.packed import PackedLinear
 
 
@@ -30,6 +31,9 @@ class LlamaAttention(nn.Module):
                                   bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.kernels: CpuKernels | None = None  # compiled CPU kernels, if the engine has them
+        # tensor parallel: o_proj's output is this rank's partial sum over its heads, summed
+        # across the ranks (ember/distributed/); None in one process
+        self.all_reduce: AllReduce | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: PagedKV,
                 meta: AttentionMetadata, lora: LoraLayer | None = None) -> Tensor:
@@ -58,7 +62,8 @@ class LlamaAttention(nn.Module):
 
     def _out(self, attended: Tensor, lora: LoraLayer | None) -> Tensor:
         out = self.o_proj(attended)
-        return out if lora is None else lora.add_("o", out, attended)
+        out = out if lora is None else lora.add_("o", out, attended)
+        return reduce_(self.all_reduce, out)
 
     def _v(self, qkv: Tensor) -> Tensor:
         """v's columns of qkv as [T, kv_heads, head_dim] (a view)."""
@@ -277,10 +282,13 @@ def decode_stack_weights(layer: LlamaDecoderLayer) -> list[Tensor]:
 def _build_decode_stack(model: LlamaForCausalLM, kernels: CpuKernels | None):
     """The compiled whole-model decode step, where it applies: AVX-512 BF16 kernels, a
     bfloat16 model with no biases whose every projection is int4 on those kernels (and
-    head_dim 64 or 128); else None, and steps run layer by layer."""
+    head_dim 64 or 128), in one process (not a tensor-parallel rank); else None, and steps
+    run layer by layer."""
     config = model.config
     if kernels is None or not kernels.has_bf16_dot or config.head_dim not in (64, 128):
         return None
+    if model.model.layers[0].self_attn.all_reduce is not None:
+        return None   # one rank of several: the layers run one by one, with their all-reduces
     weights: list[Tensor] = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

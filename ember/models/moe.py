@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from ember.config import ModelConfig
 from ember.models.layers import SwiGLU
+from ember.models.parallel import AllReduce, reduce_
 
 
 class Router(nn.Module):
@@ -44,6 +45,9 @@ class SparseMoE(nn.Module):
             self.shared_expert = SwiGLU(config.hidden_size,
                                         config.shared_expert_intermediate_size)
             self.shared_expert_gate = Router(config.hidden_size, 1)
+        # tensor parallel: every expert's down projection gives this rank's partial sum over
+        # its columns; one all-reduce sums the weighted total (None in one process)
+        self.all_reduce: AllReduce | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, hidden] -> [T, hidden]."""
@@ -65,7 +69,7 @@ class SparseMoE(nn.Module):
                 start += count
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return reduce_(self.all_reduce, out)
 
 
 def parameter_counts(config: ModelConfig) -> tuple[int, int]:

@@ -123,6 +123,14 @@ class Fleet:
 
     # -- routing ----------------------------------------------------------------------------
 
+    def busy(self, group: str, now: float) -> bool:
+        """Every replica of `group` that serves is busy (it answered 429: its queue is full)
+        and none is starting: a request held now would only wait in front of full queues."""
+        if self.group(group, (ReplicaState.STARTING,)):
+            return False
+        up = [r for r in self.group(group) if r.up(now)]
+        return bool(up) and all(now < r.busy_until for r in up)
+
     def candidates(self, group: str, keys: RouteKeys, exclude: set[str], now: float
                    ) -> list[tuple[Replica, Candidate]]:
         out = []
@@ -322,7 +330,7 @@ class Fleet:
             r.ready_at, r.early_deaths = time.monotonic(), 0
             self.metrics.cold_start.observe(r.ready_at - r.started_at)
             log.info("replica %s ready after %.1f s", r.id, r.ready_at - r.started_at)
-        r.state, r.ejected_until = ReplicaState.READY, 0.0
+        r.state, r.ejected_until, r.busy_until = ReplicaState.READY, 0.0, 0.0
         self.ready_event.set()
 
     async def _get_ok(self, url: str) -> bool:
@@ -488,7 +496,8 @@ class Fleet:
     def _renew(self, r: Replica, handle: ReplicaHandle) -> None:
         """`r` starts over on `handle`, under its id, with nothing known of its cache."""
         r.handle, r.state, r.restarts = handle, ReplicaState.STARTING, r.restarts + 1
-        r.started_at, r.in_flight, r.ejected_until = time.monotonic(), 0, 0.0
+        r.started_at, r.in_flight = time.monotonic(), 0
+        r.ejected_until = r.busy_until = 0.0
         r.ready_at, r.first_byte_at, r.load_phases = None, None, {}
         self.blocks[r.id] = BlockIndex()
         self.texts[r.id] = TextIndex(self.config.prefix.max_text_chunks)

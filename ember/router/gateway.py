@@ -72,7 +72,7 @@ class Gateway:
             return False
         now = time.monotonic()
         primaries = self.fleet.group("primary")
-        if any(r.routable(now) for r in primaries):
+        if any(r.up(now) for r in primaries):   # busy ones too: full is not broken
             return True
         live = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DEAD)
         return not any(r.state in live for r in primaries) and \
@@ -111,7 +111,7 @@ def create_gateway(gw: Gateway) -> FastAPI:
     @app.post("/tokenize", dependencies=[Depends(guard)])
     @app.post("/detokenize", dependencies=[Depends(guard)])
     async def passthrough(request: Request) -> Response:
-        raw = await read_body(request, gw.fleet.config.server.max_body_bytes)
+        raw = await read_request(gw, request)
         return await gw.proxy.forward(request.url.path, raw, forwarded(request), NO_KEYS,
                                       "primary", False, time.monotonic())
 
@@ -137,7 +137,7 @@ def _add_adapters(app: FastAPI, gw: Gateway, guard: Callable[[Request], Awaitabl
     replica that starts later (fleet.replay_adapters)."""
     @app.post("/v1/load_lora_adapter", dependencies=[Depends(guard)])
     async def load(request: Request) -> Response:
-        raw = await read_body(request, gw.fleet.config.server.max_body_bytes)
+        raw = await read_request(gw, request)
         body = parse_body(raw, LoadLoraAdapterRequest, gw.fleet.config.server.max_json_depth)
         gw.fleet.adapters[body.lora_name] = body.lora_path   # replicas starting now get it
         answer, num_done = await on_every_replica(gw, "/v1/load_lora_adapter", raw,
@@ -149,7 +149,7 @@ def _add_adapters(app: FastAPI, gw: Gateway, guard: Callable[[Request], Awaitabl
 
     @app.post("/v1/unload_lora_adapter", dependencies=[Depends(guard)])
     async def unload(request: Request) -> Response:
-        raw = await read_body(request, gw.fleet.config.server.max_body_bytes)
+        raw = await read_request(gw, request)
         body = parse_body(raw, UnloadLoraAdapterRequest, gw.fleet.config.server.max_json_depth)
         gw.fleet.adapters.pop(body.lora_name, None)
         answer, _ = await on_every_replica(gw, "/v1/unload_lora_adapter", raw,
@@ -224,6 +224,16 @@ def _add_admin(app: FastAPI, gw: Gateway, guard: Callable[[Request], Awaitable[N
         return JSONResponse(await gw.rollout.rollback(gw.fleet))
 
 
+async def read_request(gw: Gateway, request: Request) -> bytes:
+    """The request's body; a client that leaves before sending all of it is answered (to no
+    one) 499 and counted as such, of no replica."""
+    try:
+        return await read_body(request, gw.fleet.config.server.max_body_bytes)
+    except ClientDisconnected:
+        gw.fleet.metrics.requests.labels("none", str(CLIENT_CLOSED_REQUEST)).inc()
+        raise
+
+
 def forwarded(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() in HOP_HEADERS}
 
@@ -232,7 +242,9 @@ async def route(gw: Gateway, request: Request, model: type, path: str) -> Respon
     """Validate (as the replica would), hash, pick, forward."""
     arrival = time.monotonic()
     server = gw.fleet.config.server
-    raw = await read_body(request, server.max_body_bytes)
+    if request.state.tenant is not None:   # where each tenant's inputs were processed
+        gw.fleet.metrics.tenant_requests.labels(request.state.tenant.tenant).inc()
+    raw = await read_request(gw, request)
     body = parse_body(raw, model, server.max_json_depth, server.max_n)
     embedding = isinstance(body, EmbeddingRequest)
     if embedding:

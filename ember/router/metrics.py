@@ -70,6 +70,9 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter("ember_router_requests", "Requests answered, by replica and "
                                 "HTTP status", ["replica", "status"], registry=r)
+        self.tenant_requests = Counter("ember_router_tenant_requests", "Requests that reached "
+                                       "this gateway, by tenant (with --api-keys)", ["tenant"],
+                                       registry=r)
         self.decisions = Counter("ember_router_routing_decisions", "Routing decisions, by "
                                  "replica and reason", ["replica", "reason"], registry=r)
         self.retries = Counter("ember_router_retries", "Requests sent again to another "

@@ -1,13 +1,16 @@
 """Forward one request to a replica: retry before the first byte, stream after it.
 
-    pick -> send -> status?  connection error, 5xx, 429: eject, back off, pick another
-                   -> 5xx the replica marks as the request's own fault: answered as it is
+    pick -> send -> status?  connection error, 5xx: eject, back off, pick another
+                   -> 429 (its queue is full): skip it for its Retry-After, pick another
+                   -> 4xx/5xx the replica marks as the request's own: answered as it is
                    -> 2xx/4xx: a plain answer is read whole and returned
                    -> 2xx SSE: wait for its first chunk (still retryable), then relay chunk
                       by chunk; a failure after that ends the stream with an SSE error event
 
 A request is held (not refused) while no replica is ready but one is starting or can be
 started; only a full hold queue or a wait past `hold_timeout_s` answers 503 + Retry-After.
+A request that finds every replica busy (429) and none starting is answered 429 + Retry-After
+at once: the replicas are full, not broken, and the client's retry is the queue.
 """
 from __future__ import annotations
 
@@ -24,11 +27,12 @@ from fastapi.responses import Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from ember.errors import Overloaded
 from ember.router.fleet import Fleet, RouteKeys
 from ember.router.policies import Decision
 from ember.router.replicas import Replica
 from ember.router.rollout import Capture
-from ember.server.errors import FAULT_HEADER, Unavailable, error_body
+from ember.server.errors import FAULT_HEADER, RETRY_AFTER_S, Unavailable, error_body
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,10 @@ class Proxy:
                 self.fleet.choose(group, keys, set())
             if picked is not None:
                 return picked[0], picked[1], waited
+            if self.fleet.busy(group, time.monotonic()):
+                self.fleet.metrics.rejected.labels("replicas_busy").inc()
+                raise Overloaded("every replica's queue is full; retry after the Retry-After "
+                                 "seconds, or with backoff")
             if not self.fleet.can_serve_soon(group):
                 raise Unavailable(self.fleet.failures.get(group)
                                   or "no replica can serve this request now; retry later")
@@ -126,10 +134,8 @@ class Proxy:
             if tap is not None:
                 tap.feed(upstream.first)
             _finish(tap, on_done)
-            fault = resp.headers.get(FAULT_HEADER)
             return Response(upstream.first, status_code=resp.status,
-                            media_type=resp.content_type,
-                            headers={FAULT_HEADER: fault} if fault else None)
+                            media_type=resp.content_type, headers=kept_headers(resp))
         relay = Relay(self, upstream, tap, on_done)
         return RelayResponse(relay, status_code=resp.status, media_type="text/event-stream",
                              headers=SSE_HEADERS)
@@ -179,30 +185,13 @@ class Proxy:
                                                     headers=headers, timeout=timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise Attempt("connect") from e
-        try:
-            if resp.status in RETRYABLE and not _request_fault(resp):
-                body = await resp.read()
-                resp.release()
-                raise Attempt(f"status_{resp.status}", resp.status, body,
-                              _retry_after(resp.headers.get("Retry-After")))
-            if resp.content_type == "text/event-stream":
-                first = await resp.content.readany()
-                if not first:
-                    raise Attempt("empty_stream")
-            else:
-                first = await resp.read()
-                resp.release()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            resp.close()
-            raise Attempt("disconnect") from e
-        except BaseException:   # an Attempt, or cancelled: the connection goes, not reused
-            resp.close()
-            raise
+        first = await read_first(resp)
         return Upstream(replica, resp, first)
 
     def _eject_after(self, replica: Replica, failed: Attempt) -> None:
-        if failed.status == 429 and failed.retry_after is not None:
-            replica.ejected_until = time.monotonic() + failed.retry_after  # busy, not broken
+        if failed.status == 429:   # full, not broken: skipped a while, never ejected
+            wait_s = RETRY_AFTER_S if failed.retry_after is None else failed.retry_after
+            replica.busy_until = time.monotonic() + min(max(wait_s, 0.0), self.config.eject_s)
             return
         self.fleet.eject(replica, failed.reason)
 
@@ -226,23 +215,18 @@ class Relay:
         self.closed = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        resp, fleet = self.upstream.response, self.proxy.fleet
         try:
-            chunk = self.upstream.first
-            while chunk:
-                if self.tap is not None:
-                    self.tap.feed(chunk)
+            async for chunk in relay_stream(self.upstream.response, self.upstream.first,
+                                            self.tap.feed if self.tap is not None else None,
+                                            self._failed):
                 yield chunk
-                chunk = await resp.content.readany()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            self.status = 502
-            fleet.eject(self.upstream.replica, "mid_stream")
-            fleet.metrics.stream_errors.inc()
-            message = "the replica serving this stream failed after it had started; retry"
-            yield b"data: " + json.dumps(error_body(502, message, "server_error")).encode() \
-                + b"\n\n" + b"data: [DONE]\n\n"
         finally:
             self.close()
+
+    def _failed(self) -> None:
+        self.status = 502
+        self.proxy.fleet.eject(self.upstream.replica, "mid_stream")
+        self.proxy.fleet.metrics.stream_errors.inc()
 
     def close(self) -> None:
         if self.closed:
@@ -265,6 +249,52 @@ class RelayResponse(StreamingResponse):
             self.relay.close()
 
 
+async def read_first(resp: aiohttp.ClientResponse) -> bytes:
+    """The first chunk of a stream, or the whole of a plain body; an Attempt (retry it
+    elsewhere) for a retryable status the server does not mark as the request's own fault,
+    an empty stream, or a connection lost before the first byte."""
+    try:
+        if resp.status in RETRYABLE and not _request_fault(resp):
+            body = await resp.read()
+            resp.release()
+            raise Attempt(f"status_{resp.status}", resp.status, body,
+                          _retry_after(resp.headers.get("Retry-After")))
+        if resp.content_type == "text/event-stream":
+            first = await resp.content.readany()
+            if not first:
+                raise Attempt("empty_stream")
+        else:
+            first = await resp.read()
+            resp.release()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        resp.close()
+        raise Attempt("disconnect") from e
+    except BaseException:   # an Attempt, or cancelled: the connection goes, not reused
+        resp.close()
+        raise
+    return first
+
+
+async def relay_stream(resp: aiohttp.ClientResponse, first: bytes,
+                       on_chunk: Callable[[bytes], None] | None,
+                       on_failure: Callable[[], None]) -> AsyncIterator[bytes]:
+    """`first`, then the rest of a streamed body as it comes. A connection lost after the
+    first byte calls `on_failure` and ends the stream with an error event and [DONE], never
+    silently (the client has bytes already: it cannot be retried)."""
+    try:
+        chunk = first
+        while chunk:
+            if on_chunk is not None:
+                on_chunk(chunk)
+            yield chunk
+            chunk = await resp.content.readany()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        on_failure()
+        message = "the server answering this stream failed after it had started; retry"
+        yield b"data: " + json.dumps(error_body(502, message, "server_error")).encode() \
+            + b"\n\n" + b"data: [DONE]\n\n"
+
+
 def _finish(tap: Capture | None, on_done: Callable[[], None] | None) -> None:
     if tap is not None:
         tap.close()
@@ -272,10 +302,17 @@ def _finish(tap: Capture | None, on_done: Callable[[], None] | None) -> None:
         on_done()
 
 
+def kept_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
+    """The replica's headers that a plain answer keeps: whose fault it is, when to retry."""
+    return {name: resp.headers[name] for name in (FAULT_HEADER, "Retry-After")
+            if name in resp.headers}
+
+
 def _request_fault(resp: aiohttp.ClientResponse) -> bool:
-    """The replica says this request failed on its own (ember's RequestFailed, or its
-    --request-timeout): answered as it is, never retried, and the replica stays in rotation,
-    or one poison request would take every replica it reaches out of routing."""
+    """The replica says this request failed on its own (ember's RequestFailed, its
+    --request-timeout, or more sequences than its --max-waiting takes at all): answered as it
+    is, never retried, and the replica stays in rotation, or one poison request would take
+    every replica it reaches out of routing."""
     return resp.headers.get(FAULT_HEADER, "").lower() == "request"
 
 

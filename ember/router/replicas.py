@@ -77,6 +77,7 @@ class Replica:
     kv_usage: float = 0.0
     in_flight: int = 0              # the gateway's requests on it, raised at decision time
     ejected_until: float = 0.0      # passive ejection: no new request before this
+    busy_until: float = 0.0         # it answered 429 (full, not broken): skipped till then
     restarts: int = 0
     supports_events: bool = True    # False once /kv/events answered 404: text tree instead
     first_byte_at: float | None = None  # the first answer's first byte since (re)start
@@ -91,15 +92,20 @@ class Replica:
     def url(self) -> str:
         return self.handle.url
 
-    def routable(self, now: float) -> bool:
+    def up(self, now: float) -> bool:
+        """Ready and not ejected: it serves, though it may be busy."""
         return self.state is ReplicaState.READY and now >= self.ejected_until
+
+    def routable(self, now: float) -> bool:
+        return self.up(now) and now >= self.busy_until
 
     def view(self) -> dict:
         """This replica in GET /fleet."""
         return {"id": self.id, "url": self.url, "pid": self.handle.pid, "group": self.group,
                 "model": self.model_name, "state": self.state.value, "running": self.running,
                 "waiting": self.waiting, "kv_usage": self.kv_usage, "in_flight": self.in_flight,
-                "restarts": self.restarts, "cold_start": self.cold_start(),
+                "busy": time.monotonic() < self.busy_until, "restarts": self.restarts,
+                "cold_start": self.cold_start(),
                 "last_exit": self.last_exit}
 
     def cold_start(self) -> dict:

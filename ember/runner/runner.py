@@ -1,12 +1,22 @@
-"""ModelRunner.execute(plan) -> RunnerOutput: inputs, forward, logits, sample."""
+"""ModelRunner.execute(plan) -> RunnerOutput: inputs, forward, logits, sample.
+
+Where the model is split over several processes (tensor parallel, ember/distributed/), this
+runner is the driver rank's: before each forward it hands the step to `peers`, which has the
+other ranks' runners run the same forward on their parts of the model; only the driver
+samples.
+"""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from ember.config import SpecConfig
+from ember.errors import EngineDead
 from ember.kernels import CpuKernels
 from ember.lora.batch import LoraStep, LoraStepBuilder
 from ember.lora.registry import LoraRegistry
@@ -24,14 +34,39 @@ from ember.spec.ngram import propose_ngram
 from ember.spec.verify import verify
 
 
+@dataclass(frozen=True)
+class ForwardStep:
+    """One forward as every rank runs it: the runner method ("forward" or "forward_all") and
+    its plan, plain data (token ids, positions, block tables) from which each rank builds its
+    own tensors."""
+
+    method: str
+    plan: SchedulerOutput
+
+
+class StepPeers(Protocol):
+    """The other ranks of a model split over processes (ember/distributed/executor.py)."""
+
+    def send(self, step: ForwardStep) -> None:
+        """Have every other rank run `step` (they join this rank's collectives)."""
+
+    def failed(self, error: BaseException) -> EngineDead:
+        """What a forward that raised means for the engine: its ranks are out of step."""
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKV], block_size: int,
                  device: str, seed: int, kernels: CpuKernels | None = None,
                  loras: LoraRegistry | None = None, spec: SpecConfig = SpecConfig(),
                  drafter: Drafter | None = None,
                  place_lora: Callable[[list[Tensor]], list[Tensor]] | None = None,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, peers: StepPeers | None = None,
+                 vocab_size: int | None = None) -> None:
         self.model = model
+        self.peers = peers   # the model's other ranks (None: it runs in this process alone)
+        # the logits' width: the whole vocabulary where this rank's model holds a part and
+        # its logits are gathered here; 0 on the other ranks, which get none
+        self.vocab_size = model.config.vocab_size if vocab_size is None else vocab_size
         # every row by its kind, whatever the step holds: prompt rows and decode rows run as
         # two forwards, each on its kind's path (docs/architecture.md, "Same request, same
         # answer"); with batch_invariant, decode rows on the packed weights at any count
@@ -61,17 +96,42 @@ class ModelRunner:
         (rows_per_request); `pooled`, if given, gets the vectors of the embedding requests
         whose prompt ended.
         """
-        self._copy_blocks(plan)
-        requests: list[Request] = []
-        logits: list[Tensor] = []
-        for prompt, part in by_kind_parts(plan):
-            kind = True if prompt else (False if self.batch_invariant else None)
-            part_requests, part_logits = self._forward_part(part, pooled, kind)
-            requests += part_requests
-            logits.append(part_logits)
+        with self._on_every_rank(ForwardStep("forward", plan)):
+            self._copy_blocks(plan)
+            requests: list[Request] = []
+            logits: list[Tensor] = []
+            for prompt, part in by_kind_parts(plan):
+                kind = True if prompt else (False if self.batch_invariant else None)
+                part_requests, part_logits = self._forward_part(part, pooled, kind)
+                requests += part_requests
+                logits.append(part_logits)
         if len(logits) == 1:
             return requests, logits[0]
         return requests, torch.cat(logits)
+
+    @contextmanager
+    def _on_every_rank(self, step: ForwardStep) -> Iterator[None]:
+        """Run `step` here and on the peers; a failure there or here (the ranks are then out
+        of step) is the engine's death, EngineDead, not a request's fault."""
+        if self.peers is None:
+            yield
+            return
+        try:
+            self.peers.send(step)
+            yield
+        except EngineDead:
+            raise
+        except Exception as e:
+            raise self.peers.failed(e) from e
+
+    def run_step(self, step: ForwardStep) -> None:
+        """A peer rank's side of a driver's step (its outputs stay with the driver)."""
+        if step.method == "forward":
+            self.forward(step.plan)
+        elif step.method == "forward_all":
+            self.forward_all(step.plan)
+        else:
+            raise ValueError(f"unknown step method {step.method!r}")
 
     def _forward_part(self, plan: SchedulerOutput, pooled: dict[str, list[float]] | None,
                       prompt: bool | None) -> tuple[list[Request], Tensor]:
@@ -90,7 +150,7 @@ class ModelRunner:
 
     def _logits(self, inputs: ModelInputs, hidden: Tensor) -> tuple[list[Request], Tensor]:
         if not inputs.sampling_requests:
-            return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+            return [], hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         if inputs.logits_indices is not None:
             hidden = hidden[inputs.logits_indices]
         return inputs.sampling_requests, self.model.compute_logits(hidden)
@@ -99,16 +159,17 @@ class ModelRunner:
     def forward_all(self, plan: SchedulerOutput) -> tuple[ModelInputs, Tensor]:
         """Like forward(), but logits [T, vocab] float32 for every new token of the step (for
         scoring text); rows follow the flat batch of `prepare_inputs`."""
-        self._copy_blocks(plan)
-        # scored text is prompt rows: on the prompt path as any prompt takes it
-        by_kind = all(s.end <= s.request.num_prompt_tokens for s in plan.scheduled)
-        inputs = prepare_inputs(plan, self.block_size, self.device, chunks_alone=by_kind and
-                                self.model.attends_chunks_alone(self.kv_caches),
-                                by_kind=by_kind)
-        with rows_of_kind(self.step_rows, True if by_kind else None):
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                inputs.attn, self._lora_step(plan))
-        return inputs, self.model.compute_logits(hidden)
+        with self._on_every_rank(ForwardStep("forward_all", plan)):
+            self._copy_blocks(plan)
+            # scored text is prompt rows: on the prompt path as any prompt takes it
+            by_kind = all(s.end <= s.request.num_prompt_tokens for s in plan.scheduled)
+            inputs = prepare_inputs(plan, self.block_size, self.device, chunks_alone=by_kind
+                                    and self.model.attends_chunks_alone(self.kv_caches),
+                                    by_kind=by_kind)
+            with rows_of_kind(self.step_rows, True if by_kind else None):
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                    inputs.attn, self._lora_step(plan))
+            return inputs, self.model.compute_logits(hidden)
 
     def _lora_step(self, plan: SchedulerOutput) -> LoraStep | None:
         """The step's adapters, row by row (rows follow plan.scheduled), or None."""

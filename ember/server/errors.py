@@ -10,8 +10,9 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
-from ember.errors import EmberError, InvalidRequest, RequestFailed
+from ember.errors import EmberError, InvalidRequest, RequestFailed, TooManySequences
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +40,20 @@ class PayloadTooLarge(InvalidRequest):
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request's body, refused with PayloadTooLarge as soon as it is declared or read past
-    `limit` bytes (a body is never buffered whole before its size is known)."""
+    `limit` bytes (a body is never buffered whole before its size is known). A client that
+    leaves before sending all of it raises ClientDisconnected (a quiet 499, not a fault)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"the body has {declared} bytes; the limit is {limit}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientDisconnected() from None
     return b"".join(chunks)
 
 
@@ -71,8 +76,8 @@ REQUEST_FAULT = {FAULT_HEADER: "request"}
 
 def is_request_fault(error: EmberError) -> bool:
     """Whether `error` is the one request's own outcome (the engine keeps serving others):
-    RequestFailed, or the request's time limit (504)."""
-    return isinstance(error, RequestFailed) or error.http_status == 504
+    RequestFailed, the request's time limit (504), or more sequences than the queue takes."""
+    return isinstance(error, (RequestFailed, TooManySequences)) or error.http_status == 504
 
 
 def error_body(status: int, message: str, error_type: str, param: str | None = None,
@@ -86,7 +91,7 @@ def error_response(error: EmberError) -> JSONResponse:
     if error.http_status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     if is_request_fault(error):
-        headers = REQUEST_FAULT
+        headers = {**(headers or {}), **REQUEST_FAULT}
     body = error_body(error.http_status, error.message, error.error_type, error.param)
     return JSONResponse(body, status_code=error.http_status, headers=headers)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -127,19 +128,36 @@ def apply_quantization(model: LlamaForCausalLM, method: str,
     return model
 
 
+class WeightShard(Protocol):
+    """One tensor-parallel rank's part of the model (ember/distributed/parallel.py)."""
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """The model as the rank builds it (its heads, columns and vocabulary rows)."""
+
+    def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The rank's part of one loaded tensor (transformers' name, before fusing)."""
+
+
 def load_model(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
-               device: str) -> LlamaForCausalLM:
-    """Build the model on the meta device, then assign the file's tensors to it."""
+               device: str, shard: WeightShard | None = None) -> LlamaForCausalLM:
+    """Build the model on the meta device, then assign the file's tensors to it. With
+    `shard`, only a tensor-parallel rank's part: each tensor is cut as it loads, so a rank
+    holds its own part and at most one whole tensor besides."""
+    full_config = config
+    if shard is not None:
+        config = shard.local_config(config)
     with torch.device("meta"):
         model = (LlamaForCausalLM if config.is_llama else VariantForCausalLM)(config)
     state, parts = {}, {}
     rope_freqs = None
     experts: dict[str, torch.Tensor] = {}
     # quantized GGUF tensors come out in the dtype the model runs in (not float32 first)
-    for name, tensor in files.tensors(config, dtype):
-        tensor = tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor
+    for name, tensor in files.tensors(full_config, dtype):  # (GGUF's q/k rows: every head)
         for pattern, replacement in _MIXTRAL_NAMES if config.num_experts else ():
             name = pattern.sub(replacement, name)
+        if shard is not None:
+            tensor = shard.take(name, tensor)
+        tensor = tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor
         match = _PART_RE.fullmatch(name)
         if _EXPERT_PART_RE.fullmatch(name):
             experts[name] = tensor

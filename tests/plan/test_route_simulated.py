@@ -3,8 +3,6 @@ model's tokenizer, reads the replicas' /kv/events, and routes a prompt to the re
 holds its prefix, exactly as over real replicas (tests/router/test_gateway.py)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import httpx
@@ -14,7 +12,7 @@ from ember.server.protocol import CompletionRequest
 from tests.plan.conftest import SimulatedServer
 from tests.router.conftest import LiveGateway
 from tests.router.test_route_processes import Route, ready_count
-from tests.server.conftest import TEST_KV_GIB, free_port
+from tests.server.conftest import TEST_KV_GIB
 
 SYSTEMS = ["You are a helpful assistant for a bakery. " * 8,
            "You are a terse assistant that answers questions about trains. " * 8]
@@ -73,13 +71,7 @@ class SimulatedRoute(Route):
     """`ember route` as a process, its replicas `ember serve --simulate` processes."""
 
     def __init__(self, *options: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.headers: dict[str, str] = {}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ember.cli", "route", "--port", str(self.port), "-q",
-             "--kv-cache-gib", str(TEST_KV_GIB), *options],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.launch(["-q", "--kv-cache-gib", str(TEST_KV_GIB), *options])
 
 
 def test_route_starts_simulated_replicas_and_hashes_with_the_profiles_tokenizer(

@@ -7,7 +7,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 
-from ember.errors import EmberError
+from ember.errors import EmberError, Overloaded, TooManySequences
 from ember.server.errors import error_response
 from tests.server.conftest import ThreadedServer
 
@@ -24,6 +24,8 @@ class FakeReplica(ThreadedServer):
     """Answers probes as a healthy replica (while `ready`); `mode` says what a request gets:
     "ok" (a one-word completion), "status_500",
     "request_timeout" (ember's 504 past --request-timeout, marked the request's own fault),
+    "full" (ember's 429 of a full queue), "too_many" (ember's 429 of a request of more
+    sequences than its queue takes, marked the request's own),
     or "break_stream" (two SSE chunks, then the connection drops)."""
 
     def __init__(self, mode: str) -> None:
@@ -51,6 +53,12 @@ class FakeReplica(ThreadedServer):
                 return JSONResponse({"error": {"message": "boom"}}, status_code=500)
             if self.mode == "request_timeout":
                 return error_response(RequestTimeout("the request ran past its time limit"))
+            if self.mode == "full":
+                return error_response(Overloaded("the server has 4 sequences waiting and "
+                                                 "takes at most 4; retry later"))
+            if self.mode == "too_many":
+                return error_response(TooManySequences("the server takes at most 4 sequences "
+                                                       "waiting and this request adds 6"))
 
             async def chunks():
                 for i in range(2):

@@ -127,6 +127,56 @@ def test_a_failing_replica_is_retried_around_and_ejected(replicas):
         broken.close()
 
 
+def test_full_replicas_are_skipped_not_ejected_and_the_client_gets_429():
+    """Every replica answers 429 (its queue is full): the request is tried on each, then
+    refused with 429 and Retry-After, not held (a small hold queue would answer 503); the
+    replicas stay ready and take requests again once they have room."""
+    full = [FakeReplica("full"), FakeReplica("full")]
+    gw = LiveGateway({"r1": full[0].url, "r2": full[1].url}, max_queue=1, eject_s=60)
+    try:
+        gw.wait_ready()
+        answers = [httpx.post(gw.url + "/v1/completions", json={"prompt": f"hi {i}"})
+                   for i in range(3)]
+        assert [a.status_code for a in answers] == [429] * 3
+        assert all(a.headers["retry-after"] == "1" and "retry" in a.json()["error"]["message"]
+                   for a in answers)
+        assert [f.hits for f in full] == [1, 1]     # the others were refused without a try
+        fleet = httpx.get(gw.url + "/fleet").json()["replicas"]
+        assert [(r["state"], r["busy"]) for r in fleet] == [("ready", True)] * 2
+        assert httpx.get(gw.url + "/health/ready").status_code == 200
+        assert gw.metric('ember_router_rejected_total{reason="replicas_busy"}') == 3
+        for fake in full:
+            fake.mode = "ok"
+        deadline = time.monotonic() + 30
+        while httpx.post(gw.url + "/v1/completions", json={"prompt": "hi"}).status_code != 200:
+            assert time.monotonic() < deadline, "the replicas never took requests again"
+            time.sleep(0.05)
+        assert gw.metric("ember_router_ejections_total") == 0
+    finally:
+        gw.close()
+        for fake in full:
+            fake.close()
+
+
+def test_a_request_no_queue_takes_is_answered_as_is_and_marks_no_replica_busy():
+    too_many, ok = FakeReplica("too_many"), FakeReplica("ok")
+    gw = LiveGateway({"r1": too_many.url, "r2": ok.url}, policy="round-robin")
+    try:
+        gw.wait_ready()
+        answers = [httpx.post(gw.url + "/v1/completions", json={"prompt": "hi", "n": 6})
+                   for _ in range(4)]
+        assert [a.status_code for a in answers] == [429, 200, 429, 200]
+        assert "adds 6" in answers[0].json()["error"]["message"]
+        assert answers[0].headers["retry-after"] == "1"
+        assert (too_many.hits, ok.hits) == (2, 2)    # not retried on the other one
+        assert [r["busy"] for r in httpx.get(gw.url + "/fleet").json()["replicas"]] == \
+            [False, False]
+    finally:
+        gw.close()
+        too_many.close()
+        ok.close()
+
+
 def test_a_stream_broken_after_its_first_bytes_ends_with_an_error_event():
     broken = FakeReplica("break_stream")
     gw = LiveGateway({"r0": broken.url})

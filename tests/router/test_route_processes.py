@@ -7,12 +7,15 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
+from ember.router.fleet import PORT_TAKEN
 from tests.server.conftest import TEST_KV_GIB, free_port
 
 REPLICA_OPTIONS = ["--dtype", "float32", "--kernels", "torch", "--max-model-len", "512", "-q",
@@ -20,23 +23,37 @@ REPLICA_OPTIONS = ["--dtype", "float32", "--kernels", "torch", "--max-model-len"
 
 
 class Route:
-    def __init__(self, folder, *options: str, api_key: str | None = None) -> None:
+    def __init__(self, folder, *options: str, api_key: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        keys = ["--api-key", api_key] if api_key else []
+        self.launch(["--model", str(folder), *REPLICA_OPTIONS, *keys, *options], api_key, env)
+
+    def launch(self, options: list[str], api_key: str | None = None,
+               env: dict[str, str] | None = None) -> None:
+        """`ember route OPTIONS` on a free port. Its output goes to a file: a pipe that nobody
+        reads blocks the gateway once it fills (a few dozen log lines)."""
+        self.argv = (options, api_key, env)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        keys = ["--api-key", api_key] if api_key else []
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="ember-route-", suffix=".log")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ember.cli", "route", "--model", str(folder),
-             "--port", str(self.port), *REPLICA_OPTIONS, *keys, *options],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [sys.executable, "-m", "ember.cli", "route", "--port", str(self.port), *options],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def output(self) -> str:
+        """What the gateway has logged so far."""
+        return Path(self.log.name).read_text(errors="replace")
 
     def fleet(self) -> dict:
-        return httpx.get(self.url + "/fleet", headers=self.headers, timeout=10).json()
+        return httpx.get(self.url + "/fleet", headers=self.headers, timeout=30).json()
 
     def wait(self, predicate, what: str, timeout_s: float = 180) -> dict:
         deadline = time.monotonic() + timeout_s
         while True:
-            assert self.proc.poll() is None, self.proc.stdout.read()
+            if self.proc.poll() is not None and PORT_TAKEN in self.output().lower():
+                self.launch(*self.argv)     # its free port was taken before it bound it
+            assert self.proc.poll() is None, self.output()[-8000:]
             try:
                 fleet = self.fleet()
                 if predicate(fleet):
@@ -47,7 +64,7 @@ class Route:
             time.sleep(0.2)
 
     def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics").text
+        text = httpx.get(self.url + "/metrics", timeout=30).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(name))
 

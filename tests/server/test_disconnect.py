@@ -8,13 +8,16 @@ prompt part computed, fewer tokens than asked for, the blocker still running).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
 
 import pytest
+from starlette.requests import Request
 
 from ember.request import FinishReason, RequestStatus
+from ember.server.errors import ClientDisconnected, read_body
 from tests.server.conftest import LiveServer
 
 LONG_PROMPT = list(range(1000, 1400))  # 400 tokens = 50 chunks of 8
@@ -135,3 +138,17 @@ def test_disconnect_from_chat_stream(slow_server):
     sock.close()
     wait_for(lambda: aborts(slow_server) == before + 1, "the abort")
     slow_server.wait_idle()
+
+
+def test_a_body_cut_short_is_a_client_that_left_not_a_fault():
+    """Starlette reports a client gone mid-body as its own exception; read_body turns it into
+    ClientDisconnected, a quiet 499, so it is never logged as an internal error (500)."""
+    messages = [{"type": "http.request", "body": b'{"prompt": "hi', "more_body": True},
+                {"type": "http.disconnect"}]
+
+    async def receive() -> dict:
+        return messages.pop(0)
+    request = Request({"type": "http", "method": "POST", "headers": [(b"content-length",
+                                                                       b"100")]}, receive)
+    with pytest.raises(ClientDisconnected):
+        asyncio.run(read_body(request, 1000))

@@ -22,10 +22,14 @@ FORBIDDEN = {
     "ember.quant": {"ember.models", "ember.weights", "ember.runner", "ember.engine"},
     "ember.kernels": {"ember.models", "ember.weights", "ember.runner", "ember.engine",
                       "ember.scheduler", "ember.kv", "ember.server"},
-    "ember.models": {"ember.weights", "ember.runner", "ember.engine", "ember.scheduler"},
-    "ember.weights": {"ember.runner", "ember.engine", "ember.scheduler", "ember.tokenizer"},
+    "ember.models": {"ember.weights", "ember.runner", "ember.engine", "ember.scheduler",
+                     "ember.distributed"},
+    "ember.weights": {"ember.runner", "ember.engine", "ember.scheduler", "ember.tokenizer",
+                      "ember.distributed"},
     "ember.sampling": {"ember.runner", "ember.engine", "ember.models", "ember.scheduler"},
-    "ember.runner": {"ember.engine"},
+    "ember.runner": {"ember.engine", "ember.distributed"},
+    # ranks run below the engine: the engine starts them, they never reach up to it
+    "ember.distributed": {"ember.engine", "ember.server", "ember.cli"},
     "ember.lora": {"ember.runner", "ember.engine", "ember.scheduler", "ember.server"},
     "ember.engine": {"ember.server", "ember.cli"},
     # the engine's KV hand-off: below the server; its parameters are plain data the server

@@ -310,11 +310,27 @@ void ShmAllReduce::fail(const std::string& message) {
   TORCH_CHECK(false, message);
 }
 
+// Whether `pid` has exited: gone, or a zombie its parent has not reaped yet (a rank's
+// driver is often that parent, and it reaps only after this wait returns).
+static bool process_exited(int32_t pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  FILE* file = std::fopen(path, "r");
+  if (file == nullptr) return false;  // no /proc: only the kill test above
+  char line[512];
+  const size_t got = std::fread(line, 1, sizeof(line) - 1, file);
+  std::fclose(file);
+  line[got] = '\0';
+  const char* close = std::strrchr(line, ')');  // the name may hold spaces and parentheses
+  return close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
+}
+
 void ShmAllReduce::check_peers_alive() {
   for (int64_t p = 0; p < world_size_; ++p) {
     if (!pid_checked_[p]) continue;
     const int32_t pid = __atomic_load_n(&state(p)->pid, __ATOMIC_ACQUIRE);
-    if (kill(pid, 0) != 0 && errno == ESRCH) {
+    if (process_exited(pid)) {
       fail("all-reduce: rank " + std::to_string(p) + " (pid " + std::to_string(pid) +
            ") has exited while rank " + std::to_string(rank_) +
            " waits for it; restart the whole group");

@@ -1,0 +1,134 @@
+"""Failover of `ember control` with three local planes (eu-1, eu-2, us-1; simulated replicas):
+kill one plane under streamed load and print how soon traffic moves, how soon its replicas
+are re-placed and ready, and how many requests were lost before their first token.
+
+    active-active  chat-eu on eu-1 and eu-2; eu-1 is killed (SIGKILL: agent and fleets)
+    active-passive chat on one eu plane, its standby on the other; the primary is killed
+
+Not a test: `PYTHONPATH=. python benchmarks/control_failover.py [--concurrency 8]`."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from ember.weights.paths import default_model_path
+from tests.control.test_control_processes import ACME, CONFIG, PASSIVE, ready, start_cluster
+
+
+class Load:
+    """`concurrency` threads streaming completions without pause; counts, per request, an
+    answer that fails before its first token as lost."""
+
+    def __init__(self, url: str, model: str, concurrency: int) -> None:
+        self.url, self.model = url, model
+        self.stop = threading.Event()
+        self.ok = self.lost = 0
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self.run, daemon=True)
+                        for _ in range(concurrency)]
+        for t in self.threads:
+            t.start()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self.stop.is_set():
+                first = False
+                try:
+                    with client.stream("POST", self.url + "/v1/completions", headers=ACME,
+                                       json={"model": self.model, "prompt": "Hello",
+                                             "max_tokens": 8, "stream": True}) as r:
+                        for line in r.iter_lines():
+                            first = first or (r.status_code == 200 and line.startswith("data"))
+                except httpx.HTTPError:
+                    pass
+                with self.lock:
+                    self.ok += first
+                    self.lost += not first
+
+    def end(self) -> dict:
+        self.stop.set()
+        for t in self.threads:
+            t.join(90)
+        return {"requests": self.ok + self.lost, "lost_before_first_token": self.lost}
+
+
+def until(c, predicate, timeout_s: float = 120) -> float:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if predicate(c.snapshot()):
+                return time.monotonic()
+        except httpx.TransportError:     # the control plane is still starting
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("the control plane never got there")
+        time.sleep(0.05)
+
+
+def active_active(folder: Path, concurrency: int) -> dict:
+    c = start_cluster(folder, default_model_path(), CONFIG)
+    try:
+        until(c, lambda s: ready(s, "chat-eu") and ready(s, "chat-us"))
+        load = Load(c.url, c.model, concurrency)
+        time.sleep(3)
+        eu2 = c.snapshot()["served"]["acme"].get("eu-2", 0)
+        t0 = time.monotonic()
+        c.planes["eu-1"].end(signal.SIGKILL)
+        down = until(c, lambda s: any(p["name"] == "eu-1" and p["health"] == "down"
+                                      for p in s["planes"]))
+        replaced = until(c, lambda s: ready(s, "chat-eu") and next(
+            d for d in s["deployments"] if d["name"] == "chat-eu")["placement"]["active"]
+            == {"eu-2": 2})
+        time.sleep(2)
+        served = c.snapshot()["served"]["acme"]
+        return {"eu1_marked_down_s": round(down - t0, 2),
+                "replaced_and_ready_s": round(replaced - t0, 2),
+                "served_on_eu2_after_kill": served.get("eu-2", 0) - eu2, **load.end()}
+    finally:
+        c.close()
+
+
+def active_passive(folder: Path, concurrency: int) -> dict:
+    c = start_cluster(folder, default_model_path(), PASSIVE)
+    try:
+        until(c, lambda s: ready(s, "chat") and all(
+            p["fleets"] and p["fleets"][0]["ready"] for p in s["planes"]
+            if p["name"] in ("eu-1", "eu-2")))
+        where = c.snapshot()["deployments"][0]["placement"]
+        [primary], standby = list(where["active"]), where["standby"]
+        load = Load(c.url, c.model, concurrency)
+        time.sleep(3)
+        t0 = time.monotonic()
+        c.planes[primary].end(signal.SIGKILL)
+        serves = until(c, lambda s: s["served"].get("acme", {}).get(standby, 0) > 0)
+        promoted = until(c, lambda s: s["deployments"][0]["placement"]["active"]
+                         == {standby: 1})
+        time.sleep(2)
+        return {"standby_serves_s": round(serves - t0, 2),
+                "standby_promoted_s": round(promoted - t0, 2), **load.end()}
+    finally:
+        c.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", type=int, default=8)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        result = {"concurrency": args.concurrency,
+                  "active_active": active_active(Path(a), args.concurrency),
+                  "active_passive": active_passive(Path(b), args.concurrency),
+                  "load_average": os.getloadavg()}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

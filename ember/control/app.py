@@ -1,0 +1,189 @@
+"""create_control_app(controller): the control plane's HTTP face and the global endpoint.
+
+    POST /control/planes          a plane's heartbeat (its first registers it): its capacity,
+                                  load and fleets in; its desired fleets out
+    GET  /control                 planes, deployments with their placement, recent events
+    POST /v1/chat/completions,    the tenant's key -> its regions -> routing.candidates ->
+         /v1/completions          forwarded to that plane's fleet; retried on the next
+                                  candidate before the first byte, never outside the list
+    GET  /v1/models               the deployments' models
+    GET  /health
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.responses import StreamingResponse
+
+from ember.config import ServerConfig
+from ember.control.config import Tenant
+from ember.control.controller import Controller, FleetReport
+from ember.control.placement import Plane
+from ember.control.routing import PlaneView, candidates
+from ember.errors import ConfigError, InvalidRequest
+from ember.router.proxy import (HOP_HEADERS, SSE_HEADERS, Attempt, kept_headers, read_first,
+                                relay_stream)
+from ember.server.errors import Unavailable, error_body, install_error_handlers, read_body
+from ember.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from ember.server.tenants import match_key
+
+REGION_HEADER = "x-ember-region"
+
+
+def create_control_app(ctl: Controller, check_every_s: float = 0.5,
+                       server: ServerConfig | None = None) -> FastAPI:
+    server = server or ServerConfig()
+    session: dict[str, aiohttp.ClientSession] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        session["s"] = aiohttp.ClientSession()
+        monitor = asyncio.create_task(_monitor(ctl, check_every_s))
+        yield
+        monitor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await monitor
+        await session["s"].close()
+
+    app = FastAPI(title="ember control", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    @app.post("/control/planes")
+    async def heartbeat(request: Request) -> JSONResponse:
+        plane, fleets, load = _parse_heartbeat(await read_body(request, server.max_body_bytes))
+        return JSONResponse({"fleets": ctl.heard(plane, fleets, load)})
+
+    @app.get("/control")
+    async def control() -> JSONResponse:
+        return JSONResponse(ctl.snapshot())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        _tenant(ctl, request)
+        names = sorted({d.model for d in ctl.config.deployments})
+        return JSONResponse({"object": "list", "data": [
+            {"id": n, "object": "model", "owned_by": "ember"} for n in names]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward(ctl, session["s"], server, request, CompletionRequest,
+                             "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await forward(ctl, session["s"], server, request, ChatCompletionRequest,
+                             "/v1/chat/completions")
+
+    return app
+
+
+async def _monitor(ctl: Controller, every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        ctl.check()
+
+
+def _parse_heartbeat(raw: bytes) -> tuple[Plane, list[FleetReport], float]:
+    try:
+        b = json.loads(raw)
+        plane = Plane(str(b["name"]), str(b["region"]), int(b["cores"]),
+                      int(b["memory_mib"]), float(b.get("cost_per_hour", 1.0)),
+                      bool(b.get("spot", False)))
+        fleets = [FleetReport(str(f["deployment"]), str(f["model"]), str(f["url"]),
+                              int(f["replicas"]), bool(f["ready"]))
+                  for f in b.get("fleets", [])]
+        return plane, fleets, float(b.get("load", 0.0))
+    except (ValueError, KeyError, TypeError, ConfigError) as e:
+        raise InvalidRequest(f"a heartbeat needs name, region, cores, memory_mib and fleets "
+                             f"(each with deployment, model, url, replicas, ready): {e}"
+                             ) from None
+
+
+def _tenant(ctl: Controller, request: Request) -> Tenant | None:
+    """The tenant whose key the request carries; None when no tenants are configured."""
+    if not ctl.config.keys:
+        return None
+    key = match_key(request.headers.get("authorization", ""), ctl.config.keys)
+    return ctl.config.tenants[key.tenant]
+
+
+def choose(ctl: Controller, model: str, tenant: Tenant | None, client_region: str | None
+           ) -> list[PlaneView]:
+    """The planes to try, best first: active fleets, then the deployments' standbys, so a
+    request whose active planes all fail (one just died, not yet marked down) is served by
+    a standby before its first byte. Both lists lie inside the tenant's regions."""
+    regions = tenant.regions if tenant is not None else ()
+    planes, why = candidates(ctl.views("active"), model, regions, client_region)
+    standbys, _ = candidates(ctl.views("standby"), model, regions, client_region)
+    planes += [p for p in standbys if p.name not in {a.name for a in planes}]
+    if not planes:
+        raise Unavailable(why)
+    return planes
+
+
+async def forward(ctl: Controller, session: aiohttp.ClientSession, server: ServerConfig,
+                  request: Request, body_type: type, path: str) -> Response:
+    tenant = _tenant(ctl, request)
+    raw = await read_body(request, server.max_body_bytes)
+    body = parse_body(raw, body_type, server.max_json_depth, server.max_n)
+    models = sorted({d.model for d in ctl.config.deployments})
+    model = body.model or (models[0] if len(models) == 1 else None)
+    if model is None:
+        raise InvalidRequest(f"give a model: one of {', '.join(models)}")
+    planes = choose(ctl, model, tenant, request.headers.get(REGION_HEADER))
+    headers = {k: v for k, v in request.headers.items() if k.lower() in HOP_HEADERS}
+    last: Attempt | None = None
+    for view in planes:      # only the tenant's allowed planes: a retry never leaves them
+        url = ctl.fleet_url(view.name, model)
+        if url is None:
+            continue
+        live = ctl.live[view.name]
+        live.in_flight += 1
+        try:
+            resp = await session.post(url + path, data=raw, headers=headers,
+                                      timeout=aiohttp.ClientTimeout(sock_connect=5))
+            first = await read_first(resp)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, Attempt) as e:
+            live.in_flight -= 1
+            last = e if isinstance(e, Attempt) else Attempt("connect")
+            continue
+        except BaseException:
+            live.in_flight -= 1
+            raise
+        tenant_name = tenant.name if tenant is not None else "-"
+        ctl.served[tenant_name, view.name] = ctl.served.get((tenant_name, view.name), 0) + 1
+        return _answer(resp, first, live)
+    reason = last.reason if last is not None else "no fleet URL"
+    return Response(last.body if last is not None and last.body else json.dumps(error_body(
+        503, f"every plane tried failed ({reason}); retry later",
+        "unavailable_error")).encode(), status_code=last.status if last else 503,
+        media_type="application/json", headers={"Retry-After": "1"})
+
+
+def _answer(resp: aiohttp.ClientResponse, first: bytes, live) -> Response:
+    if resp.content_type != "text/event-stream":
+        live.in_flight -= 1
+        return Response(first, status_code=resp.status, media_type=resp.content_type,
+                        headers=kept_headers(resp))
+
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in relay_stream(resp, first, None, lambda: None):
+                yield chunk
+        finally:
+            resp.close()
+            live.in_flight -= 1
+    return StreamingResponse(chunks(), status_code=resp.status,
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+

@@ -1,0 +1,62 @@
+"""`ember control` and `ember plane`: options -> the control plane's app, or a plane's agent."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from ember.errors import ConfigError
+
+
+def add_control_parsers(sub: argparse._SubParsersAction) -> None:
+    control = sub.add_parser("control", help="the control plane: places deployments on "
+                             "workload planes and serves the global OpenAI endpoint")
+    control.add_argument("--config", required=True, help="deployments.toml (docs/fleet.md)")
+    control.add_argument("--state", default="control.db", help="its SQLite state file")
+    control.add_argument("--host", default="127.0.0.1")
+    control.add_argument("--port", type=int, default=8000)
+    control.add_argument("--down-after", type=float, default=3.0, metavar="S",
+                         help="a plane not heard from for S seconds is marked down")
+    control.set_defaults(func=cmd_control)
+    plane = sub.add_parser("plane", help="a workload plane's agent: registers with the "
+                           "control plane and runs the `ember route` fleets it assigns")
+    plane.add_argument("--name", required=True)
+    plane.add_argument("--region", required=True)
+    plane.add_argument("--cores", type=int, required=True)
+    plane.add_argument("--memory-gib", type=float, required=True)
+    plane.add_argument("--cost-per-hour", type=float, default=1.0)
+    plane.add_argument("--spot", action="store_true",
+                       help="capacity that can be taken back: only deployments with "
+                            "allow_spot run here")
+    plane.add_argument("--control", required=True, metavar="URL",
+                       help="the control plane, e.g. http://127.0.0.1:8000")
+    plane.add_argument("--host", default="127.0.0.1", help="where its fleets listen")
+    plane.add_argument("--heartbeat", type=float, default=1.0, metavar="S")
+    plane.set_defaults(func=cmd_plane)
+
+
+def cmd_control(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from ember.control.app import create_control_app
+    from ember.control.config import load_config
+    from ember.control.controller import Controller
+    from ember.control.state import State
+    ctl = Controller(load_config(args.config), State(args.state), args.down_after)
+    app = create_control_app(ctl, check_every_s=min(0.5, args.down_after / 4))
+    print(f"ember: control plane on http://{args.host}:{args.port}; see /control",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+
+
+def cmd_plane(args: argparse.Namespace) -> None:
+    from ember.control.agent import PlaneAgent
+    from ember.control.placement import Plane
+    if args.heartbeat <= 0:
+        raise ConfigError("--heartbeat must be > 0 seconds; try 1")
+    plane = Plane(args.name, args.region, args.cores, round(1024 * args.memory_gib),
+                  args.cost_per_hour, args.spot)
+    agent = PlaneAgent(plane, args.control.rstrip("/"), args.heartbeat, args.host)
+    print(f"ember: plane {plane.name} ({plane.region}) reporting to {agent.control_url}; "
+          f"fleet logs in {agent.log_dir}", file=sys.stderr, flush=True)
+    asyncio.run(agent.run())

@@ -1,0 +1,124 @@
+"""How the ranks of one model talk: a gloo process group of their own (torch.distributed's
+ProcessGroupGloo, never the process-wide default group, so that a process may hold several
+engines), the all-reduce and logits gather the model calls, and each step's plan broadcast
+from the driver.
+
+The all-reduce comes from ember/distributed/allreduce.py (shared memory on one host, else
+gloo; both add in rank order, so the result does not depend on the transport).
+"""
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ember.distributed.allreduce import AllReduceFn
+
+HOST = "127.0.0.1"   # mp ranks share a host
+# a worker waits this long for the next step: an idle engine is not a failed one
+IDLE_WAIT = timedelta(days=365)
+HEADER_BYTES = 8
+STEP_BUFFER_BYTES = 1 << 16   # a step's plan fits one broadcast up to this size
+
+
+def open_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The driver's rendezvous store, on a free port (store.port) for the workers to join."""
+    return dist.TCPStore(HOST, 0, world_size, True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def join_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(HOST, port, world_size, False, timeout=timedelta(seconds=timeout_s))
+
+
+def connect(store: dist.Store, rank: int, world_size: int, timeout: timedelta
+            ) -> dist.ProcessGroup:
+    """The ranks' gloo group over loopback (every rank calls it; it returns once all have).
+    A collective that waits on a rank longer than `timeout` raises."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+    return dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, world_size, options)
+
+
+def gather_logits(group: dist.ProcessGroup, rank: int, widths: list[int]
+                  ) -> Callable[[Tensor], Tensor]:
+    """A Gather over `group`: each rank's logits [N, widths[rank]] (its vocabulary rows),
+    padded to the widest, end up side by side on rank 0 as [N, sum(widths)]; the other
+    ranks get [N, 0]."""
+    widest = max(widths)
+
+    def gather(local: Tensor) -> Tensor:
+        rows = local.shape[0]
+        padded = local if local.shape[1] == widest else \
+            torch.nn.functional.pad(local, (0, widest - local.shape[1]))
+        parts = [torch.empty_like(padded) for _ in widths] if rank == 0 else []
+        group.gather([parts] if rank == 0 else [], [padded.contiguous()],
+                     _gather_options(0)).wait()
+        if rank != 0:
+            return local.new_empty((rows, 0))
+        return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
+    return gather
+
+
+def _gather_options(root: int) -> dist.GatherOptions:
+    options = dist.GatherOptions()
+    options.rootRank = root
+    return options
+
+
+def broadcast_object(group: dist.ProcessGroup, obj: Any) -> None:
+    """Send `obj` (pickled) from rank 0 to every other rank's receive_object: one broadcast
+    of STEP_BUFFER_BYTES, a second for the rest of a bigger one."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    buffer = torch.zeros(STEP_BUFFER_BYTES, dtype=torch.uint8)
+    head = HEADER_BYTES + len(data)
+    buffer[:HEADER_BYTES] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    first = min(len(data), STEP_BUFFER_BYTES - HEADER_BYTES)
+    buffer[HEADER_BYTES:HEADER_BYTES + first] = torch.frombuffer(bytearray(data[:first]),
+                                                                 dtype=torch.uint8)
+    group.broadcast(buffer, 0).wait()
+    if head > STEP_BUFFER_BYTES:
+        rest = torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8)
+        group.broadcast(rest, 0).wait()
+
+
+def receive_object(group: dist.ProcessGroup, timeout: timedelta = IDLE_WAIT) -> Any:
+    """The next object rank 0 broadcasts, waiting up to `timeout` for it to start."""
+    buffer = torch.empty(STEP_BUFFER_BYTES, dtype=torch.uint8)
+    group.broadcast(buffer, 0, timeout).wait()
+    size = int(buffer[:HEADER_BYTES].view(torch.int64)[0])
+    first = min(size, STEP_BUFFER_BYTES - HEADER_BYTES)
+    data = buffer[HEADER_BYTES:HEADER_BYTES + first].numpy().tobytes()
+    if first < size:
+        rest = torch.empty(size - first, dtype=torch.uint8)
+        group.broadcast(rest, 0).wait()
+        data += rest.numpy().tobytes()
+    return pickle.loads(data)
+
+
+class RankCollectives:
+    """A rank's collectives, bound once its group exists (the model is built before): the
+    model holds these methods, which call whatever `bind` gave."""
+
+    def __init__(self) -> None:
+        self._all_reduce: AllReduceFn | None = None
+        self._gather: Callable[[Tensor], Tensor] | None = None
+
+    def bind(self, all_reduce: AllReduceFn, gather: Callable[[Tensor], Tensor]) -> None:
+        self._all_reduce, self._gather = all_reduce, gather
+
+    def all_reduce(self, x: Tensor) -> None:
+        if self._all_reduce is None:
+            raise RuntimeError("a tensor-parallel rank ran its model before joining its group")
+        self._all_reduce(x)
+
+    def gather(self, logits: Tensor) -> Tensor:
+        if self._gather is None:
+            raise RuntimeError("a tensor-parallel rank ran its model before joining its group")
+        return self._gather(logits)

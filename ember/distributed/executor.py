@@ -1,0 +1,288 @@
+"""Executors: where the ranks of one model run, and how each step reaches them.
+
+    engine process (rank 0, the driver)             worker process (rank r)
+    scheduler -> runner.forward(plan)               receive_object(group) -> step
+      peers.send(step)  --- broadcast (gloo) --->   runner.run_step(step)
+      forward on rank 0's part  <-- all-reduces -->   forward on rank r's part
+      logits (gathered here) -> sampler                (no logits, no sampling)
+
+The driver alone schedules, keeps the prefix cache and samples. A step reaches the workers
+as plain data (each request's block table and the token ids the step computes), from which
+every rank builds the same input tensors itself. The engine core only holds an Executor:
+SingleProcess runs today's one-process path; LocalProcesses starts the other ranks as local
+processes (`--distributed-executor mp`), each pinned to its own CPUs. A Ray executor (ranks
+as actors in a placement group) fits the same interface and is not built yet.
+
+Faults: a rank that dies closes its sockets, and the driver's next collective raises at
+once; one that hangs makes it raise after collective_timeout_s. Either way the step raises
+EngineDead (the engine's dead-engine path), and the other ranks, finding the driver gone,
+exit. An idle engine checks its workers are alive (check_alive) between steps.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+import ember
+from ember.distributed.allreduce import make_all_reduce
+from ember.distributed.collectives import (RankCollectives, broadcast_object, connect,
+                                           gather_logits, open_store)
+from ember.distributed.parallel import format_cpus
+from ember.errors import ConfigError, EngineDead
+from ember.request import PoolingParams
+from ember.runner.runner import ForwardStep, ModelRunner
+from ember.scheduler.output import ScheduledRequest, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 1800.0   # a worker still loading its part after this is taken as hung
+STOP_WAIT_S = 10.0        # how long a worker gets to exit after the driver's stop
+# builds a worker rank's runner: (setup, rank, collectives) -> ModelRunner; a module-level
+# function, so it reaches the worker process by name (ember/engine/tensor_parallel.py)
+BuildRunner = Callable[[Any, int, RankCollectives], ModelRunner]
+
+
+class Executor(Protocol):
+    """The ranks one model runs on, as the engine core sees them."""
+
+    world_size: int
+
+    def check_alive(self) -> None:
+        """Raise EngineDead if a rank has gone (between steps)."""
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (if any) and release what the executor holds."""
+
+
+class SingleProcess:
+    """The whole model in the engine's process: the runner has no peers."""
+
+    world_size = 1
+
+    def check_alive(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class WorkerPayload:
+    """What a worker process is started with (pickled on its stdin)."""
+
+    rank: int
+    world_size: int
+    port: int
+    cpus: tuple[int, ...]
+    vocab_widths: tuple[int, ...]
+    build: BuildRunner
+    setup: Any
+    log_level: int
+    all_reduce: str          # ParallelConfig.all_reduce
+    timeout_s: float         # a collective's wait within a step
+
+
+class LocalProcesses:
+    """Ranks 1..T-1 as local processes (`--distributed-executor mp`); rank 0 is this process,
+    whose runner gets this object as its peers. Start order: __init__ (the workers start
+    loading their parts), the driver loads its own part (collectives bound later), then
+    connect() once it has."""
+
+    def __init__(self, cpus: list[tuple[int, ...]], vocab_widths: list[int], timeout_s: float,
+                 build: BuildRunner, setup: Any, all_reduce: str = "auto") -> None:
+        self.world_size = len(cpus)
+        self.timeout_s = timeout_s
+        self.all_reduce_kind = all_reduce
+        self.all_reduce: Any = None   # the bound one, closed at shutdown
+        self.vocab_widths = vocab_widths
+        self.collectives = RankCollectives()   # rank 0's, bound by connect()
+        self.broken: str | None = None   # why the ranks are out of step, once they are
+        self.group = None
+        self.store = open_store(self.world_size, timeout_s)
+        self._saved_binding = pin_process(cpus[0])
+        level = logging.getLogger().getEffectiveLevel()
+        self.workers = [_spawn(WorkerPayload(rank, self.world_size, self.store.port,
+                                             cpus[rank], tuple(vocab_widths), build, setup,
+                                             level, all_reduce, timeout_s))
+                        for rank in range(1, self.world_size)]
+        # a driver that fails to start, or is dropped without shutdown(), kills its workers
+        self._release = weakref.finalize(self, _release, self.workers, self._saved_binding)
+        log.info("tensor parallel: %d ranks; rank 0 (this process) on CPUs %s, %s",
+                 self.world_size, format_cpus(cpus[0]),
+                 ", ".join(f"rank {r} (pid {p.pid}) on CPUs {format_cpus(cpus[r])}"
+                           for r, p in enumerate(self.workers, start=1)))
+
+    def connect(self) -> None:
+        """Wait for every worker to have loaded its part, then form the ranks' group and bind
+        rank 0's collectives. A worker that fails to load fails the start with its error."""
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        pending = set(range(1, self.world_size))
+        while pending:
+            for rank in sorted(pending):
+                if self.store.check([f"error/{rank}"]):
+                    error = self.store.get(f"error/{rank}").decode(errors="replace")
+                    raise ConfigError(f"tensor-parallel rank {rank} failed to start: {error}")
+                if self.store.check([f"ready/{rank}"]):
+                    pending.discard(rank)
+                elif self.workers[rank - 1].poll() is not None:
+                    raise ConfigError(f"tensor-parallel rank {rank} exited with code "
+                                      f"{self.workers[rank - 1].returncode} while loading; "
+                                      "its log above says why")
+            if pending and time.monotonic() > deadline:
+                raise ConfigError(f"tensor-parallel ranks {sorted(pending)} did not load in "
+                                  f"{LOAD_TIMEOUT_S:.0f} s")
+            time.sleep(0.02)
+        self.group = connect(self.store, 0, self.world_size, timedelta(seconds=self.timeout_s))
+        self.all_reduce = make_all_reduce(self.group, 0, self.world_size, self.all_reduce_kind,
+                                          timeout_s=self.timeout_s)
+        log.info("tensor parallel: all-reduce over %s", self.all_reduce.kind)
+        self.collectives.bind(self.all_reduce, gather_logits(self.group, 0, self.vocab_widths))
+
+    def send(self, step: ForwardStep) -> None:
+        if self.broken is not None:
+            raise EngineDead(f"the engine's ranks are out of step ({self.broken}); restart "
+                             "the server")
+        broadcast_object(self.group, plain_step(step))
+
+    def failed(self, error: BaseException) -> EngineDead:
+        gone = self._gone()
+        self.broken = gone or (f"a collective failed: {error}; a rank may hang (the timeout "
+                               f"is collective_timeout_s={self.timeout_s:g})")
+        return EngineDead(f"tensor-parallel step failed: {self.broken}; restart the server")
+
+    def check_alive(self) -> None:
+        gone = self._gone()
+        if gone is not None:
+            self.broken = gone
+            raise EngineDead(f"tensor-parallel {gone}; restart the server")
+
+    def _gone(self) -> str | None:
+        for rank, worker in enumerate(self.workers, start=1):
+            if worker.poll() is not None:
+                return f"rank {rank} (pid {worker.pid}) exited with code {worker.returncode}"
+        return None
+
+    def shutdown(self) -> None:
+        """Tell the workers to stop (unless the ranks are out of step), wait for them, kill
+        any that stays, and give this process its CPUs back."""
+        if self.group is not None and self.broken is None:
+            try:
+                broadcast_object(self.group, None)
+            except RuntimeError as e:   # a worker already gone: it is killed below
+                log.warning("tensor parallel: stopping the workers: %s", e)
+        deadline = time.monotonic() + (STOP_WAIT_S if self.group is not None else 0)
+        for worker in self.workers:
+            try:
+                worker.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass   # killed by _release
+        self.broken = self.broken or "shut down"
+        self.group = None
+        if self.all_reduce is not None:
+            self.all_reduce.close()
+        self._release()
+
+
+def _release(workers: list[subprocess.Popen], saved: tuple[set[int], int] | None) -> None:
+    """Kill the workers still running, and give this process its CPUs back."""
+    for worker in workers:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    if saved is not None:
+        restore_binding(saved)
+
+
+def _spawn(payload: WorkerPayload) -> subprocess.Popen:
+    """A worker process of this Python, importing ember from where this process does (not
+    multiprocessing's spawn, which re-runs the main script of a caller without a
+    __main__ guard)."""
+    paths = [str(Path(ember.__file__).resolve().parent.parent)] + sys.path
+    boot = (f"import sys; sys.path[:0] = {paths!r}; "
+            "from ember.distributed.worker import main; main()")
+    process = subprocess.Popen([sys.executable, "-c", boot], stdin=subprocess.PIPE)
+    process.stdin.write(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+    process.stdin.close()
+    return process
+
+
+# -- a step as plain data -------------------------------------------------------------------
+
+class TokenWindow:
+    """Token ids [offset, offset + len(ids)) of a request, indexed by position as its
+    all_token_ids are (a step reads only the positions it computes)."""
+
+    def __init__(self, offset: int, ids: list[int]) -> None:
+        self.offset, self.ids = offset, ids
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return self.ids[index.start - self.offset:index.stop - self.offset]
+        return self.ids[index - self.offset]
+
+
+@dataclass(frozen=True)
+class RowRequest:
+    """What the runner reads of a Request to build a step's inputs."""
+
+    request_id: str
+    num_prompt_tokens: int
+    all_token_ids: TokenWindow
+    pooling: PoolingParams | None = None
+    lora: str | None = None
+
+
+def plain_step(step: ForwardStep) -> ForwardStep:
+    """`step` with each Request cut down to the step's own token ids (a RowRequest)."""
+    plan = step.plan
+    scheduled = [replace(item, request=_row_request(item)) for item in plan.scheduled]
+    return ForwardStep(step.method, SchedulerOutput(scheduled, frozenset(), plan.block_copies))
+
+
+def _row_request(item: ScheduledRequest) -> RowRequest:
+    request = item.request
+    end = item.end - len(item.draft_token_ids)   # the drafts travel in the item itself
+    window = TokenWindow(item.start, request.all_token_ids[item.start:end])
+    return RowRequest(request.request_id, request.num_prompt_tokens, window,
+                      request.pooling, request.lora)
+
+
+# -- CPU binding ----------------------------------------------------------------------------
+
+def pin_process(cpus: tuple[int, ...]) -> tuple[set[int], int] | None:
+    """Run every thread of this process on `cpus`, with as many torch threads; returns what
+    to restore (restore_binding), or None where the OS binds no threads (not Linux)."""
+    if not hasattr(os, "sched_setaffinity"):
+        log.warning("tensor parallel: this OS binds no threads to CPUs; ranks run unpinned")
+        return None
+    saved = (os.sched_getaffinity(0), torch.get_num_threads())
+    _set_affinity(set(cpus))
+    torch.set_num_threads(len(cpus))
+    return saved
+
+
+def restore_binding(saved: tuple[set[int], int]) -> None:
+    cpus, threads = saved
+    _set_affinity(cpus)
+    torch.set_num_threads(threads)
+
+
+def _set_affinity(cpus: set[int]) -> None:
+    """Every current thread of the process (threads made later inherit their maker's)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass   # a thread that has just ended

@@ -1,0 +1,221 @@
+"""Which part of the model each tensor-parallel rank holds, and which CPUs it runs on.
+
+Megatron's split: q/k/v and gate/up are column-parallel (each rank computes some of their
+outputs), o and down row-parallel (each rank a partial sum over its inputs, summed across the
+ranks by one all-reduce each), the embedding and the output projection vocabulary-parallel.
+
+Heads go to ranks as whole GQA groups, so that each rank's attention is an ordinary GQA
+attention (a uniform number of query heads per KV head, what every attention path assumes):
+
+    9 query heads, 3 KV heads (groups of 3), 2 ranks:
+      rank 0: KV heads 0-1, query heads 0-5      rank 1: KV head 2, query heads 6-8
+
+With more ranks than KV heads, each KV head is replicated on the ranks that share its group's
+query heads (4 ranks: KV 0 on ranks 0-1 with query heads 0-1 and 2, KV 1 on rank 2, KV 2 on
+rank 3). A rank needs at least one query head, so there can be at most as many ranks as
+query heads. Ranks before others get the larger share where a count does not divide evenly;
+MLP columns and vocabulary rows go in whole units (UNIT_*), so that int4's groups of 32
+inputs and the int8 output projection's tiles of 16 rows stay whole on every rank.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from ember.config import ModelConfig, ParallelConfig, parse_cpu_bind
+from ember.errors import ConfigError
+
+UNIT_COLUMNS = 32   # MLP columns per unit: int4's group of inputs (ember/quant/packed.py)
+UNIT_VOCAB = 16     # vocabulary rows per unit: the int8 output projection's tile
+
+Range = tuple[int, int]   # [start, end)
+
+_Q = re.compile(r".*\.self_attn\.q_proj\.(weight|bias)")
+_KV = re.compile(r".*\.self_attn\.[kv]_proj\.(weight|bias)")
+_O = re.compile(r".*\.self_attn\.o_proj\.weight")
+_DENSE_IN = re.compile(r"model\.layers\.\d+\.mlp\.(gate|up)_proj\.weight")
+_DENSE_OUT = re.compile(r"model\.layers\.\d+\.mlp\.down_proj\.weight")
+_EXPERT_IN = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up)_proj\.weight")
+_EXPERT_OUT = re.compile(r".*\.mlp\.experts\.\d+\.down_proj\.weight")
+_SHARED_IN = re.compile(r".*\.mlp\.shared_expert\.(gate|up)_proj\.weight")
+_SHARED_OUT = re.compile(r".*\.mlp\.shared_expert\.down_proj\.weight")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+# shipped fused (Phi-3): rows [q | k | v] and [gate | up]
+_QKV = re.compile(r".*\.self_attn\.qkv_proj\.(weight|bias)")
+_GATE_UP = re.compile(r"model\.layers\.\d+\.mlp\.gate_up_proj\.weight")
+
+
+def even_ranges(count: int, parts: int, unit: int = 1) -> list[Range]:
+    """[0, count) cut into `parts` contiguous ranges of whole units, the first ones larger by
+    a unit where the units do not divide evenly (e.g. 5 units of 1 into 2: 3 + 2)."""
+    units, extra = divmod(count // unit, parts)
+    ranges, start = [], 0
+    for part in range(parts):
+        end = start + (units + (part < extra)) * unit
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def split_columns(count: int, parts: int, unit: int, what: str) -> list[Range]:
+    """even_ranges in units of `unit` where `count` is made of at least `parts` of them,
+    else of single columns; every part gets at least one."""
+    if count % unit or count // unit < parts:
+        unit = 1
+    if count < parts:
+        raise ConfigError(f"{what} has {count} columns, fewer than tensor_parallel_size="
+                          f"{parts}; lower tensor_parallel_size to {count} or less")
+    return even_ranges(count, parts, unit)
+
+
+def split_heads(num_heads: int, num_kv_heads: int, parts: int) -> list[tuple[Range, Range]]:
+    """(query heads, KV heads) of each rank: whole GQA groups where there are at least as
+    many KV heads as ranks, else a share of one group's query heads with its KV head."""
+    if parts > num_heads:
+        raise ConfigError(f"tensor_parallel_size={parts} exceeds the model's {num_heads} query "
+                          f"heads (with {num_kv_heads} KV heads): each rank needs a query head; "
+                          f"use at most {num_heads}")
+    group = num_heads // num_kv_heads
+    if parts <= num_kv_heads:
+        return [((a * group, b * group), (a, b)) for a, b in even_ranges(num_kv_heads, parts)]
+    out = []
+    for kv, (first, end) in enumerate(even_ranges(parts, num_kv_heads)):
+        for a, b in even_ranges(group, end - first):   # ranks sharing KV head `kv`
+            out.append(((kv * group + a, kv * group + b), (kv, kv + 1)))
+    return out
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """What rank `rank` of `world_size` holds: ranges of the model's heads, MLP columns and
+    vocabulary rows."""
+
+    rank: int
+    world_size: int
+    q_heads: Range
+    kv_heads: Range
+    head_dim: int
+    intermediate: Range
+    moe_intermediate: Range
+    shared_intermediate: Range
+    vocab: Range
+    max_vocab_rows: int   # the largest rank's vocabulary rows (logits are gathered padded)
+    num_heads: int        # the whole model's query and KV heads
+    num_kv_heads: int
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """The model as this rank builds it: its heads, columns and vocabulary rows."""
+        def size(r: Range) -> int:
+            return r[1] - r[0]
+        return replace(config, num_heads=size(self.q_heads), num_kv_heads=size(self.kv_heads),
+                       intermediate_size=size(self.intermediate),
+                       moe_intermediate_size=size(self.moe_intermediate),
+                       shared_expert_intermediate_size=size(self.shared_intermediate),
+                       vocab_size=size(self.vocab))
+
+    def take(self, name: str, tensor: Tensor) -> Tensor:
+        """This rank's part of one loaded tensor (transformers' name, q/k/v and gate/up not
+        yet fused), a copy of its own; replicated tensors come back as they are."""
+        if _QKV.fullmatch(name) or _GATE_UP.fullmatch(name):
+            return self._take_fused(name, tensor)
+        rows, cols = self._split(name)
+        if rows is not None:
+            return tensor[rows[0]:rows[1]].clone()
+        if cols is not None:
+            return tensor[:, cols[0]:cols[1]].contiguous()
+        return tensor
+
+    def _take_fused(self, name: str, tensor: Tensor) -> Tensor:
+        """This rank's rows of each part of a fused projection, fused again."""
+        d = self.head_dim
+        if _QKV.fullmatch(name):
+            q, kv = self.num_heads * d, self.num_kv_heads * d
+            parts = [(tensor[:q], self.q_heads), (tensor[q:q + kv], self.kv_heads),
+                     (tensor[q + kv:], self.kv_heads)]
+            return torch.cat([t[a * d:b * d] for t, (a, b) in parts])
+        gate, up = tensor.chunk(2)
+        a, b = self.intermediate
+        return torch.cat([gate[a:b], up[a:b]])
+
+    def _split(self, name: str) -> tuple[Range | None, Range | None]:
+        """(rows, columns) of `name` this rank keeps; (None, None) where it keeps all."""
+        d = self.head_dim
+        if _Q.fullmatch(name):
+            return (self.q_heads[0] * d, self.q_heads[1] * d), None
+        if _KV.fullmatch(name):
+            return (self.kv_heads[0] * d, self.kv_heads[1] * d), None
+        if _O.fullmatch(name):
+            return None, (self.q_heads[0] * d, self.q_heads[1] * d)
+        for column_parallel, row_parallel, columns in (
+                (_DENSE_IN, _DENSE_OUT, self.intermediate),
+                (_EXPERT_IN, _EXPERT_OUT, self.moe_intermediate),
+                (_SHARED_IN, _SHARED_OUT, self.shared_intermediate)):
+            if column_parallel.fullmatch(name):
+                return columns, None
+            if row_parallel.fullmatch(name):
+                return None, columns
+        if name in _VOCAB:
+            return self.vocab, None
+        return None, None
+
+
+def plan_shards(config: ModelConfig, world_size: int) -> list[TensorShard]:
+    """Every rank's TensorShard; a ConfigError naming the numbers where the model cannot be
+    split `world_size` ways."""
+    if config.qk_norm == "full" and world_size > 1:
+        raise ConfigError(f"{config.architecture} normalises q and k over all heads together "
+                          "(qk_norm 'full'), which tensor parallel does not split yet; use "
+                          "tensor_parallel_size=1")
+    heads = split_heads(config.num_heads, config.num_kv_heads, world_size)
+    mlp = split_columns(config.intermediate_size, world_size, UNIT_COLUMNS, "the MLP")
+    moe = split_columns(config.moe_intermediate_size, world_size, UNIT_COLUMNS, "an expert") \
+        if config.moe_intermediate_size else [(0, 0)] * world_size
+    shared = split_columns(config.shared_expert_intermediate_size, world_size, UNIT_COLUMNS,
+                           "the shared expert") \
+        if config.shared_expert_intermediate_size else [(0, 0)] * world_size
+    vocab = split_columns(config.vocab_size, world_size, UNIT_VOCAB, "the vocabulary")
+    widest = max(b - a for a, b in vocab)
+    return [TensorShard(rank, world_size, q, kv, config.head_dim, mlp[rank], moe[rank],
+                        shared[rank], vocab[rank], widest, config.num_heads, config.num_kv_heads)
+            for rank, (q, kv) in enumerate(heads)]
+
+
+def describe_shards(shards: list[TensorShard]) -> str:
+    """E.g. 'rank 0: query heads 0-5, KV heads 0-1, MLP columns 0-767; rank 1: ...'."""
+    def span(r: Range) -> str:
+        return f"{r[0]}-{r[1] - 1}"
+    return "; ".join(f"rank {s.rank}: query heads {span(s.q_heads)}, KV heads "
+                     f"{span(s.kv_heads)}, MLP columns {span(s.intermediate)}, vocabulary "
+                     f"{span(s.vocab)}" for s in shards)
+
+
+def rank_cpus(parallel: ParallelConfig, available: list[int]) -> list[tuple[int, ...]]:
+    """Each rank's CPUs: cpu_bind's, which must be among `available` (the CPUs this process
+    may run on), or `available` split evenly in order. A rank needs a CPU of its own."""
+    size = parallel.tensor_parallel_size
+    if parallel.cpu_bind is not None:
+        ranks = parse_cpu_bind(parallel.cpu_bind)
+        outside = sorted({c for r in ranks for c in r} - set(available))
+        if outside:
+            raise ConfigError(f"cpu_bind={parallel.cpu_bind!r} names CPUs {outside} that this "
+                              f"process may not run on (it may use {format_cpus(available)})")
+        return ranks
+    if size > len(available):
+        raise ConfigError(f"tensor_parallel_size={size} needs a CPU core per rank, and this "
+                          f"process may run on {len(available)} ({format_cpus(available)}); "
+                          f"use tensor_parallel_size={len(available)} or less")
+    return [tuple(available[a:b]) for a, b in even_ranges(len(available), size)]
+
+
+def format_cpus(cpus: list[int] | tuple[int, ...]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][-1] + 1:
+            runs[-1].append(cpu)
+        else:
+            runs.append([cpu])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)

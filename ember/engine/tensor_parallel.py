@@ -1,0 +1,147 @@
+"""The engine's side of tensor parallel: what every rank must agree on (RankSetup, decided once
+by the driver), and how a rank builds its part of the model and its runner.
+
+Every rank builds the same way: the rank's tensors cut as they load (each rank then holds
+about 1/T of the weights, plus one whole tensor while it loads), packed as in one process
+(int4 groups and int8 tiles stay whole: ember/distributed/parallel.py), made
+tensor-parallel, then a KV cache of its own KV heads with the same number of blocks on
+every rank (the scheduler's block ids mean the same slots everywhere).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ember.config import EngineConfig, ModelConfig
+from ember.distributed.collectives import RankCollectives
+from ember.distributed.executor import LocalProcesses
+from ember.distributed.parallel import TensorShard, describe_shards, plan_shards, rank_cpus
+from ember.distributed.sharding import parallelize
+from ember.engine.memory import (large_blocks_mapped_alone, lazy_zeros, move_to_huge_pages,
+                                 temporaries_from_the_heaps)
+from ember.engine.prefill_choice import PrefillChoice
+from ember.errors import ConfigError
+from ember.kernels import CpuKernels, load_kernels
+from ember.models.llama import LlamaForCausalLM
+from ember.quant.packed import GROUP, step_weights, use_brgemm_prefill
+from ember.runner.kv_tensors import allocate_kv_caches, kv_bytes_per_token
+from ember.runner.runner import ModelRunner
+from ember.weights.loader import ModelFiles, apply_quantization, load_model, open_model_files
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What every rank builds from, decided once by the driver (choices a rank would make on
+    its own, such as a measured prefill matmul, could differ between ranks)."""
+
+    config: EngineConfig
+    dtype: str               # torch dtype name
+    quantization: str
+    prefill_matmul: str
+    kv_cache_dtype: str      # resolved: "model" or "int8"
+    num_blocks: int
+    max_model_len: int
+    shards: tuple[TensorShard, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def plan_ranks(config: EngineConfig, model: ModelConfig, quantization: str
+               ) -> tuple[list[TensorShard], list[tuple[int, ...]]] | None:
+    """Each rank's part of the model and its CPUs, or None in one process; a ConfigError
+    naming the numbers where the model or this machine cannot take tensor_parallel_size."""
+    size = config.parallel.tensor_parallel_size
+    if size == 1:
+        return None
+    shards = plan_shards(model, size)
+    cpus = rank_cpus(config.parallel, sorted(os.sched_getaffinity(0)))
+    if quantization == "int4":
+        odd = sorted({n for s in shards for n in _input_sizes(s.local_config(model)) if n % GROUP})
+        if odd:
+            raise ConfigError(f"int4 at tensor_parallel_size={size} gives a rank projections "
+                              f"of {odd} inputs, not multiples of {GROUP}; use --quantization "
+                              "int8 or another tensor_parallel_size")
+    log.info("tensor parallel over %d ranks: %s", size, describe_shards(shards))
+    return shards, cpus
+
+
+def _input_sizes(local: ModelConfig) -> tuple[int, ...]:
+    """The input sizes of a rank's packed projections: q/k/v and gate/up take the hidden
+    state, o its query heads, down its MLP columns."""
+    return (local.hidden_size, local.q_size, local.intermediate_size,
+            *((local.moe_intermediate_size,) if local.moe_intermediate_size else ()))
+
+
+def tensor_parallel_prefill(asked: str) -> PrefillChoice:
+    """Prompt rows' matmuls at tensor_parallel_size > 1: bfloat16 (int8's SmoothQuant
+    calibration runs a prompt through the engine in one process)."""
+    if asked == "auto":
+        return PrefillChoice("bfloat16", "tensor parallel: int8 needs a one-process calibration")
+    return PrefillChoice(asked, "asked")
+
+
+def start_ranks(setup: RankSetup, cpus: list[tuple[int, ...]]) -> LocalProcesses:
+    """Start ranks 1..T-1 loading their parts (this process is rank 0)."""
+    widths = [s.vocab[1] - s.vocab[0] for s in setup.shards]
+    parallel = setup.config.parallel
+    return LocalProcesses(cpus, widths, parallel.collective_timeout_s, build_worker_runner,
+                          setup, parallel.all_reduce)
+
+
+def load_rank_model(files: ModelFiles, model_config: ModelConfig, setup: RankSetup,
+                    rank: int, kernels: CpuKernels | None,
+                    collectives: RankCollectives) -> LlamaForCausalLM:
+    """Rank `rank`'s part of the model, packed, tensor-parallel and ready to step."""
+    shard = setup.shards[rank]
+    config = setup.config
+    with large_blocks_mapped_alone():
+        model = load_model(files, model_config, setup.torch_dtype, config.device, shard)
+        with temporaries_from_the_heaps():
+            model = apply_quantization(model, setup.quantization, kernels)
+        parallelize(model, shard, collectives)
+        move_to_huge_pages(step_weights(model))
+    model.use_kernels(kernels)   # (no whole-model decode stack: see _build_decode_stack)
+    model.rows_by_kind = True
+    model.batch_invariant = config.deterministic
+    model.cache_rope(setup.max_model_len, setup.torch_dtype)
+    if setup.prefill_matmul == "bfloat16-brgemm":
+        use_brgemm_prefill(model, kernels)
+    return model
+
+
+def build_worker_runner(setup: RankSetup, rank: int,
+                        collectives: RankCollectives) -> ModelRunner:
+    """A worker rank's runner (in its own process): its part of the model and its KV cache."""
+    config = setup.config
+    files = open_model_files(config.model)
+    model_config = files.model_config()
+    kernels = load_kernels(config.kernels, config.device)
+    model = load_rank_model(files, model_config, setup, rank, kernels, collectives)
+    del files
+    gc.collect()
+    kv_caches = allocate_kv_caches(setup.shards[rank].local_config(model_config),
+                                   setup.num_blocks, config.cache.block_size, setup.torch_dtype,
+                                   config.device, setup.kv_cache_dtype, zeros=lazy_zeros)
+    return ModelRunner(model, kv_caches, config.cache.block_size, config.device, config.seed,
+                       kernels, batch_invariant=config.deterministic, vocab_size=0)
+
+
+def describe_kv_gain(model: ModelConfig, shards: list[TensorShard], dtype: torch.dtype,
+                     kv_cache_dtype: str) -> str:
+    """How many more tokens the ranks' KV caches hold than one process's in the same memory
+    per rank: the widest rank's KV heads set the blocks every rank allocates."""
+    whole = kv_bytes_per_token(model, dtype, kv_cache_dtype)
+    widest = max(kv_bytes_per_token(s.local_config(model), dtype, kv_cache_dtype)
+                 for s in shards)
+    heads = [s.kv_heads[1] - s.kv_heads[0] for s in shards]
+    return (f"each rank caches its own KV heads ({'+'.join(map(str, heads))} of "
+            f"{model.num_kv_heads}): {whole / widest:.2f}x the tokens of one process in the "
+            "same memory per rank")

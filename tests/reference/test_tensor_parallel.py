@@ -1,0 +1,162 @@
+"""Tensor parallel (ember/distributed/): one model over two local processes.
+
+Reference: the same engine in one process (itself tested against transformers), float32 with
+unpacked weights: the two-rank run's greedy tokens equal it and its logits are within 1e-4 at
+the prefill and every decode step. The tiny models have 9 query heads over 3 KV heads, as
+the default model has, so the ranks hold uneven parts (6 + 3 query heads, 2 + 1 KV heads).
+The default model's int4 run follows the closeness rule (STYLE.md): its row-parallel sums
+round in another order. A worker that dies or hangs makes the engine fail (EngineDead).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from ember import LLM, EngineConfig, SamplingParams
+from ember.engine.async_engine import AsyncEngine, EngineState
+from ember.engine.core import EngineCore
+from ember.errors import ConfigError, EngineDead
+from tests.conftest import assert_greedy_close, first_mismatch, save_tiny_model, tiny_hf_model
+from tests.reference.test_llama_vs_hf import PROMPTS, ember_greedy_logits
+from tests.reference.test_variants_vs_hf import tiny_variant
+
+NUM_STEPS = 8
+UNEVEN = dict(hidden_size=144, num_attention_heads=9, num_key_value_heads=3, head_dim=16)
+OPTIONS = dict(dtype="float32", quantization="none", kv_cache_gib=0.05)
+DEADLINE_S = 120   # a failure must surface well within this (a hang would never)
+
+CASES = {
+    "llama": lambda: tiny_hf_model("llama", tie_word_embeddings=False, **UNEVEN),
+    "qwen2-bias-tied": lambda: tiny_hf_model("qwen2", tie_word_embeddings=True, **UNEVEN),
+    "mixtral": lambda: tiny_variant("Mixtral", num_local_experts=4, num_experts_per_tok=2,
+                                    **UNEVEN),
+    "gemma2-softcap": lambda: tiny_variant("Gemma2", sliding_window=8,
+                                           attn_logit_softcapping=2.0,
+                                           final_logit_softcapping=3.0, **UNEVEN),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def tiny_folder(request, tmp_path_factory, tokenizer_files):
+    model = CASES[request.param]()
+    return save_tiny_model(tmp_path_factory.mktemp(request.param), model, tokenizer_files)
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory, tokenizer_files):
+    model = CASES["llama"]()
+    return save_tiny_model(tmp_path_factory.mktemp("tp-llama"), model, tokenizer_files)
+
+
+def test_two_ranks_match_one_process_step_by_step(tiny_folder):
+    one = EngineCore(EngineConfig.from_options(model=str(tiny_folder), **OPTIONS))
+    two = EngineCore(EngineConfig.from_options(model=str(tiny_folder), tensor_parallel_size=2,
+                                               **OPTIONS))
+    try:
+        for prompt in PROMPTS:
+            want_tokens, want = ember_greedy_logits(one, prompt, NUM_STEPS)
+            tokens, logits = ember_greedy_logits(two, prompt, NUM_STEPS)
+            assert tokens == want_tokens, f"diverged at {first_mismatch(want_tokens, tokens)}"
+            for step, (got, ref) in enumerate(zip(logits, want)):
+                torch.testing.assert_close(got, ref, atol=1e-4, rtol=0,
+                                           msg=lambda m, step=step: f"step {step}: {m}")
+    finally:
+        two.close()
+
+
+def test_two_ranks_batched_chunked_and_cached_match_one_process(llama_folder):
+    """Every prompt at once in steps of 16 tokens (chunked prompts beside decodes), then
+    again from the prefix cache: the same greedy tokens as one process."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    options = dict(OPTIONS, max_num_batched_tokens=16)
+    want = LLM(str(llama_folder), **options).generate(PROMPTS, params)
+    llm = LLM(str(llama_folder), tensor_parallel_size=2, **options)
+    try:
+        for _ in range(2):   # the second run reads the prompts' blocks from the cache
+            for ref, out in zip(want, llm.generate(PROMPTS, params)):
+                a, b = ref.outputs[0].token_ids, out.outputs[0].token_ids
+                assert a == b, f"diverged at {first_mismatch(a, b)}"
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow
+def test_default_model_int4_on_two_ranks_is_close_to_one_process():
+    """The shipped int4 model: one process (with the prompt matmuls two ranks run, bfloat16)
+    and two ranks give the same greedy tokens, or the closeness rule holds."""
+    prompts = ["What is the capital of France?", "Write a haiku about the sea."]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    ref = LLM(prefill_matmul="bfloat16", kv_cache_gib=0.1).generate(prompts, params)
+    llm = LLM(tensor_parallel_size=2, kv_cache_gib=0.1)
+    try:
+        assert_greedy_close(ref, llm.generate(prompts, params))
+    finally:
+        llm.close()
+
+
+def _generate_with_deadline(llm: LLM) -> BaseException | None:
+    """llm.generate's exception, from a thread given DEADLINE_S to end (None: none)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4))
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome.append(e)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(DEADLINE_S)
+    assert outcome, f"generate neither failed nor ended within {DEADLINE_S} s"
+    return outcome[0]
+
+
+def test_a_killed_worker_rank_ends_the_engine(llama_folder):
+    llm = LLM(str(llama_folder), tensor_parallel_size=2, **OPTIONS)
+    try:
+        llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2))
+        worker = llm.engine.executor.workers[0]
+        worker.kill()
+        worker.wait()
+        assert isinstance(_generate_with_deadline(llm), EngineDead)
+    finally:
+        llm.close()
+
+
+def test_a_hung_worker_rank_ends_the_engine_after_the_collective_timeout(llama_folder):
+    llm = LLM(str(llama_folder), tensor_parallel_size=2, collective_timeout_s=2, **OPTIONS)
+    worker = llm.engine.executor.workers[0]
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        assert isinstance(_generate_with_deadline(llm), EngineDead)
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        llm.close()
+
+
+def test_an_idle_engine_dies_with_its_worker(llama_folder):
+    """No request needs to run: the idle engine notices, and liveness turns false."""
+    engine = AsyncEngine(EngineConfig.from_options(model=str(llama_folder),
+                                                   tensor_parallel_size=2, **OPTIONS))
+    engine.start()
+    asyncio.run(engine.wait_ready())
+    try:
+        assert engine.ready
+        engine.core.executor.workers[0].kill()
+        engine._thread.join(DEADLINE_S)   # the engine thread ends once it has noticed
+        assert engine.state is EngineState.DEAD and not engine.ready
+        assert isinstance(engine.error, EngineDead)
+    finally:
+        engine.shutdown()
+
+
+def test_more_ranks_than_query_heads_fail_at_start_naming_them(llama_folder):
+    with pytest.raises(ConfigError, match="tensor_parallel_size=10 exceeds the model's 9 "
+                                          "query heads"):
+        EngineCore(EngineConfig.from_options(model=str(llama_folder), tensor_parallel_size=10,
+                                             **OPTIONS))

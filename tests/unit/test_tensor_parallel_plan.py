@@ -1,0 +1,131 @@
+"""How tensor parallel splits a model and a machine (ember/distributed/parallel.py), against
+the split written out by hand; and the start-up errors that name the numbers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.config import EngineConfig, ModelConfig, ParallelConfig, parse_cpu_bind
+from ember.distributed.executor import TokenWindow, plain_step
+from ember.distributed.parallel import even_ranges, plan_shards, rank_cpus, split_heads
+from ember.errors import ConfigError
+from ember.request import Request, SamplingParams
+from ember.runner.inputs import prepare_inputs
+from ember.runner.runner import ForwardStep
+from ember.scheduler.output import ScheduledRequest, SchedulerOutput
+
+SMOLLM = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
+                     intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                     head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     max_position_embeddings=8192, tie_word_embeddings=True)
+
+
+def test_uneven_heads_go_to_ranks_as_whole_gqa_groups():
+    assert split_heads(9, 3, 2) == [((0, 6), (0, 2)), ((6, 9), (2, 3))]
+    assert split_heads(9, 3, 3) == [((0, 3), (0, 1)), ((3, 6), (1, 2)), ((6, 9), (2, 3))]
+
+
+def test_more_ranks_than_kv_heads_replicate_a_kv_head_over_its_group():
+    # 4 ranks over 3 groups of 3: group 0 split 2 + 1 over ranks 0-1, then a group a rank
+    assert split_heads(9, 3, 4) == [((0, 2), (0, 1)), ((2, 3), (0, 1)), ((3, 6), (1, 2)),
+                                    ((6, 9), (2, 3))]
+    # every query head lands on exactly one rank, with its own KV head
+    for q, kv in split_heads(12, 2, 5):
+        assert all(h // 6 == kv[0] for h in range(*q)) and kv[1] - kv[0] == 1
+
+
+def test_more_ranks_than_query_heads_is_an_error_naming_both():
+    with pytest.raises(ConfigError, match="tensor_parallel_size=10 exceeds the model's 9 "
+                                          "query heads"):
+        split_heads(9, 3, 10)
+
+
+def test_mlp_columns_and_vocabulary_split_in_whole_units():
+    shards = plan_shards(SMOLLM, 2)
+    assert [s.intermediate for s in shards] == [(0, 768), (768, 1536)]
+    assert [s.vocab for s in shards] == [(0, 24576), (24576, 49152)]
+    # 1536 columns = 48 units of 32, over 5 ranks: 10 + 10 + 10 + 9 + 9 units
+    assert [b - a for a, b in (s.intermediate for s in plan_shards(SMOLLM, 5))] == \
+        [320, 320, 320, 288, 288]
+    assert even_ranges(5, 2) == [(0, 3), (3, 5)]
+
+
+def test_a_rank_config_is_its_part():
+    local = plan_shards(SMOLLM, 2)[1].local_config(SMOLLM)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size, local.vocab_size) == \
+        (3, 1, 768, 24576)
+    assert (local.hidden_size, local.head_dim, local.num_layers) == (576, 64, 30)
+
+
+def test_take_cuts_each_tensor_as_the_fused_model_needs():
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=8,
+                         intermediate_size=64, num_layers=1, num_heads=6, num_kv_heads=2,
+                         head_dim=2, rms_norm_eps=1e-5, rope_theta=1e4,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    rank1 = plan_shards(config, 2)[1]   # query heads 3-5, KV head 1, columns 32-63
+    w = {n: torch.randn(rows, 8) for n, rows in (("q", 12), ("k", 4), ("v", 4), ("gate", 64),
+                                                 ("up", 64))}
+    layer = "model.layers.0"
+    assert torch.equal(rank1.take(f"{layer}.self_attn.q_proj.weight", w["q"]), w["q"][6:12])
+    assert torch.equal(rank1.take(f"{layer}.self_attn.k_proj.weight", w["k"]), w["k"][2:4])
+    o = torch.randn(8, 12)
+    assert torch.equal(rank1.take(f"{layer}.self_attn.o_proj.weight", o), o[:, 6:12])
+    down = torch.randn(8, 64)
+    assert torch.equal(rank1.take(f"{layer}.mlp.down_proj.weight", down), down[:, 32:])
+    # shipped fused (Phi-3): each part's rows, fused again as the unfused parts fuse
+    fused_qkv = torch.cat([w["q"], w["k"], w["v"]])
+    assert torch.equal(rank1.take(f"{layer}.self_attn.qkv_proj.weight", fused_qkv),
+                       torch.cat([w["q"][6:12], w["k"][2:4], w["v"][2:4]]))
+    fused = torch.cat([w["gate"], w["up"]])
+    assert torch.equal(rank1.take(f"{layer}.mlp.gate_up_proj.weight", fused),
+                       torch.cat([w["gate"][32:], w["up"][32:]]))
+    norm = torch.randn(8)
+    assert rank1.take(f"{layer}.input_layernorm.weight", norm) is norm
+
+
+def test_cpus_split_evenly_or_as_bound():
+    parallel = ParallelConfig(tensor_parallel_size=2)
+    assert rank_cpus(parallel, [0, 1, 2, 3, 4]) == [(0, 1, 2), (3, 4)]
+    bound = ParallelConfig(tensor_parallel_size=2, cpu_bind="4-5,7|0")
+    assert rank_cpus(bound, list(range(8))) == [(4, 5, 7), (0,)]
+    assert parse_cpu_bind("0|1") == [(0,), (1,)]
+
+
+def test_more_ranks_than_cores_fail_naming_the_numbers():
+    with pytest.raises(ConfigError, match="tensor_parallel_size=4 needs a CPU core per rank, "
+                                          r"and this process may run on 2 \(0-1\)"):
+        rank_cpus(ParallelConfig(tensor_parallel_size=4), [0, 1])
+    with pytest.raises(ConfigError, match=r"names CPUs \[9\]"):
+        rank_cpus(ParallelConfig(tensor_parallel_size=2, cpu_bind="0|9"), [0, 1])
+
+
+@pytest.mark.parametrize("spec, message", [("0|0", "more than one rank"), ("0-x", "not a CPU"),
+                                           ("0", "CPUs for 1 ranks")])
+def test_bad_cpu_binds_are_refused(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        ParallelConfig(tensor_parallel_size=2, cpu_bind=spec)
+
+
+def test_ray_and_unsupported_options_fail_before_anything_starts():
+    with pytest.raises(ConfigError, match="ray is not built yet"):
+        EngineConfig.from_options(tensor_parallel_size=2, distributed_executor="ray")
+    with pytest.raises(ConfigError, match="LoRA adapters"):
+        EngineConfig.from_options(tensor_parallel_size=2, loras=(("a", "/x"),))
+    assert EngineConfig.from_options(tensor_parallel_size=2).parallel.tensor_parallel_size == 2
+
+
+def test_a_step_as_plain_data_builds_the_same_inputs():
+    """What a worker receives (Requests cut to the step's tokens, drafts included) lays out
+    the same tensors as the driver's plan."""
+    request = Request("a", list(range(100, 140)), SamplingParams(), frozenset(), max_tokens=8)
+    for token in (7, 8, 9):
+        request.append_output(token)
+    prompt = Request("b", list(range(300, 320)), SamplingParams(), frozenset(), max_tokens=8)
+    plan = SchedulerOutput([ScheduledRequest(request, 42, 3, [3, 4, 5], True, (11, 12)),
+                            ScheduledRequest(prompt, 16, 4, [6, 7], True)])
+    sent = plain_step(ForwardStep("forward", plan)).plan
+    a, b = (prepare_inputs(p, 16, torch.device("cpu")) for p in (plan, sent))
+    assert a.input_ids.tolist() == [9, 11, 12, 316, 317, 318, 319] == b.input_ids.tolist()
+    assert torch.equal(a.positions, b.positions)
+    assert torch.equal(a.attn.slot_mapping, b.attn.slot_mapping)
+    assert TokenWindow(5, [1, 2, 3])[6:8] == [2, 3]
