@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING
 
 from ember.bench.cli import add_bench_parser, results_dir
 from ember.config import (ALL_REDUCES, DISTRIBUTED_EXECUTORS, DTYPES, EVICTION_POLICIES, KERNELS,
-                          KV_CACHE_DTYPES, POOLINGS, PREFILL_MATMULS, QUANTIZATIONS, SPECULATIVE,
-                          TASKS, ApiKey, CacheConfig, EngineConfig, ParallelConfig,
-                          SchedulerConfig, ServerConfig, SpecConfig, parse_api_keys)
+                          KV_CACHE_DTYPES, KV_TRANSPORTS, POOLINGS, PREFILL_MATMULS, QUANTIZATIONS,
+                          ROLES, SPECULATIVE, TASKS, ApiKey, CacheConfig, EngineConfig,
+                          KVTransferConfig, ParallelConfig, SchedulerConfig, ServerConfig,
+                          SpecConfig, parse_api_keys)
 from ember.errors import ConfigError, EmberError, InvalidRequest
 from ember.plan.cli import add_plan_parser
 from ember.request import SamplingParams
@@ -140,6 +141,39 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "on it (auto: shm where it runs)")
 
 
+def _disaggregation_args(parser: argparse.ArgumentParser) -> None:
+    """A replica's part in disaggregated serving (`ember serve` only: a gateway gives its
+    replicas their roles)."""
+    d = KVTransferConfig()
+    g = parser.add_argument_group("disaggregated serving (docs/disaggregated.md)")
+    g.add_argument("--role", default=d.role, choices=list(ROLES),
+                   help="both: an ordinary replica; prefill: computes prompts sent with "
+                        "kv_transfer_params {do_remote_decode: true} and keeps their KV "
+                        "pinned for a decode replica (its KV cache in shared memory); decode: "
+                        "goes on from a prefill replica's answer, pulling the KV it lacks. "
+                        "Both kinds serve ordinary requests too")
+    g.add_argument("--kv-transport", default=d.kv_transport, choices=list(KV_TRANSPORTS),
+                   help="how a decode replica pulls: auto maps the prefill replica's KV cache "
+                        "when both run on this host, else streams it over HTTP; http always "
+                        "streams")
+    g.add_argument("--kv-pin-seconds", type=float, default=d.kv_pin_seconds,
+                   help="a prefill replica frees a prompt's pinned blocks this long after "
+                        "its answer unless a decode replica pulled them first")
+    g.add_argument("--kv-pull-timeout", type=float, default=d.kv_pull_timeout_s,
+                   help="seconds a decode replica's pull may take before it computes the "
+                        "prompt itself (a prefill replica holds claimed blocks this long)")
+
+
+def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig:
+    """--role and its options; an ordinary replica for commands without them."""
+    d = KVTransferConfig()
+    return KVTransferConfig(role=getattr(args, "role", d.role),
+                            kv_transport=getattr(args, "kv_transport", d.kv_transport),
+                            kv_pin_seconds=getattr(args, "kv_pin_seconds", d.kv_pin_seconds),
+                            kv_pull_timeout_s=getattr(args, "kv_pull_timeout",
+                                                      d.kv_pull_timeout_s))
+
+
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens)
@@ -182,7 +216,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                 distributed_executor=args.distributed_executor,
                                 cpu_bind=args.cpu_bind,
                                 collective_timeout_s=args.collective_timeout_s,
-                                all_reduce=args.all_reduce))
+                                all_reduce=args.all_reduce),
+        kv_transfer=kv_transfer_config(args))
 
 
 def parse_lora(spec: str) -> tuple[str, str]:
@@ -426,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     _engine_args(serve)
     _server_args(serve)
+    _disaggregation_args(serve)
     serve.set_defaults(func=cmd_serve)
     # no abbreviated options: the tokens it passes on to replicas must be the ones it parsed
     route = sub.add_parser("route", help="a gateway over many `ember serve` replicas: "

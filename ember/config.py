@@ -31,6 +31,8 @@ TASKS = ("generate", "embed")  # generate also serves embeddings; embed serves o
 DISTRIBUTED_EXECUTORS = ("mp", "ray")  # how a model's ranks start: local processes, Ray actors
 # the ranks' all-reduce (ember/distributed/allreduce.py): shm on one host, else gloo
 ALL_REDUCES = ("auto", "shm", "gloo")
+ROLES = ("both", "prefill", "decode")  # disaggregated serving (ember/kv_transfer/)
+KV_TRANSPORTS = ("auto", "http")       # auto: shared memory on one host, else HTTP
 POOLINGS = ("auto", "last", "mean", "cls")  # auto: the model folder's sentence-transformers
                                             # pooling, else the last token
 
@@ -333,6 +335,39 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregated serving: a prefill replica computes prompts and keeps their KV blocks
+    pinned for a decode replica, which pulls them and generates the rest (ember/kv_transfer/).
+    `both` is an ordinary replica, which does neither."""
+
+    role: str = "both"
+    # how a decode replica pulls: auto maps the prefill replica's KV cache where both run on
+    # one host (else HTTP); http always asks the prefill replica's server
+    kv_transport: str = "auto"
+    # a prompt's pinned blocks go back to the pool this long after the prompt finished,
+    # unless a decode replica pulled them first
+    kv_pin_seconds: float = 30.0
+    # a decode replica's whole pull, after which it recomputes the prompt itself
+    kv_pull_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        check_choice("role", self.role, ROLES)
+        check_choice("kv_transport", self.kv_transport, KV_TRANSPORTS)
+        for name in ("kv_pin_seconds", "kv_pull_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value <= 3600:
+                raise ConfigError(f"{name}={value} must be in (0, 3600] seconds; try 30")
+
+    @property
+    def exports(self) -> bool:
+        return self.role == "prefill"
+
+    @property
+    def imports(self) -> bool:
+        return self.role == "decode"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the user chooses about one engine. `model=None` means the default model."""
 
@@ -358,6 +393,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     loras: tuple[tuple[str, str], ...] = ()   # (name, path) of LoRA adapters loaded at start
     max_loras: int = 8             # adapters resident in memory at once (least recently used out)
@@ -380,6 +416,10 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len={self.max_model_len} must be positive, or None "
                               "for the model's own context length")
+        if self.kv_transfer.role != "both" and self.spec.drafts_with_a_model:
+            raise ConfigError(f"--role {self.kv_transfer.role} moves the model's KV only; a "
+                              f"drafting model's would stay behind: leave out --speculative "
+                              f"{self.spec.speculative} (ngram drafts need no KV)")
         if self.parallel.tensor_parallel_size > 1:
             self._check_tensor_parallel()
 
@@ -395,7 +435,9 @@ class EngineConfig:
                        (self.spec.speculative not in (None, "ngram"),
                         f"speculative={self.spec.speculative!r} (a model drafts; ngram works)"),
                        (self.prefill_matmul == "int8", "prefill_matmul='int8' (its "
-                        "calibration runs in one process; use bfloat16)")]
+                        "calibration runs in one process; use bfloat16)"),
+                       (self.kv_transfer.role != "both", f"role={self.kv_transfer.role!r} "
+                        "(each rank holds only its KV heads)")]
         named = [what for bad, what in unsupported if bad]
         if named:
             raise ConfigError(f"tensor_parallel_size={size} does not run with "
@@ -409,9 +451,10 @@ class EngineConfig:
         the close matches.
         """
         groups: dict[type, dict[str, object]] = {cls: {}, CacheConfig: {}, SchedulerConfig: {},
-                                                 SpecConfig: {}, ParallelConfig: {}}
+                                                 SpecConfig: {}, ParallelConfig: {},
+                                                 KVTransferConfig: {}}
         owners = {f.name: owner for owner in groups for f in fields(owner)
-                  if f.name not in ("cache", "scheduler", "spec", "parallel")}
+                  if f.name not in ("cache", "scheduler", "spec", "parallel", "kv_transfer")}
         for name, value in options.items():
             if name not in owners:
                 close = difflib.get_close_matches(name, owners, n=3)
@@ -422,7 +465,8 @@ class EngineConfig:
         return cls(**groups[cls], cache=CacheConfig(**groups[CacheConfig]),
                    scheduler=SchedulerConfig(**groups[SchedulerConfig]),
                    spec=SpecConfig(**groups[SpecConfig]),
-                   parallel=ParallelConfig(**groups[ParallelConfig]))
+                   parallel=ParallelConfig(**groups[ParallelConfig]),
+                   kv_transfer=KVTransferConfig(**groups[KVTransferConfig]))
 
 
 TENANT_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")

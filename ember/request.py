@@ -165,6 +165,7 @@ class PoolingParams:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"      # holds its blocks while another replica's KV is copied in
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
@@ -214,6 +215,11 @@ class Request:
     lora: str | None = None           # the LoRA adapter's name (None: the base model)
     pooling: PoolingParams | None = None  # set: embed the prompt; never sample a token
     embedding: list[float] | None = None  # the pooled vector, once its last chunk ran
+    # disaggregated serving (ember/kv_transfer/): the leading prompt tokens whose KV another
+    # replica computed, copied in when the request is admitted instead of computed; and, on
+    # the replica that computes a prompt for another, that its blocks outlive it (pinned)
+    num_external_tokens: int = 0
+    keep_blocks: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

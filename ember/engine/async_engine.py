@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,8 @@ from ember.engine.memory import return_free_memory
 from ember.engine.output import SequenceText
 from ember.errors import (EmberError, EngineDead, EngineLoading, Overloaded, RequestFailed,
                           TooManySequences)
+from ember.kv_transfer.connector import TransferStats
+from ember.kv_transfer.params import Export, RemotePrefill
 from ember.request import (CompletionOutput, FinishReason, PoolingParams, RequestOptions,
                            SamplingParams)
 from ember.weights.loader import served_model_name
@@ -71,6 +73,7 @@ class EngineStats:
     spec_num_drafts: int = 0            # verifications of a request's drafts
     spec_num_draft_tokens: int = 0      # drafted tokens verified
     spec_num_accepted_tokens: int = 0   # of those, accepted
+    kv_transfer: TransferStats | None = None   # a prefill or decode replica's (--role)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class Finished:
     num_prompt_tokens: int
     queue_time_s: float
     num_cached_tokens: int = 0   # prompt tokens served from the prefix cache
+    export: Export | None = None   # a prefill replica's: the blocks kept for a decode replica
 
 
 @dataclass
@@ -92,6 +96,7 @@ class _Stream:
     first_scheduled: float | None = None
     num_cached_tokens: int = 0
     num_open: int = 0
+    export: Export | None = None
 
     def put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -190,11 +195,19 @@ class AsyncEngine:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                options: RequestOptions = RequestOptions(),
-               grammar: object | None = None) -> "RequestStream":
+               grammar: object | None = None, export_kv: bool = False,
+               remote: RemotePrefill | None = None) -> "RequestStream":
         """Queue a request and return its stream. Raises at once, queueing nothing, if the
-        request can never run, the queue is full, or the engine is not ready."""
+        request can never run, the queue is full, or the engine is not ready.
+
+        Disaggregated (one sequence only): `export_kv` computes the prompt and its first
+        token and keeps the blocks for a decode replica (the stream's Finished carries the
+        Export); `remote` goes on from another replica's prompt and first token, whose text
+        the stream leaves out (that replica's answer had it)."""
         core = self._core()
         children = params.fan_out()
+        if (export_kv or remote is not None) and len(children) > 1:
+            raise RequestFailed("a disaggregated request has one sequence (n=1)")
         for child in children:
             core.check_request(prompt_token_ids, child)
         if request_id in self._streams:
@@ -207,7 +220,8 @@ class AsyncEngine:
         if params.constraint is not None and grammar is None:
             raise RequestFailed("a constrained request needs its grammar compiled first "
                                 "(await AsyncEngine.compile)")
-        self._inbox.append(("add", (request_id, prompt_token_ids, children, options, grammar)))
+        self._inbox.append(("add", (request_id, prompt_token_ids, children, options, grammar,
+                                    export_kv, remote)))
         self._wake.set()
         deadline = None if self.request_timeout_s is None else \
             time.monotonic() + self.request_timeout_s
@@ -317,7 +331,11 @@ class AsyncEngine:
             self._loaded.set()
             worked = True  # since the engine was last idle (the warm-up counts)
             unfaulted = self.core.kv_pages_to_fault()
+            if self.core.kv_connector is not None:
+                self.core.kv_connector.on_ready = self._wake.set
             while self._handle_inbox():
+                if self.core.move_kv():   # pins that ended, copies that arrived
+                    self._publish_stats(stepped=False)
                 if not self.core.has_unfinished():
                     if worked:  # a burst ended: its freed activations go back to the OS
                         return_free_memory()  # (~5 ms; a request arriving meanwhile waits)
@@ -333,6 +351,9 @@ class AsyncEngine:
                 except StepFailed as failure:
                     self._isolate(failure)
                 worked = True
+                if self.core.idle_step:   # every request waits on a copy: until one ends
+                    self._wake.wait(0.05)
+                    self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - any crash ends the engine, loudly
             log.exception("engine loop crashed")
             self.error = e
@@ -375,11 +396,12 @@ class AsyncEngine:
 
     def _add(self, request_id: str, prompt_token_ids: list[int],
              children: list[SamplingParams], options: RequestOptions,
-             grammar: object | None) -> None:
+             grammar: object | None, export_kv: bool, remote: RemotePrefill | None) -> None:
         def add(seq_id: str, index: int) -> SequenceText:
             request = self.core.add_request(seq_id, prompt_token_ids, children[index], options,
-                                            grammar)
-            return SequenceText(self.core.tokenizer, request, index)
+                                            grammar, export_kv, remote)
+            return SequenceText(self.core.tokenizer, request, index,
+                                num_shown_elsewhere=len(request.output_token_ids))
         self._add_sequences(request_id, add)
 
     def _add_embedding(self, request_id: str, inputs: list[list[int]], pooling: PoolingParams,
@@ -472,8 +494,7 @@ class AsyncEngine:
             request_id, seq = entry
             stream = self._streams.get(request_id)
             try:
-                if seq.update():
-                    self.core.finish(request.request_id, FinishReason.STOP)
+                export = self._export(request.request_id, seq)
                 delta = seq.take_delta()
             except Exception as e:  # noqa: BLE001 - detokenizing one request failed
                 self._fail(request.request_id, e)
@@ -483,6 +504,7 @@ class AsyncEngine:
             if stream.first_scheduled is None:
                 stream.first_scheduled = request.first_scheduled_time
                 stream.num_cached_tokens = request.num_cached_tokens
+            stream.export = export or stream.export
             put(stream, delta)
             if seq.finish_reason is not None:
                 del self._texts[request.request_id]
@@ -491,11 +513,23 @@ class AsyncEngine:
                     queue_time = (stream.first_scheduled or stream.arrival_time) - \
                         stream.arrival_time
                     put(stream, Finished(stream.num_prompt_tokens, max(0.0, queue_time),
-                                         stream.num_cached_tokens))
+                                         stream.num_cached_tokens, stream.export))
                     put(stream, _STOP)
         for loop, items in outbox.items():
             loop.call_soon_threadsafe(_deliver, items)
         self._publish_stats(stepped=True)
+
+    def _export(self, seq_id: str, seq: SequenceText) -> Export | None:
+        """Take in a sequence's new tokens (a stop string ends it); the blocks its step kept
+        for a decode replica, unless a stop string ended it (then they go back)."""
+        export = self.core.exports.pop(seq_id, None) if self.core.kv_connector else None
+        seq.continues_elsewhere = export is not None
+        if seq.update():
+            self.core.finish(seq_id, FinishReason.STOP)
+            if export is not None:
+                self.core.kv_connector.release(export.transfer_id, "stopped")
+                export, seq.continues_elsewhere = None, False
+        return export
 
     def _publish_stats(self, stepped: bool) -> None:
         scheduler, kv = self.core.scheduler, self.core.scheduler.kv
@@ -511,7 +545,9 @@ class AsyncEngine:
                                  num_cached_blocks=kv.pool.num_cached_blocks,
                                  spec_num_drafts=scheduler.spec_stats.num_drafts,
                                  spec_num_draft_tokens=scheduler.spec_stats.num_draft_tokens,
-                                 spec_num_accepted_tokens=scheduler.spec_stats.num_accepted_tokens)
+                                 spec_num_accepted_tokens=scheduler.spec_stats.num_accepted_tokens,
+                                 kv_transfer=self.core.kv_connector.snapshot()
+                                 if self.core.kv_connector is not None else None)
 
     def kv_events_after(self, seq: int) -> tuple[list, bool]:
         """The prefix cache's stored/removed events after `seq` (any thread may ask)."""
@@ -521,6 +557,27 @@ class AsyncEngine:
         """Every block the prefix cache holds now, and the event seq to continue after (any
         thread may ask)."""
         return self._core().scheduler.kv.pool.snapshot()
+
+    # -- a prefill replica's pinned blocks (any thread: the connector locks) ----------------
+
+    @property
+    def role(self) -> str:
+        return self.config.kv_transfer.role
+
+    def kv_claim(self, transfer_id: str) -> dict | None:
+        """Hold a pinned transfer for a pull; where its blocks are, or None if not pinned."""
+        connector = self._core().kv_connector
+        return connector.claim(transfer_id) if connector is not None else None
+
+    def kv_read(self, transfer_id: str, block_ids: list[int]) -> Iterator[bytes] | None:
+        """A pinned transfer's blocks as a byte stream, or None if not pinned or not its."""
+        connector = self._core().kv_connector
+        return connector.read(transfer_id, block_ids) if connector is not None else None
+
+    def kv_release(self, transfer_id: str) -> bool:
+        """Unpin a transfer; False if it was not pinned (never, or no longer)."""
+        connector = self._core().kv_connector
+        return connector.release(transfer_id) if connector is not None else False
 
 
 

@@ -1,4 +1,5 @@
-"""EngineCore: requests in, one step at a time. No threads and no I/O.
+"""EngineCore: requests in, one step at a time. No threads and no I/O of its own (a replica
+that moves KV to or from others hands that to its connector, ember/kv_transfer/).
 
     step() = schedule -> execute -> update
 """
@@ -28,14 +29,20 @@ from ember.engine.tensor_parallel import (RankSetup, describe_kv_gain, load_rank
 from ember.errors import ConfigError, ContextTooLong, EngineDead, InvalidRequest
 from ember.kernels import CpuKernels, load_kernels
 from ember.kv.kv_manager import KVCacheManager
-from ember.kv.prefix_cache import adapter_salt
+from ember.kv.prefix_cache import adapter_salt, prompt_block_keys
+from ember.kv_transfer.blocks import cache_tensors
+from ember.kv_transfer.connector import KVConnector
+from ember.kv_transfer.params import Export, KVFormat, RemotePrefill
+from ember.kv_transfer.shm import shared_kv_caches
 from ember.lora.registry import LoraRegistry
 from ember.quant.packed import step_weights, use_brgemm_prefill
-from ember.request import FinishReason, PoolingParams, Request, RequestOptions, SamplingParams
+from ember.request import (FinishReason, PoolingParams, Request, RequestOptions,
+                           SampledLogprob, SamplingParams)
 from ember.runner.kv_tensors import (GIB, allocate_kv_caches, kv_bytes_per_token, plan_num_blocks,
                                     resolve_kv_cache_dtype)
 from ember.runner.runner import ModelRunner
 from ember.sampling.grammar import Grammars
+from ember.scheduler.output import KVLoad
 from ember.scheduler.scheduler import Scheduler
 from ember.weights.cache import SUMMARIES, WeightCache, cache_key
 from ember.weights.gguf import GGUFFile
@@ -102,6 +109,8 @@ class EngineCore:
     # with tensor_parallel_size > 1 (a stateless default, for cores built without __init__)
     executor: Executor = SingleProcess()
     weight_cache: WeightCache | None = None
+    kv_connector: KVConnector | None = None   # a prefill or decode replica's (--role)
+    idle_step = False  # the last step had nothing to compute (requests wait on copies)
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -163,13 +172,20 @@ class EngineCore:
         if ranks is not None:
             log.info("tensor parallel: the KV cache above is each rank's; %s",
                      describe_kv_gain(self.model_config, ranks[0], self.dtype, kv_dtype))
-        kv_caches = allocate_kv_caches(rank_config, num_blocks, block_size, self.dtype,
-                                       config.device, kv_dtype, zeros=lazy_zeros)
+        shared = None
+        if config.kv_transfer.exports and torch.device(config.device).type == "cpu":
+            # decode replicas on this host map it (kv_transfer/shm.py)
+            kv_caches, shared = shared_kv_caches(rank_config, num_blocks, block_size,
+                                                 self.dtype, kv_dtype)
+        else:
+            kv_caches = allocate_kv_caches(rank_config, num_blocks, block_size, self.dtype,
+                                           config.device, kv_dtype, zeros=lazy_zeros)
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                             config.cache.eviction_policy,
                             self.model_config.window_of_every_layer(),
                             share_generated=False, max_events=config.cache.max_kv_events)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, config.spec)
+        self._init_kv_transfer(kv_caches, shared)
         self.loras = LoraRegistry(self.model_config, config.max_loras, config.max_lora_rank)
         self.loras.in_use = self._loras_in_use
         drafter = build_drafter(config, model, kv_caches, self.tokenizer, self.dtype, kernels,
@@ -256,8 +272,27 @@ class EngineCore:
         self.executor.check_alive()
 
     def close(self) -> None:
-        """Stop the model's other ranks, if any (the engine steps no more)."""
+        """Stop the model's other ranks, if any, and the KV connector's workers (the engine
+        steps no more)."""
         self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+
+    def _init_kv_transfer(self, kv_caches: list, shared) -> None:
+        """A prefill or decode replica's connector (--role); none for `both`."""
+        self.exports: dict[str, Export] = {}          # saved by the last steps, by request
+        self._remotes: dict[str, RemotePrefill] = {}  # decode requests' prefill replicas
+        transfer = self.config.kv_transfer
+        if transfer.role == "both":
+            return
+        if self.model_config.window_of_every_layer() is not None:
+            raise ConfigError(f"--role {transfer.role}: {self.model_path.name} has a sliding "
+                              "window, whose blocks are freed as the window passes; serve it "
+                              "with --role both")
+        fmt = KVFormat(self.model_path.name, self.cache_info.dtype, self.cache_info.block_size,
+                       self.model_config.num_layers, self.model_config.num_kv_heads,
+                       self.model_config.head_dim)
+        self.kv_connector = KVConnector(transfer, cache_tensors(kv_caches), fmt, shared)
 
     def advise_kv_huge_pages(self) -> None:
         """Ask for huge pages under the KV cache (engine/memory.py); called after the
@@ -298,6 +333,9 @@ class EngineCore:
         if config.loras:
             raise ConfigError(f"{self.model_path.name} is an encoder; LoRA adapters are served "
                               "on decoder models")
+        if config.kv_transfer.role != "both":
+            raise ConfigError(f"{self.model_path.name} is an encoder: it keeps no KV to hand "
+                              "over; serve it with --role both")
         self.loras = LoraRegistry(self.model_config)  # none: an encoder runs no adapter
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.task = config.task
@@ -319,11 +357,15 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     options: RequestOptions = RequestOptions(),
-                    grammar: object | None = None) -> Request:
+                    grammar: object | None = None, export_kv: bool = False,
+                    remote: RemotePrefill | None = None) -> Request:
         """Validate and queue one sequence. Raises InvalidRequest subclasses at once.
 
         A constrained request's grammar is compiled here unless the caller compiled it
-        already (the server does, off the engine thread).
+        already (the server does, off the engine thread). With `export_kv` (a prefill
+        replica), only the prompt and its first token are computed, and the blocks are kept
+        for a decode replica (self.exports); with `remote` (a decode replica), the prompt's
+        KV comes from the prefill replica that sampled its first token.
         """
         max_tokens = self.check_request(prompt_token_ids, params)
         if params.constraint is not None and grammar is None:
@@ -333,8 +375,90 @@ class EngineCore:
                           priority=options.priority, user=options.user,
                           cache_salt=self._salt(options), prefix_cache=options.prefix_cache,
                           grammar=grammar, lora=options.lora)
+        if export_kv:
+            self._prepare_export(request)
+        if remote is not None:
+            self._prepare_import(request, remote)
         self._queue(request)
         return request
+
+    # -- disaggregated serving (ember/kv_transfer/) -----------------------------------------
+
+    def _prepare_export(self, request: Request) -> None:
+        """A prefill replica's request: the prompt and one token; its blocks are kept if
+        more tokens are to come."""
+        if self.kv_connector is None or not self.config.kv_transfer.exports:
+            raise InvalidRequest(f"this replica runs --role {self.config.kv_transfer.role}; "
+                                 "send do_remote_decode to a --role prefill replica",
+                                 param="kv_transfer_params")
+        request.keep_blocks = request.max_tokens > 1
+        request.max_tokens = 1
+
+    def _prepare_import(self, request: Request, remote: RemotePrefill) -> None:
+        """A decode replica's request: it goes on from the prefill replica's first token;
+        the prompt's KV is pulled when it is admitted, or computed here if it cannot be."""
+        if self.kv_connector is None or not self.config.kv_transfer.imports:
+            raise InvalidRequest(f"this replica runs --role {self.config.kv_transfer.role}; "
+                                 "send do_remote_prefill to a --role decode replica",
+                                 param="kv_transfer_params")
+        first = remote.export.first_token_id
+        if not 0 <= first < self.model_config.vocab_size:
+            raise InvalidRequest(f"first_token_id={first} is outside the vocabulary",
+                                 param="kv_transfer_params.first_token_id")
+        request.append_output(first)
+        if request.params.logprobs is not None:   # (the prefill replica reported its own)
+            request.output_logprobs.append(SampledLogprob(0.0))
+        if self.scheduler.stop_reason(request) is not None:
+            raise InvalidRequest("the first token ends this request; the prefill replica's "
+                                 "answer is the whole answer", param="kv_transfer_params")
+        reason = self._import_problem(request, remote)
+        if reason is not None:
+            self.kv_connector.fallback(remote, reason, request.request_id)
+            return
+        request.num_external_tokens = request.num_prompt_tokens
+        self._remotes[request.request_id] = remote
+
+    def _import_problem(self, request: Request, remote: RemotePrefill) -> str | None:
+        """Why the prompt's KV cannot come from `remote`: None if it can."""
+        export = remote.export
+        if export.kv_format != self.kv_connector.kv_format:
+            return "incompatible"
+        if export.num_tokens != request.num_prompt_tokens or len(export.block_ids) != \
+                len(export.block_keys) or list(export.block_keys) != prompt_block_keys(
+                    request.prompt_token_ids, self.cache_info.block_size, request.cache_salt):
+            return "prompt_mismatch"
+        return None   # (expiry is the prefill replica's to judge, on its own clock)
+
+    def move_kv(self) -> bool:
+        """Apply what the connector did meanwhile: free the blocks of pins that ended, and
+        send requests whose copies ended on to decode (or to compute what failed). Whether
+        anything changed."""
+        if self.kv_connector is None:
+            return False
+        unpinned = self.kv_connector.take_releasable()
+        for block_ids in unpinned:
+            self.scheduler.kv.release_blocks(list(block_ids))
+        finished = self.kv_connector.take_finished()
+        for request_id, loaded in finished:
+            remote = self._remotes.pop(request_id, None)
+            request = self.scheduler.loading.get(request_id)
+            if loaded and request is not None and remote is not None:
+                request.num_cached_tokens = remote.export.num_cached_tokens
+            self.scheduler.end_load(request_id, loaded)
+        return bool(unpinned or finished)
+
+    def _start_loads(self, loads: list[KVLoad]) -> None:
+        for load in loads:
+            remote = self._remotes[load.request_id]
+            if load.first_block >= len(load.block_ids):   # all cached here: nothing to pull
+                del self._remotes[load.request_id]
+                self.scheduler.requests[load.request_id].num_cached_tokens = \
+                    remote.export.num_cached_tokens
+            self.kv_connector.start_load(load, remote)
+
+    def _save(self, kept: list[tuple[Request, list[int]]]) -> None:
+        for request, block_ids in kept:
+            self.exports[request.request_id] = self.kv_connector.save(request, block_ids)
 
     def _salt(self, options: RequestOptions) -> str | None:
         """The request's prefix-cache salt: an adapter's KV is its own, never shared with
@@ -413,8 +537,12 @@ class EngineCore:
                                  f"outside the vocabulary [0, {vocab})", param="logit_bias")
 
     def finish(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
-        """End a request now (abort, stop string) and free its KV blocks."""
+        """End a request now (abort, stop string) and free its KV blocks. A decode request
+        whose copy has not started lets the prefill replica's pin go."""
         self.scheduler.finish(request_id, reason)
+        if self.kv_connector is not None and request_id in self._remotes and \
+                request_id not in self.scheduler.loading:   # (a copy's end pops its own)
+            self.kv_connector.abandon(self._remotes.pop(request_id))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -423,18 +551,24 @@ class EngineCore:
         """One step; with `only`, the other requests sit it out. Raises StepFailed."""
         self.scheduler.held = frozenset() if only is None else \
             frozenset(self.scheduler.requests) - only
+        self.move_kv()
         try:
             plan = self.scheduler.schedule()         # which tokens each request computes now
+            self._start_loads(self.scheduler.take_loads())   # other replicas' KV copied in
         except Exception as e:
             raise StepFailed(list(self.scheduler.requests), e) from e
+        self.idle_step = not plan.scheduled
         try:
             result = self.runner.execute(plan)           # forward + sample on the device
-            return self.scheduler.update(plan, result)   # append tokens, finish, free
+            advanced = self.scheduler.update(plan, result)   # append tokens, finish, free
         except EngineDead:   # the model's ranks are out of step: no request's fault
             raise
         except Exception as e:
             self.scheduler.unschedule(plan)
             raise StepFailed([s.request.request_id for s in plan.scheduled], e) from e
+        if self.kv_connector is not None:
+            self._save(self.scheduler.take_kept())   # prompts kept for decode replicas
+        return advanced
 
     def _loras_in_use(self) -> frozenset[str]:
         """The adapters of queued and running requests (any thread: the list is copied in

@@ -11,9 +11,15 @@ class SequenceText:
 
     Stop strings are matched across token boundaries. While streaming, the tail that could still
     turn out to start a stop string is held back, so a stop string is never shown.
+
+    Disaggregated, one sequence's text is shown by two replicas: the prefill replica's ends
+    where its stream would be while going on (`continues_elsewhere`: the held-back tail is
+    not shown), and the decode replica's starts there (`num_shown_elsewhere` first tokens
+    taken in at once, as shown): together they are one replica's text.
     """
 
-    def __init__(self, tokenizer: Tokenizer, request: Request, index: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, request: Request, index: int,
+                 num_shown_elsewhere: int = 0) -> None:
         self.tokenizer = tokenizer
         self.request = request
         self.index = index
@@ -27,6 +33,11 @@ class SequenceText:
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
         self._holdback = max((len(s) for s in self.params.stop), default=1) - 1
         self.num_chars_streamed = 0
+        self.continues_elsewhere = False
+        if num_shown_elsewhere:
+            self.update()
+            self.num_chars_streamed = max(0, len(self.text) - self._holdback)
+            self._num_tokens_streamed = num_shown_elsewhere
 
     def update(self) -> bool:
         """Take in the request's new tokens. Returns True when a stop string ended it."""
@@ -72,7 +83,8 @@ class SequenceText:
 
     def stream_delta(self) -> str:
         """New text that is safe to show: all of it once finished, else minus the holdback."""
-        end = len(self.text) if self.finish_reason is not None else \
+        end = len(self.text) if self.finish_reason is not None and \
+            not self.continues_elsewhere else \
             max(self.num_chars_streamed, len(self.text) - self._holdback)
         delta = self.text[self.num_chars_streamed:end]
         self.num_chars_streamed = end

@@ -285,6 +285,35 @@ class KVCacheManager:
         self._keys.pop(rid, None)
         self._num_cached.pop(rid, None)
 
+    def allocate_external(self, request: Request) -> PrefixHit | None:
+        """Blocks for a request's first `num_external_tokens` tokens, whose KV another replica
+        computed: the cached blocks that hold their start, whole (they need no copy), then
+        fresh ones for the rest, which the caller fills. A partial hit is not used: its copy
+        into the first fresh block would race the transfer writing it. Returns the hit used,
+        or None, changing nothing, when the pool has too few free blocks."""
+        hit = self.find_prefix(request)
+        whole = PrefixHit(hit.blocks, len(hit.blocks) * self.block_size)
+        if not self.allocate_slots(request, request.num_external_tokens, whole):
+            return None
+        return whole
+
+    def detach(self, request: Request) -> list[int]:
+        """Hand over a finished request's blocks instead of freeing them: they stay allocated
+        (so nothing reuses or evicts them), in no request's table, until release_blocks().
+        Its blocks are cached as free() caches them."""
+        rid = request.request_id
+        table = self._tables.pop(rid, [])
+        if table:
+            self._cache_tail(request, table)
+        self._keys.pop(rid, None)
+        self._num_cached.pop(rid, None)
+        self._num_released.pop(rid, None)
+        return table
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Give back blocks detach() handed over (last first, as free() does)."""
+        self.pool.free(block_ids[::-1])
+
     def _cache_tail(self, request: Request, table: list[int]) -> None:
         shareable = self._num_shareable(request)
         index, used = divmod(shareable, self.block_size)

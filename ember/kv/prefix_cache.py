@@ -37,3 +37,15 @@ def adapter_salt(digest: str, cache_salt: str | None) -> str:
     is of the adapter's files (lora/adapter.py), so every replica that loaded the same files
     salts alike and a router can reproduce it."""
     return f"lora:{digest}" + ("" if cache_salt is None else f"\n{cache_salt}")
+
+
+def prompt_block_keys(token_ids: list[int], block_size: int, salt: str | None = None
+                      ) -> list[int]:
+    """The key of every block of `token_ids`, a partly filled last one keyed over the tokens
+    it holds (as a finished request's tail is cached): two replicas that agree on these hold
+    the same tokens in the same blocks."""
+    keys = extend_keys([], token_ids, block_size, salt)
+    tail = token_ids[len(keys) * block_size:]
+    if tail:
+        keys.append(block_key(keys[-1] if keys else None, tail, None if keys else salt))
+    return keys

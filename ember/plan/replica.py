@@ -124,7 +124,8 @@ def refuse_unsimulated(config: EngineConfig) -> None:
     """Options a simulated replica cannot honour fail at start, not on the first request."""
     unsupported = [name for name, given in (
         ("--lora", bool(config.loras)), ("--speculative", config.spec.speculative is not None),
-        ("--task embed", config.task == "embed")) if given]
+        ("--task embed", config.task == "embed"),
+        (f"--role {config.kv_transfer.role}", config.kv_transfer.role != "both")) if given]
     if unsupported:
         raise ConfigError(f"--simulate does not simulate {', '.join(unsupported)}; leave "
                           f"{'it' if len(unsupported) == 1 else 'them'} out")

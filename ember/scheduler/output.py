@@ -27,6 +27,20 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
+class KVLoad:
+    """Another replica's KV of a request's first tokens, to copy into its blocks: the blocks
+    before `first_block` were in this replica's prefix cache, the rest are to be filled.
+
+        block_ids:  [0, first_block)          cached here: skipped
+                    [first_block, len)        allocated for the copy, not yet written
+    """
+
+    request_id: str
+    block_ids: list[int]
+    first_block: int
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     finished_request_ids: frozenset[str] = frozenset()  # freed since the last step

@@ -12,6 +12,14 @@ budget first and the least important is the one preempted when blocks run out. A
 request that outranks a running one takes its seat (or its blocks) at the start of a step.
 With fair share, the next waiting request admitted is the one whose user has the fewest
 requests running, so one client's flood cannot starve the others.
+
+Disaggregated serving (ember/kv_transfer/) adds two ends to a request's life. A request whose
+first tokens' KV another replica computed is admitted into LOADING: it gets its blocks (its
+prefix-cache hit, then fresh ones), the engine copies the rest in (take_loads), and
+end_load() moves it on to decode, or, if the copy failed, to compute those tokens itself.
+A request aborted while LOADING keeps its blocks until its copy has ended: a block a copy
+still writes is never handed to anyone else. And a finished request with `keep_blocks`
+hands its blocks over (take_kept) instead of freeing them, for another replica to copy.
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ from ember.config import SchedulerConfig, SpecConfig
 from ember.errors import ContextTooLong, InvalidRequest
 from ember.kv.kv_manager import KVCacheManager, PrefixHit, cdiv
 from ember.request import FinishReason, Request, RequestStatus
-from ember.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from ember.scheduler.output import KVLoad, RunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 SPEC_PAUSE_STEPS = 16  # steps without drafts for a request whose drafts keep failing
@@ -68,6 +76,9 @@ class Scheduler:
         # Requests kept out of the next steps while the engine finds which one makes a step
         # fail (they keep their blocks and their place).
         self.held: frozenset[str] = frozenset()
+        self.loading: dict[str, Request] = {}    # LOADING, or aborted while LOADING
+        self._loads: list[KVLoad] = []           # copies to start (take_loads)
+        self._kept: list[tuple[Request, list[int]]] = []   # blocks handed over (take_kept)
 
     # -- admission and removal -------------------------------------------------------------
 
@@ -91,6 +102,12 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if request.status is RequestStatus.LOADING:
+            # its blocks stay held until its copy ends (end_load frees them)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = reason
+            self._freed_ids.add(request.request_id)
+            return request
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -99,7 +116,63 @@ class Scheduler:
         return request
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.loading)
+
+    # -- copies from and to other replicas --------------------------------------------------
+
+    def take_loads(self) -> list[KVLoad]:
+        """The copies of other replicas' KV that the last schedule() started, and those it
+        found wholly cached here (nothing to copy: the request went on at once); clears
+        them."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def take_kept(self) -> list[tuple[Request, list[int]]]:
+        """Finished `keep_blocks` requests and their blocks, now the caller's to release
+        (kv.release_blocks); clears them."""
+        kept, self._kept = self._kept, []
+        return kept
+
+    def _start_load(self, request: Request) -> bool:
+        """Admit a request whose first tokens' KV comes from another replica: its blocks now,
+        LOADING until end_load(). False, changing nothing, when blocks are short."""
+        hit = self.kv.allocate_external(request)
+        if hit is None:
+            return False
+        self.waiting.remove(request)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+            request.num_cached_tokens = hit.num_tokens
+        request.num_computed_tokens = hit.num_tokens
+        num_blocks = cdiv(request.num_external_tokens, self.kv.block_size)
+        table = self.kv.block_table(request.request_id)
+        self._loads.append(KVLoad(request.request_id, list(table[:num_blocks]),
+                                  len(hit.blocks)))
+        if len(hit.blocks) >= num_blocks:   # this replica's cache holds all of it
+            self._end_external(request, loaded=True)
+            return True
+        request.status = RequestStatus.LOADING
+        self.loading[request.request_id] = request
+        return True
+
+    def end_load(self, request_id: str, loaded: bool) -> None:
+        """A copy ended (its writer is done with the blocks): the request decodes if it
+        `loaded`, else computes what did not arrive; one aborted meanwhile frees its blocks."""
+        request = self.loading.pop(request_id, None)
+        if request is None:
+            return
+        if request.is_finished:
+            self.kv.free(request)
+            return
+        self._end_external(request, loaded)
+
+    def _end_external(self, request: Request, loaded: bool) -> None:
+        if loaded:
+            request.num_computed_tokens = request.num_external_tokens
+            self.kv.cache_full_blocks(request)
+        request.num_external_tokens = 0   # a later preemption recomputes, as for any request
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=rank)
 
     @property
     def num_waiting(self) -> int:
@@ -196,10 +269,14 @@ class Scheduler:
         computing = self.kv.computing_keys(
             r for r in self.running if r.request_id not in self.held)
         passed: set[str] = set()
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             request = self._next_waiting(passed)
             if request is None:
                 return
+            if request.num_external_tokens and not request.num_computed_tokens:
+                if not self._start_load(request):
+                    return
+                continue
             if self.kv.next_block_computing(request, computing):
                 passed.add(request.request_id)
                 continue
@@ -345,6 +422,10 @@ class Scheduler:
             drafts = None
         request.draft_token_ids = drafts or []
 
+    def stop_reason(self, request: Request) -> FinishReason | None:
+        """Why the request's newest token ends it, or None."""
+        return self._stop_reason(request)
+
     def _stop_reason(self, request: Request) -> FinishReason | None:
         params = request.params
         last = request.output_token_ids[-1]
@@ -360,7 +441,10 @@ class Scheduler:
         return None
 
     def _retire(self, request: Request, reason: FinishReason) -> None:
-        self.kv.free(request)
+        if request.keep_blocks and reason is FinishReason.LENGTH:
+            self._kept.append((request, self.kv.detach(request)))
+        else:
+            self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._freed_ids.add(request.request_id)

@@ -14,10 +14,10 @@ from fastapi.responses import HTMLResponse, Response
 
 from ember.config import ServerConfig
 from ember.engine.async_engine import AsyncEngine
-from ember.server import adapters, embeddings, health, kv_events, openai
+from ember.server import adapters, embeddings, health, kv_events, kv_transfer, openai
 from ember.server.errors import ClientDisconnected, install_error_handlers
 from ember.server.metrics import ServerMetrics
-from ember.server.state import ArrivalTime, ServerState, guard
+from ember.server.state import ArrivalTime, ServerState, authenticate, guard
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 
@@ -46,6 +46,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.include_router(kv_events.router, dependencies=[Depends(guard)])
     app.include_router(adapters.router, dependencies=[Depends(guard)])
     app.include_router(embeddings.router, dependencies=[Depends(guard)])
+    app.include_router(kv_transfer.router, dependencies=[Depends(authenticate)])
     app.include_router(health.router)
 
     page = resources.files("ember.server").joinpath("static/index.html").read_text()

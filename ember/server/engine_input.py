@@ -15,6 +15,7 @@ import anyio
 from ember.config import ApiKey
 from ember.constraint import Constraint
 from ember.errors import InvalidRequest
+from ember.kv_transfer.params import RemotePrefill, remote_prefill
 from ember.request import RequestOptions, SamplingParams
 from ember.server.errors import Forbidden
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -34,6 +35,24 @@ class EngineInput:
     grammar: object | None = None
     texts: tuple[str, ...] = ()                  # completions: each prompt's text, if echoed
     functions: list[dict[str, Any]] | None = None  # chat: the tools the model may call
+    export_kv: bool = False                      # a prefill replica's part (kv_transfer/)
+    remote: RemotePrefill | None = None          # a decode replica's part
+
+
+def with_transfer(work: EngineInput, body: SamplingFields, authorization: str | None
+                  ) -> EngineInput:
+    """The request's part in disaggregated serving, from its kv_transfer_params: the decode
+    replica shows the prefill replica the credentials this request came with."""
+    params = body.kv_transfer_params
+    if params is None:
+        return work
+    body.check_transfer(work.grammar is not None)
+    if len(work.prompts) != 1 or work.texts:
+        raise InvalidRequest("kv_transfer_params takes one prompt, without echo",
+                             param="kv_transfer_params")
+    if params.do_remote_decode:
+        return replace(work, export_kv=True)
+    return replace(work, remote=remote_prefill(params.model_dump(), authorization))
 
 
 async def completion_input(state: ServerState, body: CompletionRequest,

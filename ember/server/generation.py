@@ -11,6 +11,7 @@ from fastapi import Request
 
 from ember.engine.async_engine import Finished, RequestStream
 from ember.errors import EmberError
+from ember.kv_transfer.params import Export
 from ember.request import CompletionOutput, TokenLogprob
 from ember.server.engine_input import EngineInput
 from ember.server.disconnect import unless_disconnected
@@ -54,13 +55,18 @@ class Generation:
             state.engine.check_room(len(work.prompts) * self.n)
             for i, prompt in enumerate(work.prompts):
                 self.streams.append(state.engine.submit(f"{request_id}-{i}", prompt,
-                                                        work.params, work.options, work.grammar))
+                                                        work.params, work.options, work.grammar,
+                                                        work.export_kv, work.remote))
         except BaseException:
             self.close("refused")
             raise
         self.choices = [Choice() for _ in range(len(work.prompts) * self.n)]
         self._queue_times: list[float] = []
         self.num_cached_tokens = 0
+        # disaggregated: the prompt's blocks kept for a decode replica (a prefill replica's
+        # answer); the first token, which the prefill replica's answer showed (a decode one's)
+        self.export: Export | None = None
+        self.num_tokens_shown_elsewhere = 1 if work.remote is not None else 0
 
     async def deltas(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
         """(choice index, delta) as the engine produces them, all prompts interleaved."""
@@ -68,6 +74,7 @@ class Generation:
             if isinstance(item, Finished):
                 self._queue_times.append(item.queue_time_s)
                 self.num_cached_tokens += item.num_cached_tokens
+                self.export = item.export or self.export
                 continue
             index = prompt_idx * self.n + item.index
             self.choices[index].add(item)
@@ -81,7 +88,10 @@ class Generation:
                                self.num_prompt_tokens, self._queue_times)
 
     def usage(self) -> dict[str, Any]:
-        completion = sum(len(c.token_ids) for c in self.choices)
+        """The whole request's (a decode replica's counts the first token, which the
+        prefill replica showed)."""
+        completion = sum(len(c.token_ids) for c in self.choices) + \
+            self.num_tokens_shown_elsewhere
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.num_prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}

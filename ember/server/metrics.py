@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ember.engine.async_engine import AsyncEngine
+from ember.kv_transfer.params import FALLBACK_REASONS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -56,6 +57,8 @@ class EngineCollector(Collector):
         yield self._gauge("ember_prefix_cache_blocks", "Blocks holding a cached prefix",
                           stats.num_cached_blocks)
         yield from self._spec_metrics(stats)
+        if stats.kv_transfer is not None:
+            yield from self._transfer_metrics(stats.kv_transfer)
         if core is not None:
             yield self._load_phases(core.load_phases.seconds)
             info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration",
@@ -80,6 +83,40 @@ class EngineCollector(Collector):
         yield self._gauge("ember_spec_decode_mean_accepted_length", "Tokens a verification "
                           "emits on average: accepted drafts + 1 (0 before any draft)",
                           1 + stats.spec_num_accepted_tokens / drafts if drafts else 0.0)
+
+    def _transfer_metrics(self, t) -> Iterator[Metric]:
+        """Disaggregated serving (ember/kv_transfer/): a prefill replica's pins, a decode
+        replica's pulls; GB/s is bytes / seconds over any window."""
+        yield self._counter("ember_kv_transfer_exports", "Prompts whose blocks were pinned "
+                            "for a decode replica", t.num_exports)
+        yield self._gauge("ember_kv_transfer_pinned_blocks", "Blocks pinned for decode "
+                          "replicas now", t.pinned_blocks)
+        yield self._labelled("ember_kv_transfer_pins_released", "Pins that ended, by how: "
+                             "released (pulled, or aborted), expired, stopped (a stop string "
+                             "ended the request)", "reason",
+                             {r: 0 for r in ("released", "expired", "stopped")} | t.releases)
+        yield self._counter("ember_kv_transfer_bytes_served", "Block bytes streamed to "
+                            "decode replicas over HTTP", t.bytes_served)
+        yield self._counter("ember_kv_transfer_loads", "Prompts whose KV was pulled from a "
+                            "prefill replica", t.num_loads)
+        yield self._labelled("ember_kv_transfer_bytes", "Block bytes pulled, by transport",
+                             "transport", {"shm": 0, "http": 0} | t.bytes_loaded)
+        yield self._counter("ember_kv_transfer_seconds", "Seconds pulls took, from claim to "
+                            "release", t.seconds_loading)
+        yield self._counter("ember_kv_transfer_blocks_loaded", "Blocks pulled",
+                            t.blocks_loaded)
+        yield self._counter("ember_kv_transfer_blocks_skipped", "Blocks not pulled: this "
+                            "replica's prefix cache held them", t.blocks_skipped)
+        yield self._labelled("ember_kv_transfer_fallbacks", "Prompts computed here instead "
+                             "of pulled, by reason", "reason",
+                             {r: 0 for r in FALLBACK_REASONS} | t.fallbacks)
+
+    def _labelled(self, name: str, doc: str, label: str, values: dict[str, float]
+                  ) -> CounterMetricFamily:
+        counter = CounterMetricFamily(name, doc, labels=["model_name", label])
+        for key, value in values.items():
+            counter.add_metric([self.model_name, key], value)
+        return counter
 
     def _load_phases(self, seconds: dict[str, float]) -> GaugeMetricFamily:
         """Start-up time by phase (engine/cold_start.py), the process's own first."""

@@ -18,8 +18,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ember.errors import InvalidRequest
+from ember.kv_transfer.params import export_params
 from ember.request import CompletionOutput, TokenLogprob
-from ember.server.engine_input import chat_input, chat_prompt, completion_input
+from ember.server.engine_input import chat_input, chat_prompt, completion_input, with_transfer
 from ember.server.generation import Generation, collect
 from ember.server.metrics import RequestTracker
 from ember.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -78,7 +79,8 @@ async def parse_request(request: Request, model: type[M]
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     state, body, tracker = await parse_request(request, CompletionRequest)
-    work = await completion_input(state, body, request_tenant(request))
+    work = with_transfer(await completion_input(state, body, request_tenant(request)), body,
+                         request.headers.get("authorization"))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(state, request_id, work, tracker)
     echo = [text for text in work.texts for _ in range(work.params.n)] if body.echo \
@@ -90,8 +92,9 @@ async def create_completion(request: Request) -> Response:
         return event_stream(gen, completion_chunks(base, echo, tokenizer, body.include_usage),
                             _usage_chunk(base, body.include_usage))
     await collect(request, gen)
-    return JSONResponse(base | {"choices": completion_choices(
-        gen, echo, tokenizer, body.logprobs is not None), "usage": gen.usage()})
+    return JSONResponse(_with_transfer(base | {"choices": completion_choices(
+        gen, echo, tokenizer, body.logprobs is not None), "usage": gen.usage()}, body, gen,
+        request))
 
 
 def completion_chunks(base: dict[str, Any], echo: list[str], tokenizer: Tokenizer,
@@ -121,6 +124,19 @@ def completion_choices(gen: Generation, echo: list[str], tokenizer: Tokenizer,
              if with_logprobs else None,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             for i, c in enumerate(gen.choices)]
+
+
+def _with_transfer(answer: dict[str, Any], body: CompletionRequest | ChatCompletionRequest,
+                   gen: Generation, request: Request) -> dict[str, Any]:
+    """A prefill replica's answer: the transfer parameters to send on to a decode replica
+    (null when the first token ended the request), its choice left unfinished."""
+    if body.kv_transfer_params is None or not body.kv_transfer_params.do_remote_decode:
+        return answer
+    if gen.export is None:
+        return answer | {"kv_transfer_params": None}
+    for choice in answer["choices"]:
+        choice["finish_reason"] = None
+    return answer | {"kv_transfer_params": export_params(gen.export, str(request.base_url))}
 
 
 def _usage_chunk(base: dict[str, Any], include_usage: bool) -> UsageChunk | None:
@@ -176,7 +192,8 @@ def _tool_calls(parser: ToolCallParser) -> list[dict[str, Any]]:
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
     state, body, tracker = await parse_request(request, ChatCompletionRequest)
-    work = await chat_input(state, body, request_tenant(request))
+    work = with_transfer(await chat_input(state, body, request_tenant(request)), body,
+                         request.headers.get("authorization"))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(state, request_id, work, tracker,
                      answers=None if work.functions else state.answers())
@@ -189,8 +206,8 @@ async def create_chat_completion(request: Request) -> Response:
         return event_stream(gen, chat_chunks(base, views, tokenizer, body.include_usage),
                             _usage_chunk(base, body.include_usage))
     await collect(request, gen)
-    return JSONResponse(base | {"object": "chat.completion", "choices": chat_choices(
-        gen, views, tokenizer, bool(body.logprobs)), "usage": gen.usage()})
+    return JSONResponse(_with_transfer(base | {"object": "chat.completion", "choices": chat_choices(
+        gen, views, tokenizer, bool(body.logprobs)), "usage": gen.usage()}, body, gen, request))
 
 
 def chat_chunks(base: dict[str, Any], views: list[ChatChoice], tokenizer: Tokenizer,
@@ -252,7 +269,8 @@ def _model_card(state: ServerState, adapter: str | None = None,
     card = {"id": adapter or state.model_name, "object": "model", "created": state.created,
             "owned_by": "ember", "root": state.model_name, "parent": None,
             "max_model_len": state.max_model_len(),
-            "pooling": core.pooling if core is not None else None}
+            "pooling": core.pooling if core is not None else None,
+            "role": state.engine.role}   # disaggregated serving: both, prefill or decode
     return card if adapter is None else card | {"parent": state.model_name, "digest": digest}
 
 

@@ -54,6 +54,64 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+MAX_TRANSFER_BLOCKS = 1 << 16   # blocks one transfer may name (a 1M-token prompt of 16s)
+MAX_URL_CHARS = 2048
+MAX_ID_CHARS = 256
+
+
+class KVFormatFields(Strict):
+    model: str = Field(max_length=MAX_ID_CHARS)
+    dtype: str = Field(max_length=32)
+    block_size: int = Field(ge=1, le=MAX_INT32)
+    num_layers: int = Field(ge=1, le=MAX_INT32)
+    num_kv_heads: int = Field(ge=1, le=MAX_INT32)
+    head_dim: int = Field(ge=1, le=MAX_INT32)
+
+
+class KVTransferParams(Strict):
+    """Disaggregated serving (vLLM's field): `{"do_remote_decode": true}` asks a prefill
+    replica to compute the prompt and its first token and keep the KV for a decode
+    replica; the transfer parameters it answers with, sent on to a decode replica
+    unchanged, make that one pull the KV and go on (ember/kv_transfer/params.py)."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    transfer_id: str | None = Field(None, pattern=r"^[0-9a-f]{1,64}$")
+    remote_url: str | None = Field(None, max_length=MAX_URL_CHARS)
+    remote_replica_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    remote_block_ids: list[int] | None = Field(None, max_length=MAX_TRANSFER_BLOCKS)
+    block_keys: list[int] | None = Field(None, max_length=MAX_TRANSFER_BLOCKS)
+    num_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    first_token_id: int | None = Field(None, ge=0, le=MAX_INT32)
+    num_cached_tokens: int | None = Field(None, ge=0, le=MAX_INT32)
+    expires_at: float | None = None
+    kv_format: KVFormatFields | None = None
+
+    def check(self) -> None:
+        if self.do_remote_decode == self.do_remote_prefill:
+            raise InvalidRequest("kv_transfer_params takes one of do_remote_decode (to a "
+                                 "prefill replica) and do_remote_prefill (to a decode replica, "
+                                 "with the prefill replica's answer)",
+                                 param="kv_transfer_params")
+        if self.do_remote_decode:
+            return
+        missing = [name for name in ("transfer_id", "remote_url", "remote_replica_id",
+                                     "remote_block_ids", "block_keys", "num_tokens",
+                                     "first_token_id", "num_cached_tokens", "expires_at",
+                                     "kv_format") if getattr(self, name) is None]
+        if missing:
+            raise InvalidRequest(f"kv_transfer_params with do_remote_prefill lacks "
+                                 f"{', '.join(missing)}; send the prefill replica's "
+                                 "kv_transfer_params unchanged", param="kv_transfer_params")
+        if not self.remote_url.startswith(("http://", "https://")):
+            raise InvalidRequest("kv_transfer_params.remote_url must be an http(s) URL",
+                                 param="kv_transfer_params.remote_url")
+        if not all(0 <= b <= MAX_INT32 for b in self.remote_block_ids) or \
+                not all(0 <= k < 2**64 for k in self.block_keys):
+            raise InvalidRequest("kv_transfer_params: block ids must be in [0, 2**31) and "
+                                 "block keys in [0, 2**64)", param="kv_transfer_params")
+
+
 class SamplingFields(Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -85,6 +143,7 @@ class SamplingFields(Strict):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # json, regex, choice, grammar, lark,
                                                       # json_object (vLLM-style extension)
+    kv_transfer_params: KVTransferParams | None = None   # disaggregated serving
 
     def check_limits(self, max_n: int) -> None:
         """Every bound a sampling field has, each with a message that names its range."""
@@ -101,6 +160,22 @@ class SamplingFields(Strict):
                                      f"{low:g}, {high:g}]", param=name)
         self._check_stop()
         self._check_logit_bias()
+        if self.kv_transfer_params is not None:
+            self.kv_transfer_params.check()
+
+    def check_transfer(self, constrained: bool) -> None:
+        """What a disaggregated request cannot ask for (yet): each a clear 400."""
+        params = self.kv_transfer_params
+        if params is None:
+            return
+        refused = [what for what, asked in (
+            ("n > 1", self.n != 1), ("stream on a prefill replica (its answer is one JSON "
+                                     "body)", params.do_remote_decode and self.stream),
+            ("structured output or tools", constrained)) if asked]
+        if refused:
+            raise InvalidRequest(f"kv_transfer_params cannot be combined with "
+                                 f"{'; '.join(refused)}; send the request to one replica "
+                                 "without kv_transfer_params", param="kv_transfer_params")
 
     def _check_stop(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -72,9 +72,9 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.ember
 
 
-async def guard(request: Request) -> None:
-    """Bearer auth (constant-time compare) and the drain: run before every model endpoint.
-    With tenants, the key's tenant is kept on the request (see `request_tenant`)."""
+async def authenticate(request: Request) -> None:
+    """Bearer auth (constant-time compare). With tenants, the key's tenant is kept on the
+    request (see `request_tenant`)."""
     state = server_state(request)
     if state.keys:
         request.state.tenant = match_key(request.headers.get("authorization", ""),
@@ -82,6 +82,12 @@ async def guard(request: Request) -> None:
     elif state.config.api_key is not None:
         match_key(request.headers.get("authorization", ""),
                   (ApiKey(state.config.api_key, "default"),))
+
+
+async def guard(request: Request) -> None:
+    """Auth and the drain: run before every model endpoint."""
+    await authenticate(request)
+    state = server_state(request)
     if state.draining:
         raise Unavailable("the server is shutting down; send the request to another replica")
 

@@ -47,9 +47,8 @@ class LiveServer(ThreadedServer):
     def __init__(self, model: Path | str, engine_options: dict | None = None,
                  wait_ready: bool = True, **server_options) -> None:
         self.config = ServerConfig(port=0, **server_options)
-        options = {"kv_cache_gib": TEST_KV_GIB, **(engine_options or {})}
-        self.engine = AsyncEngine(EngineConfig.from_options(model=str(model), dtype="float32",
-                                                            **options),
+        options = {"kv_cache_gib": TEST_KV_GIB, "dtype": "float32", **(engine_options or {})}
+        self.engine = AsyncEngine(EngineConfig.from_options(model=str(model), **options),
                                   max_waiting=self.config.max_waiting,
                                   request_timeout_s=self.config.request_timeout_s,
                                   stall_timeout_s=self.config.stall_timeout_s)

@@ -32,6 +32,10 @@ FORBIDDEN = {
     "ember.distributed": {"ember.engine", "ember.server", "ember.cli"},
     "ember.lora": {"ember.runner", "ember.engine", "ember.scheduler", "ember.server"},
     "ember.engine": {"ember.server", "ember.cli"},
+    # the engine's KV hand-off: below the server; its parameters are plain data the server
+    # reads, so they stay free of torch
+    "ember.kv_transfer": {"ember.engine", "ember.server", "ember.router", "ember.cli"},
+    "ember.kv_transfer.params": {"torch", "ember.kv_transfer.connector", "ember.runner"},
     # the server speaks HTTP and the AsyncEngine API; it never touches tensors
     "ember.server": {"torch", "ember.runner", "ember.models", "ember.sampling", "ember.kv",
                      "ember.scheduler", "ember.quant", "ember.weights"},
