@@ -162,6 +162,9 @@ def _disaggregation_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-pull-timeout", type=float, default=d.kv_pull_timeout_s,
                    help="seconds a decode replica's pull may take before it computes the "
                         "prompt itself (a prefill replica holds claimed blocks this long)")
+    g.add_argument("--kv-peers", default="", metavar="HOST[:PORT],...",
+                   help="the prefill replicas' hosts a decode replica may pull from (default: "
+                        "loopback only); a request naming another gets a 400")
 
 
 def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig:
@@ -171,7 +174,10 @@ def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig:
                             kv_transport=getattr(args, "kv_transport", d.kv_transport),
                             kv_pin_seconds=getattr(args, "kv_pin_seconds", d.kv_pin_seconds),
                             kv_pull_timeout_s=getattr(args, "kv_pull_timeout",
-                                                      d.kv_pull_timeout_s))
+                                                      d.kv_pull_timeout_s),
+                            kv_peers=tuple(p.strip() for p in
+                                           getattr(args, "kv_peers", "").split(",")
+                                           if p.strip()))
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -349,6 +349,10 @@ class KVTransferConfig:
     kv_pin_seconds: float = 30.0
     # a decode replica's whole pull, after which it recomputes the prompt itself
     kv_pull_timeout_s: float = 30.0
+    # hosts ("host" or "host:port") a decode replica pulls from; none: this host's loopback
+    # only. A request names the prefill replica, so without this list a client could make
+    # the replica connect anywhere with the request's credentials
+    kv_peers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_choice("role", self.role, ROLES)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 
@@ -39,10 +40,11 @@ class EngineInput:
     remote: RemotePrefill | None = None          # a decode replica's part
 
 
-def with_transfer(work: EngineInput, body: SamplingFields, authorization: str | None
-                  ) -> EngineInput:
+def with_transfer(work: EngineInput, body: SamplingFields, authorization: str | None,
+                  peers: tuple[str, ...] = ()) -> EngineInput:
     """The request's part in disaggregated serving, from its kv_transfer_params: the decode
-    replica shows the prefill replica the credentials this request came with."""
+    replica shows the prefill replica (a host among `peers`, or loopback where there are
+    none) the credentials this request came with."""
     params = body.kv_transfer_params
     if params is None:
         return work
@@ -52,7 +54,26 @@ def with_transfer(work: EngineInput, body: SamplingFields, authorization: str | 
                              param="kv_transfer_params")
     if params.do_remote_decode:
         return replace(work, export_kv=True)
+    check_peer(params.remote_url or "", peers)
     return replace(work, remote=remote_prefill(params.model_dump(), authorization))
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def check_peer(url: str, peers: tuple[str, ...]) -> None:
+    """A 400 unless `url`'s host (or host:port) is among `peers` (loopback without any)."""
+    parts = urlsplit(url)
+    try:
+        host_port = f"{parts.hostname}:{parts.port}" if parts.port else parts.hostname
+    except ValueError:   # a port out of range
+        host_port = None
+    allowed = peers or LOOPBACK
+    if parts.hostname is None or (parts.hostname not in allowed and host_port not in allowed):
+        raise InvalidRequest(f"kv_transfer_params.remote_url {url[:200]!r} is not a prefill "
+                             f"replica this decode replica pulls from ({', '.join(allowed)}); "
+                             "start it with --kv-peers HOST[:PORT],...",
+                             param="kv_transfer_params.remote_url")
 
 
 async def completion_input(state: ServerState, body: CompletionRequest,

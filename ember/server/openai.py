@@ -80,7 +80,8 @@ async def parse_request(request: Request, model: type[M]
 async def create_completion(request: Request) -> Response:
     state, body, tracker = await parse_request(request, CompletionRequest)
     work = with_transfer(await completion_input(state, body, request_tenant(request)), body,
-                         request.headers.get("authorization"))
+                         request.headers.get("authorization"),
+                         state.engine.config.kv_transfer.kv_peers)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(state, request_id, work, tracker)
     echo = [text for text in work.texts for _ in range(work.params.n)] if body.echo \
@@ -193,7 +194,8 @@ def _tool_calls(parser: ToolCallParser) -> list[dict[str, Any]]:
 async def create_chat_completion(request: Request) -> Response:
     state, body, tracker = await parse_request(request, ChatCompletionRequest)
     work = with_transfer(await chat_input(state, body, request_tenant(request)), body,
-                         request.headers.get("authorization"))
+                         request.headers.get("authorization"),
+                         state.engine.config.kv_transfer.kv_peers)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(state, request_id, work, tracker,
                      answers=None if work.functions else state.answers())

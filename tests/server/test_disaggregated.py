@@ -214,6 +214,26 @@ def test_requests_a_replica_cannot_serve_get_a_400(trio):
     assert httpx.post(trio.prefill.url + "/kv_transfer/nope/claim").status_code == 404
 
 
+def test_a_decode_replica_pulls_only_from_its_peers(trio):
+    """A request naming a prefill replica on a host outside --kv-peers (loopback without
+    it) gets a 400 and the replica contacts nothing; a loopback one is served."""
+    prompt = PROMPTS[1]
+    first = complete(trio.prefill.url, prompt, kv_transfer_params={"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    for elsewhere in ("http://169.254.169.254/latest", "http://example.com:8000",
+                      "https://10.0.0.1"):
+        resp = httpx.post(trio.decode.url + "/v1/completions", json={
+            "prompt": prompt, "kv_transfer_params": params | {"remote_url": elsewhere}} | GREEDY)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "kv_transfer_params.remote_url" and "--kv-peers" in \
+            error["message"]
+    rest = complete(trio.decode.url, prompt, kv_transfer_params=params)
+    assert first["choices"][0]["text"] + rest["choices"][0]["text"] == \
+        complete(trio.single.url, prompt)["choices"][0]["text"]
+    assert_all_free(trio.prefill, trio.decode)
+
+
 def test_first_token_that_ends_the_request_keeps_nothing(trio):
     """max_tokens=1: the prefill replica's answer is the whole answer; nothing is pinned."""
     answer = complete(trio.prefill.url, "short", max_tokens=1,
