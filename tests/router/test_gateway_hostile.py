@@ -107,18 +107,16 @@ def assert_unharmed(route: Route) -> None:
             assert sign not in text, text[-4000:]
 
 
-@pytest.mark.parametrize("body,words,param", COMPLETIONS, ids=range(len(COMPLETIONS)))
-def test_bad_completion_bodies_get_the_replicas_own_400(route, body, words, param):
-    direct = post(Direct(replica_urls(route)[0]), "/v1/completions", body)
-    routed = post(route, "/v1/completions", body)
-    assert_error(routed, 400, *words, param=param)
-    assert routed.json() == direct.json()
+BAD_BODIES = [("/v1/completions", *case) for case in COMPLETIONS] + \
+    [("/v1/chat/completions", *case) for case in CHAT]
 
 
-@pytest.mark.parametrize("body,words,param", CHAT, ids=range(len(CHAT)))
-def test_bad_chat_bodies_get_the_replicas_own_400(route, body, words, param):
-    direct = post(Direct(replica_urls(route)[0]), "/v1/chat/completions", body)
-    routed = post(route, "/v1/chat/completions", body)
+@pytest.mark.parametrize("path,body,words,param", BAD_BODIES,
+                         ids=[f"{p.rsplit('/', 1)[1]}-{i}" for i, (p, *_) in
+                              enumerate(BAD_BODIES)])
+def test_bad_bodies_get_the_replicas_own_400(route, path, body, words, param):
+    direct = post(Direct(replica_urls(route)[0]), path, body)
+    routed = post(route, path, body)
     assert_error(routed, 400, *words, param=param)
     assert routed.json() == direct.json()
 
