@@ -16,7 +16,7 @@ from ember.plan.profile import Profile, load_profile
 from ember.plan.report import curve_data, describe_point, plot
 from ember.plan.search import Planner, Point, Slo
 from ember.plan.simulate import ReplicaConfig
-from ember.plan.workload import bench_load, bench_requests, sim_requests
+from ember.plan.workload import bench_load, plan_requests
 
 CURVE_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)   # of the asked rate, for the plot
 
@@ -63,7 +63,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     profile = load_profile(args.profile)
     config = replica_config(profile, args)
     tokenizer = profile.load_tokenizer()
-    requests = sim_requests(bench_requests(args, tokenizer), tokenizer, config.block_size)
+    requests = plan_requests(args, tokenizer, config.block_size)
     slo = Slo(parse_slo(args.slo), args.slo_attainment) if args.slo else None
     token_ids = [i for i in range(tokenizer.vocab_size) if i not in config.eos_token_ids]
     planner = Planner(config, requests, lambda rate: bench_load(args, len(requests), rate),

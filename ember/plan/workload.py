@@ -13,7 +13,7 @@ import random
 
 from ember.bench.client import arrival_times
 from ember.bench.drive import build_requests
-from ember.bench.workloads import BenchRequest, tokenizer_codec
+from ember.bench.workloads import BenchRequest, Decode, Encode, tokenizer_codec
 from ember.errors import ConfigError
 from ember.kv.prefix_cache import extend_keys
 from ember.plan.simulate import Load, SimRequest
@@ -24,23 +24,45 @@ UNSIMULATED = {"chat-sessions": "its later turns quote the model's real replies"
                "embeddings": "embeddings are not planned yet"}
 
 
-def bench_requests(args: argparse.Namespace, tokenizer: Tokenizer) -> list[BenchRequest]:
+def plan_requests(args: argparse.Namespace, tokenizer: Tokenizer, block_size: int
+                  ) -> list[SimRequest]:
+    """bench_requests, then sim_requests, tokenizing each plain prompt once where the
+    tokenizer adds no special tokens (the ids that sized it are then the replica's)."""
+    sized: dict[str, list[int]] = {}
+    encode, decode = tokenizer_codec(tokenizer)
+
+    def remembered(text: str) -> list[int]:
+        ids = sized.get(text)
+        if ids is None:
+            ids = sized[text] = encode(text)
+        return ids
+    requests = bench_requests(args, tokenizer, (remembered, decode))
+    return sim_requests(requests, tokenizer, block_size,
+                        sized if tokenizer.num_special_tokens_added == 0 else None)
+
+
+def bench_requests(args: argparse.Namespace, tokenizer: Tokenizer,
+                   codec: tuple[Encode, Decode] | None = None) -> list[BenchRequest]:
     """The requests `ember bench serve` makes for these options, their prompts sized with
-    the model's own tokenizer."""
+    the model's own tokenizer (through `codec`, default tokenizer_codec(tokenizer))."""
     if args.workload in UNSIMULATED:
         raise ConfigError(f"--workload {args.workload} cannot be simulated: "
                           f"{UNSIMULATED[args.workload]}; use random, shared-prefix, grounded, "
                           "multi-tenant or jsonl")
-    return build_requests(args, "", None, codec=tokenizer_codec(tokenizer))
+    return build_requests(args, "", None, codec=codec or tokenizer_codec(tokenizer))
 
 
-def sim_requests(requests: list[BenchRequest], tokenizer: Tokenizer, block_size: int
-                 ) -> list[SimRequest]:
-    """Each request's prompt token ids, as `ember serve` makes them, and its block keys."""
+def sim_requests(requests: list[BenchRequest], tokenizer: Tokenizer, block_size: int,
+                 known: dict[str, list[int]] | None = None) -> list[SimRequest]:
+    """Each request's prompt token ids, as `ember serve` makes them, and its block keys.
+    `known`: plain prompts' ids already made (as `ember serve` makes them)."""
     template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    known = known or {}
     chats = [i for i, r in enumerate(requests) if r.messages is not None]
-    plain = [i for i, r in enumerate(requests) if r.messages is None]
-    ids: dict[int, list[int]] = {}
+    plain = [i for i, r in enumerate(requests)
+             if r.messages is None and r.prompt not in known]
+    ids = {i: known[r.prompt] for i, r in enumerate(requests)
+           if r.messages is None and r.prompt in known}
     rendered = [template.render(requests[i].messages, True) for i in chats]
     ids |= dict(zip(chats, tokenizer.encode_many(rendered, add_special_tokens=False)))
     ids |= dict(zip(plain, tokenizer.encode_many([requests[i].prompt for i in plain])))

@@ -209,6 +209,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def num_special_tokens_added(self) -> int:
+        """Tokens encode(text) adds around one text (a BOS, for some models): 0 means its ids
+        are those of encode(text, add_special_tokens=False)."""
+        return self.backend.num_special_tokens_to_add(is_pair=False)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`add_special_tokens` adds what the model's files ask for (a BOS, for some models)."""
         # encode_batch lets go of the GIL while it works and encode does not: a server that

@@ -12,7 +12,7 @@ from ember.bench.client import arrival_times
 from ember.bench.drive import build_requests
 from ember.errors import ConfigError
 from ember.plan.simulate import FleetSim, ReplicaConfig
-from ember.plan.workload import bench_load, bench_requests, sim_requests
+from ember.plan.workload import bench_load, bench_requests, plan_requests, sim_requests
 from ember.router.prompts import PromptKeys
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.plan.conftest import STEP_MODEL
@@ -49,6 +49,18 @@ def test_prompt_keys_are_the_gateways(smollm_tokenizer, endpoint):
             CompletionRequest(prompt=req.prompt)
         assert sim.block_keys == gateway.block_keys(body, 16, None)
         assert len(sim.block_keys) == len(sim.prompt_ids) // 16 >= 5
+
+
+@pytest.mark.parametrize("workload", ["random", "shared-prefix"])
+def test_prompts_sized_once_are_tokenized_as_a_replica_tokenizes_them(smollm_tokenizer,
+                                                                      workload):
+    """plan_requests reuses the ids that sized each prompt: they are the ones the replica's
+    own tokenizing (sim_requests, from the text) makes."""
+    args = options("--workload", workload, "--num-requests", "12", "--input-len",
+                   "uniform:20,90", "--groups", "2", "--per-group", "3", "--seed", "3")
+    want = sim_requests(bench_requests(args, smollm_tokenizer), smollm_tokenizer, 16)
+    assert smollm_tokenizer.num_special_tokens_added == 0   # (else nothing is reused)
+    assert plan_requests(args, smollm_tokenizer, 16) == want
 
 
 def test_arrivals_are_the_bench_clients_schedule(smollm_tokenizer):
