@@ -71,8 +71,8 @@ class GlooAllReduce:
 
     kind = "gloo"
 
-    def __init__(self, group: Any, world_size: int) -> None:
-        self.group, self.world_size = group, world_size
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
 
     def __call__(self, x: Tensor) -> None:
         check_tensor(x)
@@ -119,7 +119,7 @@ def make_all_reduce(group: Any, rank: int, world_size: int, kind: str = "auto", 
     group = process_group(group)
     check_args(group, rank, world_size, kind, slot_bytes, timeout_s, spin_us)
     if kind == "gloo":
-        return GlooAllReduce(group, world_size)
+        return GlooAllReduce(group)
     handle, why_not = open_shm(group, rank, world_size, slot_bytes)
     if handle is not None:
         return ShmAllReduce(handle, timeout_s, spin_us)
@@ -128,7 +128,7 @@ def make_all_reduce(group: Any, rank: int, world_size: int, kind: str = "auto", 
                           "kind 'auto' or 'gloo'")
     log.log(logging.INFO if why_not.startswith("the ranks are on") else logging.WARNING,
             "all-reduce over gloo, not shared memory: %s", why_not)
-    return GlooAllReduce(group, world_size)
+    return GlooAllReduce(group)
 
 
 def check_args(group: Any, rank: int, world_size: int, kind: str, slot_bytes: int,
@@ -155,7 +155,7 @@ def open_shm(group: Any, rank: int, world_size: int, slot_bytes: int) -> tuple[A
     answer on every rank. Collective: rank 0 creates the segment, the others open it, and
     rank 0 removes its name once all have it mapped, so that it dies with the processes."""
     kernels, problem = local_shm_support(world_size, slot_bytes)
-    infos = gather(group, world_size, (socket.gethostname(), problem, secrets.token_hex(8)))
+    infos = gather(group, (socket.gethostname(), problem, secrets.token_hex(8)))
     if len({host for host, _, _ in infos}) > 1:
         return None, f"the ranks are on {len({host for host, _, _ in infos})} hosts"
     problems = [f"rank {r}: {p}" for r, (_, p, _) in enumerate(infos) if p]
@@ -164,14 +164,14 @@ def open_shm(group: Any, rank: int, world_size: int, slot_bytes: int) -> tuple[A
     name = f"/ember-ar-{infos[0][2]}"
     handle, error = (open_segment(kernels, name, rank, world_size, slot_bytes, create=True)
                      if rank == 0 else (None, ""))
-    created = gather(group, world_size, error)[0]
+    created = gather(group, error)[0]
     if created:
         return None, f"rank 0: {created}"
     try:
         if rank != 0:
             handle, error = open_segment(kernels, name, rank, world_size, slot_bytes,
                                          create=False)
-        errors = gather(group, world_size, error)
+        errors = gather(group, error)
     finally:
         if rank == 0:
             kernels.shm_unlink(name)
@@ -212,7 +212,7 @@ def local_shm_support(world_size: int, slot_bytes: int) -> tuple[Any, str]:
     return kernels, ""
 
 
-def gather(group: dist.ProcessGroup, world_size: int, obj: Any) -> list[Any]:
+def gather(group: dist.ProcessGroup, obj: Any) -> list[Any]:
     """Every rank's `obj` (pickled), in rank order (a collective: every rank calls it)."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     sizes = all_gather(group, torch.tensor([len(data)], dtype=torch.int64))
