@@ -24,13 +24,20 @@ CHAT_PROMPTS = [
 ]
 
 
+# markers whose tests run only when `-m` names them: each is long, or needs a download
+OPT_IN = ("fuzz", "heavy", "packaged")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    markexpr = config.getoption("markexpr")
+    skipped = {name: pytest.mark.skip(reason=f"opt-in: run with -m {name}")
+               for name in OPT_IN if name not in markexpr}
+    if not torch.cuda.is_available():
+        skipped["gpu"] = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for name, skip in skipped.items():
+            if name in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -23,12 +23,6 @@ from tests.conftest import hf_from_gguf
 from tests.reference.test_variants_vs_hf import assert_steps_match_transformers
 
 pytestmark = [pytest.mark.slow, pytest.mark.packaged]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def opted_in(request: pytest.FixtureRequest) -> None:
-    if "packaged" not in request.config.getoption("markexpr"):
-        pytest.skip("opt-in: run with -m packaged")
 NUM_STEPS = 8
 TEXTS = ["The capital of France is", "def fibonacci(n):\n    "]
 

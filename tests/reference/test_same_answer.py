@@ -129,10 +129,8 @@ def test_random_arrivals_chunks_and_cache_states_never_change_an_answer(smollm_p
 @settings(max_examples=60, **HEALTH)
 @given(data=st.data())
 def test_many_random_arrivals_never_change_an_answer(smollm_path, prompts, alone, engines,
-                                                     request, data):
+                                                     data):
     """The same, larger and not derandomized (opt-in: -m fuzz)."""
-    if "fuzz" not in request.config.getoption("markexpr"):
-        pytest.skip("opt-in: pytest -m fuzz tests/reference/test_same_answer.py")
     check_random_traffic(smollm_path, prompts, alone, engines, data)
 
 

@@ -232,9 +232,7 @@ def test_generated_bodies_never_fail_the_server(fuzz_server, path):
 
 @pytest.mark.fuzz
 @pytest.mark.parametrize("path", list(ENDPOINTS))
-def test_many_generated_bodies_never_fail_the_server(fuzz_server, path, request):
-    if "fuzz" not in request.config.getoption("markexpr"):
-        pytest.skip("opt-in: pytest -m fuzz tests/server/test_fuzz.py")
+def test_many_generated_bodies_never_fail_the_server(fuzz_server, path):
     run_property(fuzz_server, path, FUZZ_EXAMPLES, derandomize=False)
 
 
