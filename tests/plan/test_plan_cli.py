@@ -79,6 +79,7 @@ def test_mistakes_say_what_to_do(tmp_path, profile_file, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy   # a minute of CPU
 def test_profile_measures_the_default_model(tmp_path, smollm_path, smollm_tokenizer, capsys):
     """A short profile of the real engine: steps of every kind were measured, the fitted
     model has no negative term and predicts a longer step for more work, and the profile

@@ -69,16 +69,19 @@ def test_a_repeated_request_gets_the_same_answer_from_a_warm_cache(smollm_path, 
     assert llm.engine.scheduler.kv.num_hit_tokens > 0
 
 
+HEAVY = pytest.mark.heavy   # 7-token chunks and self-drafts take hundreds of steps
+
+
 @pytest.mark.parametrize("options", [
-    dict(max_num_batched_tokens=7, max_num_seqs=8),
+    pytest.param(dict(max_num_batched_tokens=7, max_num_seqs=8), marks=HEAVY),
     dict(max_num_batched_tokens=64, max_num_seqs=3),
     dict(speculative="ngram", max_num_seqs=2),
     dict(speculative="self", max_num_seqs=1),
-    dict(max_num_batched_tokens=7, deterministic=True),
+    pytest.param(dict(max_num_batched_tokens=7, deterministic=True), marks=HEAVY),
     # preemption and recompute (room for the 256-token calibration prompt, not every request)
     dict(num_blocks=33, block_size=8, deterministic=True),
     dict(speculative="ngram", deterministic=True),
-    dict(speculative="self", deterministic=True),
+    pytest.param(dict(speculative="self", deterministic=True), marks=HEAVY),
 ], ids=["chunk7-seqs8", "chunk64-seqs3", "ngram-seqs2", "self-seqs1", "chunk7-deterministic",
         "preempt-deterministic", "ngram-deterministic", "self-deterministic"])
 def test_batched_chunked_preempted_and_speculative_answers_equal_alone(smollm_path, prompts,

@@ -86,6 +86,7 @@ def test_two_ranks_batched_chunked_and_cached_match_one_process(llama_folder):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy   # a minute of CPU
 def test_default_model_int4_on_two_ranks_is_close_to_one_process():
     """The shipped int4 model: one process (with the prompt matmuls two ranks run, bfloat16)
     and two ranks give the same greedy tokens, or the closeness rule holds."""
