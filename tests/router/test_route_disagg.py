@@ -5,6 +5,7 @@ greedy text and token counts must match. Afterwards every block of every replica
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import httpx
@@ -264,3 +265,28 @@ def test_role_bounds_and_urls():
     assert role_cpus([0, 1], 1, 1) == {"prefill": (0,), "decode": (1,)}
     assert role_cpus([0, 1, 2, 3], 1, 3) == {"prefill": (0,), "decode": (1, 2, 3)}
     assert role_cpus([0], 1, 1) == {"prefill": None, "decode": None}
+
+
+@pytest.mark.slow
+def test_route_starts_a_prefill_and_a_decode_replica(trio, tiny_llama_dir):
+    """`ember route --prefill-replicas 1 --decode-replicas 1`: two local replicas with their
+    roles, each on a core of its own; answers split between them are one replica's, and stay
+    so once the prefill replica is SIGKILLed."""
+    from tests.router.test_route_processes import Route, ready_count
+    folder, _ = tiny_llama_dir
+    route = Route(folder, "--prefill-replicas", "1", "--decode-replicas", "1")
+    try:
+        fleet = route.wait(lambda f: ready_count(f) == 2, "two replicas ready")
+        assert sorted(r["role"] for r in fleet["replicas"]) == ["decode", "prefill"]
+        for stream in (False, True):
+            body = body_for("/v1/chat/completions", f"Through ember route ({stream})", stream)
+            assert request(route.url, "/v1/chat/completions", body)[0] == \
+                request(trio["single"].url, "/v1/chat/completions", body)[0]
+        assert route.metric('ember_router_disagg_requests_total{path="prefill_decode"}') == 2
+        prefill = next(r for r in fleet["replicas"] if r["role"] == "prefill")
+        os.kill(prefill["pid"], signal.SIGKILL)
+        body = body_for("/v1/completions", "After the prefill replica was killed", False)
+        assert request(route.url, "/v1/completions", body)[0] == \
+            request(trio["single"].url, "/v1/completions", body)[0]
+    finally:
+        route.close()
