@@ -8,7 +8,7 @@ wanted for the scale-up (or scale-down) delay, so a short burst or lull does not
 Scaling down drains the least loaded replica (no new routes, in-flight requests finish).
 A request arriving at a fleet of zero asks for a replica at once (`on_demand`).
 In a disaggregated fleet each role has its own autoscaler, over its own replicas, with its
-own bounds (`role`); the gateway's held requests count for both.
+own bounds (`role`), and counts the requests held for a replica of that role.
 """
 from __future__ import annotations
 

@@ -79,6 +79,7 @@ class Fleet:
         self.texts: dict[str, TextIndex] = {}
         self.picker = Picker(config.policy, config.prefix)
         self.held = 0                           # requests waiting for a ready replica
+        self.held_roles: Counter[str] = Counter()   # of them, those waiting for a role's
         self.metrics = RouterMetrics(self.snapshot, lambda: self.held)
         self.ready_event = asyncio.Event()
         self.session: aiohttp.ClientSession | None = None

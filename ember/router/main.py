@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
@@ -169,7 +170,7 @@ def assemble(fleet: Fleet, rollout: Rollout, config: RouterConfig,
     proxy = Proxy(fleet, lambda group, roles: None)
     bounds = (("both", config.autoscale), ("prefill", config.prefill_autoscale),
               ("decode", config.decode_autoscale))
-    autoscalers = tuple(Autoscaler(fleet, cfg, lambda: proxy.held, role=role)
+    autoscalers = tuple(Autoscaler(fleet, cfg, held_for(fleet, role), role=role)
                         for role, cfg in bounds if cfg is not None and cfg.enabled
                         and launcher_name("primary", role) in fleet.launchers)
     if autoscalers:
@@ -190,6 +191,14 @@ def assemble(fleet: Fleet, rollout: Rollout, config: RouterConfig,
     fleet.hash_model = tokenizer_model if tokenizer is not None else None
     return Gateway(fleet, proxy, prompts, rollout, autoscalers, keys,
                    tenants=bool(config.server.api_keys))
+
+
+def held_for(fleet: Fleet, role: str) -> Callable[[], int]:
+    """The held requests an autoscaler counts: those waiting for its role's replicas (all of
+    them, in an ordinary fleet)."""
+    if role == "both":
+        return lambda: fleet.held
+    return lambda: fleet.held_roles[role]
 
 
 def _start_missing(fleet: Fleet, group: str, roles: tuple[str, ...] | None) -> None:

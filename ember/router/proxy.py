@@ -101,11 +101,12 @@ class Proxy:
             if remaining <= 0:
                 self.fleet.metrics.rejected.labels("hold_timeout").inc()
                 raise Unavailable("no replica became ready in time; retry later")
-            await self._hold(remaining)
+            await self._hold(remaining, roles)
             waited = True
 
-    async def _hold(self, remaining: float) -> None:
+    async def _hold(self, remaining: float, roles: Roles) -> None:
         self.fleet.held += 1
+        self.fleet.held_roles.update(roles or ())
         try:
             if self.fleet.ready_event.is_set():
                 await asyncio.sleep(min(0.05, remaining))  # ready, but not for this request
@@ -115,6 +116,7 @@ class Proxy:
             pass
         finally:
             self.fleet.held -= 1
+            self.fleet.held_roles.subtract(roles or ())
 
     async def forward(self, path: str, raw: bytes, headers: dict[str, str], keys: RouteKeys,
                       group: str, stream: bool, arrival: float, tap: Capture | None = None,
