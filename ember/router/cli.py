@@ -45,6 +45,8 @@ def add_route_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
                         "--decode-replicas, instead of --replicas)")
     g.add_argument("--decode-replicas", type=int, default=None, metavar="D",
                    help="disaggregated serving: D local decode replicas")
+    g.add_argument("--role", dest="route_role", default=None,
+                   help=argparse.SUPPRESS)   # refused: check_roles
     g.add_argument("--disagg-min-tokens", type=int, default=0, metavar="N",
                    help="a prompt whose uncached part is shorter than N tokens is computed "
                         "whole on a decode replica (default 0: every prompt is split)")
@@ -138,6 +140,10 @@ def check_remote_fleet(tokens: list[str]) -> None:
 
 def check_roles(args: argparse.Namespace, tokens: list[str]) -> bool:
     """Whether the options describe a local disaggregated fleet; refuse mixed ones."""
+    if args.route_role is not None:
+        raise ConfigError("ember route gives its replicas their roles, so --role is not one of "
+                          "its options: use --prefill-replicas P --decode-replicas D, or "
+                          "--replica-url URL#prefill and URL#decode")
     typed = {token.partition("=")[0] for token in tokens if token.startswith("--")}
     roles = [option for option in ROLE_FLEET_OPTIONS if option in typed]
     if not roles:

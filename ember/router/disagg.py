@@ -144,7 +144,7 @@ class Split:
             except Attempt as failed:
                 fleet.release(replica)
                 self.proxy._eject_after(replica, failed)
-                reason = "prefill_failed"
+                reason = "prefill_busy" if failed.status == 429 else "prefill_failed"
                 continue
             except BaseException:   # the client left: the replica was hung up on
                 self.proxy._done(replica, 499)

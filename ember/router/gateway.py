@@ -297,13 +297,16 @@ async def route_split(gw: Gateway, body: CompletionRequest | ChatCompletionReque
     unless a transfer cannot carry it or its uncached part is under --disagg-min-tokens
     (then a decode replica computes it whole: moving a short prompt's KV costs more than
     computing it)."""
-    metrics = gw.fleet.metrics
-    if unsupported(body) is not None:
-        metrics.disagg_requests.labels("unsupported").inc()
-        return await split.whole()
-    min_tokens = gw.fleet.config.disagg_min_tokens
-    if min_tokens and gw.prompts.num_tokens(body) - \
-            gw.fleet.longest_cached("primary", split.keys, WHOLE) < min_tokens:
-        metrics.disagg_requests.labels("kept_local").inc()
-        return await split.whole()
-    return await split.run()
+    try:
+        path = "unsupported" if unsupported(body) is not None else None
+        min_tokens = gw.fleet.config.disagg_min_tokens
+        if path is None and min_tokens and gw.prompts.num_tokens(body) - \
+                gw.fleet.longest_cached("primary", split.keys, WHOLE) < min_tokens:
+            path = "kept_local"
+    except BaseException:
+        split.on_done()
+        raise
+    if path is None:
+        return await split.run()
+    gw.fleet.metrics.disagg_requests.labels(path).inc()
+    return await split.whole()

@@ -239,6 +239,7 @@ def route_args(tokens: list[str]):
     (["--prefill-replicas", "0", "--decode-replicas", "1"], "at least 1"),
     (["--max-replicas", "3", "--prefill-replicas", "1", "--decode-replicas", "1"],
      "both size"),
+    (["--role", "prefill"], "--role is not one of its options"),
 ])
 def test_role_options_that_conflict_are_refused(tokens, message):
     with pytest.raises(ConfigError, match=message):
