@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 
 import httpx
 import pytest
@@ -175,6 +176,31 @@ def test_pin_released_when_no_decode_replica_answers(trio, tiny_llama_dir):
     finally:
         gw.close()
         broken.close()
+
+
+def test_first_token_streams_before_the_decode_replica_answers(trio, gateway):
+    """The decode replica's engine is held: the stream's first chunk (the prefill replica's
+    token) reaches the client anyway; once released, the rest follows and the text is one
+    replica's."""
+    decode, gate = trio["decode"], threading.Event()
+    real_step = decode.engine.core.step
+    decode.delay_steps(gate=gate)
+    prompt = "The first token comes at once"
+    try:
+        with httpx.stream("POST", gateway.url + "/v1/completions", timeout=60,
+                          json=body_for("/v1/completions", prompt, True)) as resp:
+            lines = (line for line in resp.iter_lines() if line.startswith("data: {"))
+            first = json.loads(next(lines)[6:])
+            assert not gate.is_set() and decode.engine.stats.num_running == 0
+            gate.set()
+            rest = [json.loads(line[6:]) for line in lines]
+        text = "".join(c["text"] for chunk in [first, *rest] for c in chunk["choices"])
+        assert text == request(trio["single"].url, "/v1/completions",
+                               body_for("/v1/completions", prompt, False))[0]
+    finally:
+        gate.set()
+        decode.engine.core.step = real_step
+    decode.wait_idle()
 
 
 def test_client_leaving_mid_stream_frees_both_sides(trio, gateway):
