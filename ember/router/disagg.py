@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 
 import aiohttp
@@ -30,6 +30,7 @@ from starlette.responses import StreamingResponse
 
 from ember.errors import EmberError
 from ember.router.fleet import RouteKeys
+from ember.router.metrics import RouterMetrics
 from ember.router.proxy import SSE_HEADERS, Attempt, Proxy, Relay, Roles, Upstream
 from ember.server.errors import error_body
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -80,10 +81,11 @@ class Split:
     stream: bool
     include_usage: bool
     on_done: Callable[[], None]
-    background: Callable   # runs a coroutine no request awaits (the gateway's in_background)
+    # runs a coroutine no request awaits (the gateway's in_background)
+    background: Callable[[Coroutine], object]
 
     @property
-    def metrics(self):
+    def metrics(self) -> RouterMetrics:
         return self.proxy.fleet.metrics
 
     async def run(self) -> Response:

@@ -67,12 +67,13 @@ def role_launchers(args: argparse.Namespace, argv: list[str], config: RouterConf
 
 def local_replicas(launchers: dict[str, Launcher], primary_replicas: int) -> int:
     """How many replicas the local launchers may run at once on this machine: the primary
-    set at its largest, and a local canary and shadow (one each)."""
-    primary = sum(isinstance(launchers.get(name), LocalLauncher)
-                  for name in ("primary", "prefill", "decode")) > 0
-    return primary_replicas * primary + sum(
-        isinstance(launcher, LocalLauncher) for group, launcher in launchers.items()
-        if group in ("canary", "shadow"))
+    set at its largest (both roles of a disaggregated fleet), and a local canary and shadow
+    (one each)."""
+    primary = any(isinstance(launchers.get(name), LocalLauncher)
+                  for name in ("primary", "prefill", "decode"))
+    sides = sum(isinstance(launchers.get(group), LocalLauncher)
+                for group in ("canary", "shadow"))
+    return primary_replicas * primary + sides
 
 
 def build_fleet(args: argparse.Namespace, argv: list[str], config: RouterConfig
