@@ -223,31 +223,47 @@ def test_client_leaving_mid_stream_frees_both_sides(trio, gateway):
 
 @pytest.mark.slow
 def test_killed_prefill_replica_still_answered(trio, tiny_llama_dir):
-    """The only prefill replica (a process) is SIGKILLed: requests still get one replica's
-    answer, from a decode replica that computes the prompt itself (counted)."""
+    """The only prefill replica (a process) is SIGKILLed after its answer, before the decode
+    replica pulled: the stream goes on from a decode replica that computes the prompt itself
+    (counted there). Requests sent after its death go whole to a decode replica (counted
+    here). Every answer is one replica's."""
     folder, _ = tiny_llama_dir
     port = free_port()
     proc = start_server(folder, port, "--role", "prefill", "--kernels", "torch", "--dtype",
                         "float32", "--max-model-len", "512")
     url = f"http://127.0.0.1:{port}"
+    decode, gate = trio["decode"], threading.Event()
+    real_step = decode.engine.core.step
+    name = decode.state.model_name
+    unreachable = f'ember_kv_transfer_fallbacks_total{{model_name="{name}",reason="unreachable"}}'
     gw = None
     try:
         wait_ready(proc, url)
-        gw = LiveGateway({"r1": url, "r2": trio["decode"].url}, model=str(folder), roles=ROLES)
+        gw = LiveGateway({"r1": url, "r2": decode.url}, model=str(folder), roles=ROLES)
         gw.wait_ready()
-        body = body_for("/v1/completions", "The prefill replica is gone", False)
-        want = request(trio["single"].url, "/v1/completions", body)[0]
-        assert request(gw.url, "/v1/completions", body)[0] == want    # split, while it lives
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
+        before = decode.metric(unreachable)
+        decode.delay_steps(gate=gate)    # the decode replica takes the request, pulls nothing
+        body = body_for("/v1/completions", "The prefill replica dies mid-request", True)
+        with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=60) as resp:
+            lines = (line for line in resp.iter_lines() if line.startswith("data: {"))
+            chunks = [json.loads(next(lines)[6:])]      # the prefill replica's token
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            gate.set()
+            chunks += [json.loads(line[6:]) for line in lines]
+        assert "".join(c.get("text") or "" for chunk in chunks for c in chunk["choices"]) == \
+            request(trio["single"].url, "/v1/completions", body)[0]
+        assert decode.metric(unreachable) == before + 1
         for stream in (False, True):
             body = body_for("/v1/completions", f"Asked after it died ({stream})", stream)
             assert request(gw.url, "/v1/completions", body)[0] == \
                 request(trio["single"].url, "/v1/completions", body)[0]
         assert gw.metric("ember_router_disagg_fallbacks_total") == 2
         assert gw.metric('ember_router_disagg_requests_total{path="fallback"}') == 2
-        trio["decode"].wait_idle()
+        decode.wait_idle()
     finally:
+        gate.set()
+        decode.engine.core.step = real_step
         if gw is not None:
             gw.close()
         if proc.poll() is None:
