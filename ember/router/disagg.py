@@ -101,7 +101,7 @@ class Split:
         if first is None:
             self.metrics.disagg_requests.labels("fallback").inc()
             return await self.whole()
-        params = first.get("kv_transfer_params")
+        params = first.pop("kv_transfer_params", None)
         if params is None:   # the first token ended the request: its answer is the whole
             self.metrics.disagg_requests.labels("prefill_only").inc()
             self.on_done()

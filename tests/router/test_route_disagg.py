@@ -106,6 +106,24 @@ def test_split_answer_matches_one_replica(trio, gateway, path, stream):
         server.wait_idle()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_first_token_that_ends_the_request_is_the_whole_answer(trio, gateway, stream):
+    """max_tokens=1: the prefill replica's answer is all of it, sent as the client asked."""
+    path = "/v1/chat/completions"
+    body = body_for(path, f"One token only ({stream})", stream) | {"max_tokens": 1}
+    before = gateway.metric('ember_router_disagg_requests_total{path="prefill_only"}')
+    text, usage, chunks = request(gateway.url, path, body)
+    want, want_usage, _ = request(trio["single"].url, path, body)
+    assert (text, usage["completion_tokens"]) == (want, want_usage["completion_tokens"]) and \
+        usage["prompt_tokens"] == want_usage["prompt_tokens"]
+    assert gateway.metric('ember_router_disagg_requests_total{path="prefill_only"}') == \
+        before + 1
+    if stream:
+        assert [c["finish_reason"] for chunk in chunks for c in chunk["choices"]] == \
+            [None, "length"]
+    trio["prefill"].wait_idle()
+
+
 def test_fleet_shows_roles(gateway):
     roles = {r["id"]: r["role"] for r in httpx.get(gateway.url + "/fleet").json()["replicas"]}
     assert roles == ROLES
