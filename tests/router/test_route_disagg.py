@@ -183,7 +183,7 @@ def test_pin_released_when_no_decode_replica_answers(trio, tiny_llama_dir):
     folder, _ = tiny_llama_dir
     broken = FakeReplica("status_500")
     gw = LiveGateway({"r1": trio["prefill"].url, "r2": broken.url}, model=str(folder),
-                     roles=ROLES)
+                     roles=ROLES, eject_s=0.2)   # its tries wait out each ejection
     try:
         gw.wait_ready()
         resp = httpx.post(gw.url + "/v1/completions", timeout=60,
