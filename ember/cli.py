@@ -141,17 +141,26 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "on it (auto: shm where it runs)")
 
 
-def _disaggregation_args(parser: argparse.ArgumentParser) -> None:
-    """A replica's part in disaggregated serving (`ember serve` only: a gateway gives its
-    replicas their roles)."""
+def _disaggregation_args(parser: argparse.ArgumentParser, role: bool = True) -> None:
+    """A replica's part in disaggregated serving. `ember route` takes all but --role (it
+    gives its replicas their roles) and passes them on."""
     d = KVTransferConfig()
     g = parser.add_argument_group("disaggregated serving (docs/disaggregated.md)")
+    if role:
+        _role_arg(g, d)
+    _transfer_args(g, d)
+
+
+def _role_arg(g: argparse._ArgumentGroup, d: KVTransferConfig) -> None:
     g.add_argument("--role", default=d.role, choices=list(ROLES),
                    help="both: an ordinary replica; prefill: computes prompts sent with "
                         "kv_transfer_params {do_remote_decode: true} and keeps their KV "
                         "pinned for a decode replica (its KV cache in shared memory); decode: "
                         "goes on from a prefill replica's answer, pulling the KV it lacks. "
                         "Both kinds serve ordinary requests too")
+
+
+def _transfer_args(g: argparse._ArgumentGroup, d: KVTransferConfig) -> None:
     g.add_argument("--kv-transport", default=d.kv_transport, choices=list(KV_TRANSPORTS),
                    help="how a decode replica pulls: auto maps the prefill replica's KV cache "
                         "when both run on this host, else streams it over HTTP; http always "
@@ -475,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
                            allow_abbrev=False)
     _engine_args(route)
     _server_args(route)
+    _disaggregation_args(route, role=False)
     route.set_defaults(func=cmd_route, route_only=route_only_options(add_route_args(route)))
     add_bench_parser(sub, results_dir(os.environ, Path.home()))
     add_plan_parser(sub, results_dir(os.environ, Path.home()).parent / "plan", _engine_args,

@@ -13,7 +13,7 @@ from pathlib import Path
 from ember.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 WORKLOADS = ("random", "shared-prefix", "grounded", "multi-tenant", "chat-sessions", "jsonl",
-             "embeddings")
+             "embeddings", "mixed")
 
 
 def results_dir(environ: Mapping[str, str], home: Path) -> Path:
@@ -41,6 +41,14 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--turns", type=int, default=4, help="chat-sessions: turns each")
     g.add_argument("--inputs-per-request", type=int, default=16,
                    help="embeddings: texts per /v1/embeddings request (each --input-len long)")
+    g.add_argument("--streams", type=int, default=16, help="mixed: chat streams sent at "
+                   "once (prompts of --input-len), each decoding --stream-output-len tokens")
+    g.add_argument("--stream-output-len", type=int, default=256)
+    g.add_argument("--long-prompts", type=int, default=8, help="mixed: prompts of "
+                   "--long-len tokens, one every --long-every seconds after the streams")
+    g.add_argument("--long-len", type=int, default=4000)
+    g.add_argument("--long-every", type=float, default=2.0)
+    g.add_argument("--long-output-len", type=int, default=16)
     g.add_argument("--dataset", default=None, help="jsonl: a file of {prompt|messages, "
                    "max_tokens?} lines")
     g.add_argument("--corpus", default=None, help="text to cut prompts from (default: a "

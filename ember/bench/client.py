@@ -173,7 +173,9 @@ class Runner:
         cancel = set(self.rng.sample(range(len(requests)),
                                      round(self.cfg.cancel_fraction * len(requests))))
         self.t0 = self.clock()
-        if self.cfg.concurrency is not None:
+        if requests and all(r.at_s is not None for r in requests):
+            await self._scheduled(post, requests, cancel)
+        elif self.cfg.concurrency is not None:
             await self._fixed_concurrency(post, requests, cancel)
         else:
             await self._arrivals(post, requests, cancel)
@@ -216,6 +218,21 @@ class Runner:
             tasks.append(asyncio.create_task(self._session(post, req, position in cancel)))
         await asyncio.gather(*tasks)
 
+    async def _scheduled(self, post: Post, requests: list[BenchRequest],
+                         cancel: set[int]) -> None:
+        """Each request at its own `at_s` (a workload's fixed schedule), whatever is still
+        running."""
+        order = sorted(enumerate(requests), key=lambda pair: (pair[1].at_s, pair[0]))
+        tasks = []
+        for position, req in order:
+            delay = req.at_s - (self.clock() - self.t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if self._expired():
+                break
+            tasks.append(asyncio.create_task(self._session(post, req, position in cancel)))
+        await asyncio.gather(*tasks)
+
     async def _session(self, post: Post, req: BenchRequest, cancel: bool) -> None:
         """One request, or every turn of a chat session (each turn sees the real replies)."""
         messages = list(req.messages) if req.messages is not None else None
@@ -238,7 +255,8 @@ class Runner:
         start = self.clock()
         record = RequestRecord(index=req.index, start=start - self.t0,
                                target_prompt_tokens=req.target_prompt_tokens,
-                               target_output_tokens=req.max_tokens, session=req.session)
+                               target_output_tokens=req.max_tokens, session=req.session,
+                               kind=req.kind)
         text: list[str] = []
         try:
             async with asyncio.timeout(self.cfg.timeout_s):

@@ -20,15 +20,15 @@ from ember.bench.metrics import (metric_deltas, parse_prometheus, parse_slo,
                                  spec_decode_summary, summarize)
 from ember.bench.workloads import (BenchRequest, Decode, Encode, LengthDist, PromptMaker,
                                    chat_sessions, default_corpus, embedding_batches,
-                                   from_jsonl, grounded, local_tokenizer, multi_tenant,
-                                   server_tokenizer, shared_prefix, synthetic)
+                                   from_jsonl, grounded, local_tokenizer, mixed,
+                                   multi_tenant, server_tokenizer, shared_prefix, synthetic)
 
 
 def load_config(args: argparse.Namespace, base_url: str, model: str | None) -> LoadConfig:
     concurrency = args.concurrency if args.concurrency is not None else \
         (None if args.rate else 1)
-    endpoint = {"chat-sessions": "chat", "embeddings": "embeddings"}.get(args.workload,
-                                                                         args.endpoint)
+    endpoint = {"chat-sessions": "chat", "embeddings": "embeddings",
+                "mixed": "chat"}.get(args.workload, args.endpoint)
     return LoadConfig(
         base_url=base_url, model=model, endpoint=endpoint, concurrency=concurrency, rate=args.rate,
         burstiness=args.burstiness, ramp_up_s=args.ramp_up, duration_s=args.duration,
@@ -74,6 +74,10 @@ def build_requests(args: argparse.Namespace, base_url: str, model: str | None,
     if args.workload == "embeddings":
         return embedding_batches(maker, args.num_requests, args.inputs_per_request,
                                  LengthDist.parse(args.input_len), rng)
+    if args.workload == "mixed":
+        return mixed(maker, args.streams, LengthDist.parse(args.input_len),
+                     args.stream_output_len, args.long_prompts, args.long_len,
+                     args.long_every, args.long_output_len, rng, chat=True)
     if args.workload == "chat-sessions":
         return chat_sessions(maker, args.sessions, args.turns, LengthDist.parse(args.input_len),
                              output_len, rng)

@@ -47,6 +47,7 @@ class RequestRecord:
     session: int | None = None
     turn: int | None = None
     num_inputs: int | None = None     # /v1/embeddings: texts embedded by this request
+    kind: str | None = None           # its part in a mixed workload
 
     @property
     def ok(self) -> bool:
@@ -175,10 +176,21 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None
         good = sum(meets(r, slo) for r in ok)
         summary["goodput"] = {"slo_s": per_request(slo), "requests_per_s": rate(good),
                               "fraction": good / len(records) if records else math.nan}
+    kinds = sorted({r.kind for r in records if r.kind is not None})
+    if kinds:   # a mixed workload: each part's latencies apart (the streams' gaps, say)
+        summary["by_kind"] = {kind: kind_summary([r for r in ok if r.kind == kind])
+                              for kind in kinds}
     targets = percentile_targets(ok, slo or {})
     if targets:
         summary["slo_percentiles"] = targets
     return summary
+
+
+def kind_summary(ok: list[RequestRecord]) -> dict[str, Any]:
+    return {"completed": len(ok), "output_tokens": sum(r.output_tokens or 0 for r in ok),
+            "ttft_s": describe([r.ttft for r in ok if r.ttft is not None]),
+            "chunk_gap_s": describe([g for r in ok for g in r.gaps]),
+            "e2e_s": describe([r.e2e for r in ok if r.e2e is not None])}
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([^\s]+)")

@@ -10,7 +10,7 @@ import json
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,6 +69,8 @@ class BenchRequest:
     turn: int | None = None
     user_turns: list[str] = field(default_factory=list)  # later turns of a session
     inputs: list[str] | None = None                 # /v1/embeddings: the texts to embed
+    at_s: float | None = None      # sent this long after the run began (a fixed schedule)
+    kind: str | None = None        # its part in a mixed workload, reported apart
 
 
 def default_corpus() -> str:
@@ -174,6 +176,25 @@ def chat_sessions(maker: PromptMaker, sessions: int, turns: int, user_len: Lengt
             index=s, max_tokens=output_len.sample(rng),
             messages=[{"role": "user", "content": user_turns[0]}], session=s, turn=0,
             user_turns=user_turns[1:]))
+    return requests
+
+
+def mixed(maker: PromptMaker, streams: int, stream_len: LengthDist, stream_output: int,
+          long_prompts: int, long_len: int, long_every_s: float, long_output: int,
+          rng: random.Random, chat: bool) -> list[BenchRequest]:
+    """Chat streams decoding while long prompts arrive, the mix where computing a prompt
+    delays tokens already streaming: `streams` requests of `stream_output` tokens sent at
+    once, then a prompt of `long_len` tokens every `long_every_s` seconds (`long_prompts` of
+    them, `long_output` tokens each). Reported apart as kinds "stream" and "long"."""
+    requests = []
+    for i in range(streams):
+        n_in = stream_len.sample(rng)
+        requests.append(replace(_request(i, maker.make(n_in), stream_output, n_in, chat),
+                                at_s=0.0, kind="stream"))
+    for j in range(long_prompts):
+        requests.append(replace(_request(streams + j, maker.make(long_len), long_output,
+                                         long_len, chat),
+                                at_s=long_every_s * (j + 1), kind="long"))
     return requests
 
 

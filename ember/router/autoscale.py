@@ -7,6 +7,8 @@ after `scale_to_zero_after_s` without a request. A change applies only once it h
 wanted for the scale-up (or scale-down) delay, so a short burst or lull does not flap.
 Scaling down drains the least loaded replica (no new routes, in-flight requests finish).
 A request arriving at a fleet of zero asks for a replica at once (`on_demand`).
+In a disaggregated fleet each role has its own autoscaler, over its own replicas, with its
+own bounds (`role`), and counts the requests held for a replica of that role.
 """
 from __future__ import annotations
 
@@ -51,8 +53,9 @@ def decide(samples: list[Sample], cfg: AutoscaleConfig, now: float,
 
 class Autoscaler:
     def __init__(self, fleet: Fleet, cfg: AutoscaleConfig, held: Callable[[], int],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, role: str = "both") -> None:
         self.fleet = fleet
+        self.role = role                       # the primary replicas it scales: this role's
         self.clock = clock
         self.cfg = cfg
         self.held = held                       # requests held by the proxy, now
@@ -78,10 +81,13 @@ class Autoscaler:
         return recent[len(recent) // 2] if recent else None
 
     def live(self) -> list:
-        return self.fleet.group("primary", LIVE)
+        return self.fleet.group("primary", LIVE, None if self.role == "both" else (self.role,))
 
-    def on_demand(self, group: str) -> None:
-        """A request is waiting and the group has no live replica: start one now."""
+    def on_demand(self, group: str, roles: tuple[str, ...] | None = None) -> None:
+        """A request is waiting and the group has no live replica (of `roles`): start one
+        now."""
+        if roles is not None and self.role not in roles:
+            return
         self.last_request_at = self.clock()
         if group == "primary" and not self.live():
             self.scale("up", "demand")
@@ -90,7 +96,7 @@ class Autoscaler:
 
     def scale(self, direction: str, reason: str) -> None:
         if direction == "up":
-            replica = self.fleet.start_replica("primary")
+            replica = self.fleet.start_replica("primary", self.role)
             if replica is None:
                 return
             target = replica.id
@@ -102,8 +108,8 @@ class Autoscaler:
             self.fleet.drain_soon(victim)
             target = victim.id
         self.fleet.metrics.scale_events.labels(direction).inc()
-        log.info("scale %s (%s): replica %s; %d live", direction, reason, target,
-                 len(self.live()))
+        log.info("scale %s (%s): replica %s; %d live%s", direction, reason, target,
+                 len(self.live()), "" if self.role == "both" else f" {self.role} replicas")
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())

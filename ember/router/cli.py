@@ -7,6 +7,7 @@ the gateway itself.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from ember.config import ServerConfig
 from ember.errors import ConfigError
@@ -37,7 +38,18 @@ def add_route_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     g.add_argument("--replicas", type=int, default=1,
                    help="local `ember serve` replicas to start (on free ports)")
     g.add_argument("--replica-url", action="append", default=[], metavar="URL",
-                   help="route over a server started elsewhere (repeatable); no local ones")
+                   help="route over a server started elsewhere (repeatable); no local ones. "
+                        "URL#prefill or URL#decode: a replica started with that --role")
+    g.add_argument("--prefill-replicas", type=int, default=None, metavar="P",
+                   help="disaggregated serving: P local prefill replicas (with "
+                        "--decode-replicas, instead of --replicas)")
+    g.add_argument("--decode-replicas", type=int, default=None, metavar="D",
+                   help="disaggregated serving: D local decode replicas")
+    g.add_argument("--role", dest="route_role", default=None,
+                   help=argparse.SUPPRESS)   # refused: check_roles
+    g.add_argument("--disagg-min-tokens", type=int, default=0, metavar="N",
+                   help="a prompt whose uncached part is shorter than N tokens is computed "
+                        "whole on a decode replica (default 0: every prompt is split)")
     g.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                    help="run replicas as Ray actors on the cluster at ADDRESS (default: "
                         "the one `ray start` set up, else a local one)")
@@ -57,6 +69,10 @@ def add_route_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     a = _Recorded(parser.add_argument_group("autoscaling"), actions)
     a.add_argument("--min-replicas", type=int, default=None, help="default: --replicas")
     a.add_argument("--max-replicas", type=int, default=None, help="default: --replicas")
+    for role in ("prefill", "decode"):
+        for bound in ("min", "max"):
+            a.add_argument(f"--{bound}-{role}-replicas", type=int, default=None,
+                           help=f"default: --{role}-replicas")
     a.add_argument("--target-ongoing", type=float, default=AutoscaleConfig.target_ongoing,
                    help="in-flight + queued requests per replica to aim for")
     a.add_argument("--scale-up-delay", type=float, default=AutoscaleConfig.scale_up_delay_s)
@@ -103,9 +119,13 @@ def serve_argv(tokens: list[str], route_only: dict[str, int | str]) -> list[str]
 
 
 # what --replica-url makes meaningless: the gateway neither starts nor scales those servers
+ROLE_FLEET_OPTIONS = ("--prefill-replicas", "--decode-replicas", "--min-prefill-replicas",
+                      "--max-prefill-replicas", "--min-decode-replicas",
+                      "--max-decode-replicas")
 LOCAL_FLEET_OPTIONS = ("--replicas", "--ray", "--min-replicas", "--max-replicas",
                        "--target-ongoing", "--scale-up-delay", "--scale-down-delay",
-                       "--look-back", "--scale-to-zero-after", "--ttft-slo")
+                       "--look-back", "--scale-to-zero-after", "--ttft-slo",
+                       *ROLE_FLEET_OPTIONS)
 
 
 def check_remote_fleet(tokens: list[str]) -> None:
@@ -116,6 +136,56 @@ def check_remote_fleet(tokens: list[str]) -> None:
         raise ConfigError(f"--replica-url routes over servers started elsewhere, which the "
                           f"gateway neither starts nor scales, so {', '.join(ignored)} would "
                           "be ignored; drop them, or drop --replica-url to start replicas here")
+
+
+def check_roles(args: argparse.Namespace, tokens: list[str]) -> bool:
+    """Whether the options describe a local disaggregated fleet; refuse mixed ones."""
+    if args.route_role is not None:
+        raise ConfigError("ember route gives its replicas their roles, so --role is not one of "
+                          "its options: use --prefill-replicas P --decode-replicas D, or "
+                          "--replica-url URL#prefill and URL#decode")
+    typed = {token.partition("=")[0] for token in tokens if token.startswith("--")}
+    roles = [option for option in ROLE_FLEET_OPTIONS if option in typed]
+    if not roles:
+        return False
+    mixed = [option for option in ("--replicas", "--min-replicas", "--max-replicas")
+             if option in typed]
+    if mixed:
+        raise ConfigError(f"{', '.join(mixed)} and {', '.join(roles)} both size the fleet; a "
+                          "disaggregated fleet takes --prefill-replicas P --decode-replicas D "
+                          "(and --min-/--max-prefill-replicas, --min-/--max-decode-replicas)")
+    if args.prefill_replicas is None or args.decode_replicas is None:
+        raise ConfigError("a disaggregated fleet needs both --prefill-replicas P and "
+                          "--decode-replicas D")
+    if args.prefill_replicas < 1 or args.decode_replicas < 1:
+        raise ConfigError("--prefill-replicas and --decode-replicas must be at least 1")
+    return True
+
+
+def role_urls(urls: list[str]) -> list[tuple[str, str]]:
+    """--replica-url values -> (url, role): URL#prefill, URL#decode, or a plain URL (both)."""
+    out = []
+    for url in urls:
+        base, _, role = url.partition("#")
+        if role not in ("", "prefill", "decode", "both"):
+            raise ConfigError(f"--replica-url {url}: #{role} is not a role; use URL#prefill, "
+                              "URL#decode, or a plain URL")
+        out.append((base.rstrip("/"), role or "both"))
+    roles = {role for _, role in out}
+    if "prefill" in roles and not roles & {"decode"}:
+        raise ConfigError("a prefill replica needs a decode replica to go on from its answer; "
+                          "add --replica-url URL#decode")
+    return out
+
+
+def role_autoscale(args: argparse.Namespace, role: str, scale: AutoscaleConfig
+                   ) -> AutoscaleConfig:
+    """One role's bounds: its --min-/--max-ROLE-replicas, by default its count."""
+    n = getattr(args, f"{role}_replicas")
+    low = getattr(args, f"min_{role}_replicas")
+    high = getattr(args, f"max_{role}_replicas")
+    low = n if low is None else low
+    return replace(scale, min_replicas=low, max_replicas=max(n, low) if high is None else high)
 
 
 def route_only_options(actions: list[argparse.Action]) -> dict[str, int | str]:
@@ -140,10 +210,16 @@ def router_config(args: argparse.Namespace, server: ServerConfig) -> RouterConfi
                             scale_to_zero_after_s=args.scale_to_zero_after,
                             ttft_slo_s=args.ttft_slo)
     limit = server.request_timeout_s
+    split = args.prefill_replicas is not None
     return RouterConfig(policy=args.policy, session_header=args.session_header.lower(),
                         max_tries=args.max_tries, max_queue=args.max_queue,
                         hold_timeout_s=args.hold_timeout, server=server, autoscale=scale,
-                        replica_timeout_s=limit + REPLICA_TIMEOUT_SLACK_S if limit else None)
+                        replica_timeout_s=limit + REPLICA_TIMEOUT_SLACK_S if limit else None,
+                        prefill_autoscale=role_autoscale(args, "prefill", scale)
+                        if split else None,
+                        decode_autoscale=role_autoscale(args, "decode", scale)
+                        if split else None,
+                        disagg_min_tokens=args.disagg_min_tokens)
 
 
 def with_model(argv: list[str], model: str) -> list[str]:

@@ -106,8 +106,15 @@ class RouterConfig:
     server: ServerConfig = field(default_factory=ServerConfig)  # listen, keys, body limits
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    # disaggregated serving: each role's bounds (None: not a local disaggregated fleet), and
+    # the shortest uncached prompt worth moving between replicas (0: every prompt is split)
+    prefill_autoscale: AutoscaleConfig | None = None
+    decode_autoscale: AutoscaleConfig | None = None
+    disagg_min_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.disagg_min_tokens < 0:
+            raise ConfigError(f"disagg_min_tokens={self.disagg_min_tokens} must be >= 0")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy {self.policy!r} is unknown; use one of "
                               f"{', '.join(POLICIES)}")

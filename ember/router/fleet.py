@@ -9,6 +9,8 @@
   exponential backoff; one its launcher restarted itself at a new URL (Ray restarts an
   actor) keeps its id and is probed anew. Handles are awaited: none blocks the loop.
 * choose/release: the decision and the in-flight count it raises, in one synchronous step.
+* roles (disaggregated serving): a replica's role (both, prefill, decode) filters where a
+  request may go; a local replica of a role is started by the launcher of that name.
 """
 from __future__ import annotations
 
@@ -52,6 +54,14 @@ class RouteKeys:
     counted: bool = True    # False: not a generation (/tokenize...), kept out of the stats
 
 
+ROLES = ("prefill", "decode")   # a replica's part in disaggregated serving ("both": neither)
+
+
+def launcher_name(group: str, role: str) -> str:
+    """The launcher that starts a replica: its role's, for a primary one with a role."""
+    return role if group == "primary" and role in ROLES else group
+
+
 def replica_auth(server: ServerConfig) -> dict[str, str]:
     """The header of the gateway's own calls to replicas: they take the gateway's options,
     so any key the gateway accepts is one they accept (/kv/events is behind it)."""
@@ -69,6 +79,7 @@ class Fleet:
         self.texts: dict[str, TextIndex] = {}
         self.picker = Picker(config.policy, config.prefix)
         self.held = 0                           # requests waiting for a ready replica
+        self.held_roles: Counter[str] = Counter()   # of them, those waiting for a role's
         self.metrics = RouterMetrics(self.snapshot, lambda: self.held)
         self.ready_event = asyncio.Event()
         self.session: aiohttp.ClientSession | None = None
@@ -93,53 +104,70 @@ class Fleet:
         self.replicas[replica.id] = replica     # last: whoever finds it finds its indexes
         return replica
 
-    def start_replica(self, group: str = "primary") -> Replica | None:
-        launcher = self.launchers.get(group)
-        if launcher is None or group in self.failures:
+    def start_replica(self, group: str = "primary", role: str = "both") -> Replica | None:
+        name = launcher_name(group, role)
+        launcher = self.launchers.get(name)
+        if launcher is None or name in self.failures:
             return None
         self._serial += 1
-        replica_id = f"{group[0]}{self._serial}"
+        replica_id = f"{name[0]}{self._serial}"
         handle = launcher.start(replica_id)
         if handle is None:
             return None
         log.info("replica %s starting at %s", replica_id, handle.url or "(not known yet)")
-        return self.add(Replica(replica_id, handle, group))
+        return self.add(Replica(replica_id, handle, group, role))
 
     def remove(self, replica_id: str) -> None:
         self.replicas.pop(replica_id, None)
         self.blocks.pop(replica_id, None)
         self.texts.pop(replica_id, None)
 
-    def group(self, name: str, states: tuple[ReplicaState, ...] | None = None
-              ) -> list[Replica]:
+    def group(self, name: str, states: tuple[ReplicaState, ...] | None = None,
+              roles: tuple[str, ...] | None = None) -> list[Replica]:
         return [r for r in self.replicas.values() if r.group == name
-                and (states is None or r.state in states)]
+                and (states is None or r.state in states)
+                and (roles is None or r.role in roles)]
 
-    def can_serve_soon(self, group: str = "primary") -> bool:
-        """A replica of `group` is ready, starting, or can be started."""
+    def can_serve_soon(self, group: str = "primary", roles: tuple[str, ...] | None = None
+                       ) -> bool:
+        """A replica of `group` (in one of `roles`) is ready, starting, or can be started."""
         live = (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.DEAD)
-        return bool(self.group(group, live)) or (group in self.launchers
-                                                 and group not in self.failures)
+        names = {launcher_name(group, role) for role in roles or (*ROLES, "both")}
+        return bool(self.group(group, live, roles)) or any(
+            name in self.launchers and name not in self.failures for name in names)
+
+    @property
+    def disaggregated(self) -> bool:
+        """Some primary replica prefills for others (or a launcher starts such replicas)."""
+        return "prefill" in self.launchers or any(
+            r.role == "prefill" for r in self.replicas.values() if r.group == "primary")
 
     # -- routing ----------------------------------------------------------------------------
 
-    def busy(self, group: str, now: float) -> bool:
+    def busy(self, group: str, now: float, roles: tuple[str, ...] | None = None) -> bool:
         """Every replica of `group` that serves is busy (it answered 429: its queue is full)
         and none is starting: a request held now would only wait in front of full queues."""
-        if self.group(group, (ReplicaState.STARTING,)):
+        if self.group(group, (ReplicaState.STARTING,), roles):
             return False
-        up = [r for r in self.group(group) if r.up(now)]
+        up = [r for r in self.group(group, roles=roles) if r.up(now)]
         return bool(up) and all(now < r.busy_until for r in up)
 
-    def candidates(self, group: str, keys: RouteKeys, exclude: set[str], now: float
-                   ) -> list[tuple[Replica, Candidate]]:
+    def candidates(self, group: str, keys: RouteKeys, exclude: set[str], now: float,
+                   roles: tuple[str, ...] | None = None) -> list[tuple[Replica, Candidate]]:
         out = []
         for r in self.replicas.values():
-            if r.group != group or r.id in exclude or not r.routable(now):
+            if r.group != group or r.id in exclude or not r.routable(now) or \
+                    (roles is not None and r.role not in roles):
                 continue
             out.append((r, Candidate(r.id, r.in_flight, r.waiting, r.kv_usage,
                                      self._matched(r, keys, now))))
         return out
+
+    def longest_cached(self, group: str, keys: RouteKeys, roles: tuple[str, ...]) -> int:
+        """The most leading blocks of this prompt a routable replica of `roles` holds."""
+        pairs = self.candidates(group, keys, set(), time.monotonic(), roles)
+        return max((c.matched_blocks * (self.blocks[r.id].block_size or 0) for r, c in pairs
+                    if self._hashable(r)), default=0)
 
     def _matched(self, r: Replica, keys: RouteKeys, now: float) -> int:
         if self.config.policy != "prefix":
@@ -156,11 +184,12 @@ class Fleet:
         return (r.supports_events and index.block_size is not None
                 and self.hash_model is not None and index.model == self.hash_model)
 
-    def choose(self, group: str, keys: RouteKeys, exclude: set[str]
-               ) -> tuple[Replica, Decision] | None:
-        """Pick a replica and count the request on it at once (no await in between)."""
+    def choose(self, group: str, keys: RouteKeys, exclude: set[str],
+               roles: tuple[str, ...] | None = None) -> tuple[Replica, Decision] | None:
+        """Pick a replica (of one of `roles`, if given) and count the request on it at once
+        (no await in between)."""
         now = time.monotonic()
-        pairs = self.candidates(group, keys, exclude, now)
+        pairs = self.candidates(group, keys, exclude, now, roles)
         if not pairs:
             return None
         by_id = {r.id: r for r, _ in pairs}
@@ -475,14 +504,15 @@ class Fleet:
         options, so they would fail alike."""
         r.state = ReplicaState.FAILED
         last = r.last_exit["log_tail"][-1] if r.last_exit["log_tail"] else "no output"
-        self.failures[r.group] = (
+        self.failures[launcher_name(r.group, r.role)] = (
             f"replica {r.id} exited {r.early_deaths} times in a row before it was ready "
             f"(status {r.last_exit['code']}: {last}); fix the options it was given and "
             "restart the gateway (GET /fleet has its last log lines)")
-        log.error("giving up on the %s replicas: %s", r.group, self.failures[r.group])
+        name = launcher_name(r.group, r.role)
+        log.error("giving up on the %s replicas: %s", name, self.failures[name])
 
     async def _restart(self, r: Replica) -> None:
-        launcher = self.launchers.get(r.group)
+        launcher = self.launchers.get(launcher_name(r.group, r.role))
         if launcher is None:
             return
         await r.handle.kill()   # whatever is left of it (a Ray actor outlives its server)

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ember.config import ApiKey
 from ember.errors import Overloaded
 from ember.router.autoscale import Autoscaler
+from ember.router.disagg import WHOLE, Split, unsupported
 from ember.router.fleet import Fleet, RouteKeys
 from ember.router.prompts import PromptKeys
 from ember.router.proxy import CLIENT_CLOSED_REQUEST, HOP_HEADERS, Proxy
@@ -43,7 +44,7 @@ class Gateway:
     proxy: Proxy
     prompts: PromptKeys
     rollout: Rollout
-    autoscaler: Autoscaler | None
+    autoscalers: tuple[Autoscaler, ...]   # one per role of a disaggregated fleet
     keys: tuple[ApiKey, ...]           # every accepted key (none: no auth)
     tenants: bool = False              # keys name tenants, whose prefixes are salted
     in_flight: int = 0
@@ -71,7 +72,10 @@ class Gateway:
         if self.draining:
             return False
         now = time.monotonic()
-        primaries = self.fleet.group("primary")
+        # a disaggregated fleet serves while a decode replica does (it computes prompts
+        # itself when no prefill replica answers)
+        primaries = self.fleet.group("primary", roles=WHOLE if self.fleet.disaggregated
+                                     else None)
         if any(r.up(now) for r in primaries):   # busy ones too: full is not broken
             return True
         live = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DEAD)
@@ -83,11 +87,11 @@ def create_gateway(gw: Gateway) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await gw.fleet.start()
-        if gw.autoscaler is not None:
-            gw.autoscaler.start()
+        for autoscaler in gw.autoscalers:
+            autoscaler.start()
         yield
-        if gw.autoscaler is not None:
-            await gw.autoscaler.stop()
+        for autoscaler in gw.autoscalers:
+            await autoscaler.stop()
         await gw.fleet.close(stop_replicas=gw.stop_replicas)
 
     app = FastAPI(title="ember route", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -266,16 +270,43 @@ async def route(gw: Gateway, request: Request, model: type, path: str) -> Respon
     if not embedding and gw.rollout.shadow_wanted(gw.fleet):   # a shadow compares text
         capture = Capture()
         gw.in_background(gw.rollout.mirror(gw.fleet, path, raw, headers, capture))
-    if gw.autoscaler is not None:
-        gw.autoscaler.note_request()
+    for autoscaler in gw.autoscalers:
+        autoscaler.note_request()
+    group = gw.rollout.group_for(gw.fleet)
     gw.in_flight += 1
+    if not embedding and group == "primary" and gw.fleet.disaggregated:
+        split = Split(gw.proxy, path, raw, headers, keys, arrival,
+                      isinstance(body, ChatCompletionRequest), body.stream,
+                      body.include_usage, gw.left, gw.in_background)
+        return await unless_disconnected(request, route_split(gw, body, split))
     try:
         # until the first byte (all of a plain answer) a client that leaves cancels the
         # forward, which hangs up on the replica, so it aborts the request as a client's
         # leaving aborts it there; a stream after its first byte stops with its relay
         return await unless_disconnected(request, gw.proxy.forward(
-            path, raw, headers, keys, gw.rollout.group_for(gw.fleet),
+            path, raw, headers, keys, group,
             not embedding and body.stream, arrival, capture, on_done=gw.left))
     except BaseException:
         gw.left()
         raise
+
+
+async def route_split(gw: Gateway, body: CompletionRequest | ChatCompletionRequest,
+                      split: Split) -> Response:
+    """A request to a disaggregated fleet: split between a prefill and a decode replica,
+    unless a transfer cannot carry it or its uncached part is under --disagg-min-tokens
+    (then a decode replica computes it whole: moving a short prompt's KV costs more than
+    computing it)."""
+    try:
+        path = "unsupported" if unsupported(body) is not None else None
+        min_tokens = gw.fleet.config.disagg_min_tokens
+        if path is None and min_tokens and gw.prompts.num_tokens(body) - \
+                gw.fleet.longest_cached("primary", split.keys, WHOLE) < min_tokens:
+            path = "kept_local"
+    except BaseException:
+        split.on_done()
+        raise
+    if path is None:
+        return await split.run()
+    gw.fleet.metrics.disagg_requests.labels(path).inc()
+    return await split.whole()

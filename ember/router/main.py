@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
@@ -11,9 +12,10 @@ import uvicorn
 from ember.config import ApiKey, ServerConfig
 from ember.errors import ConfigError
 from ember.router.autoscale import Autoscaler
-from ember.router.cli import check_remote_fleet, router_config, serve_argv, with_model
+from ember.router.cli import (check_remote_fleet, check_roles, role_urls, router_config,
+                              serve_argv, with_model)
 from ember.router.config import RouterConfig
-from ember.router.fleet import Fleet
+from ember.router.fleet import Fleet, launcher_name
 from ember.router.gateway import Gateway, create_gateway
 from ember.router.prompts import PromptKeys, load_tokenizer
 from ember.router.proxy import Proxy
@@ -25,28 +27,66 @@ from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.paths import served_model_name
 
 
-def make_launcher(args: argparse.Namespace, argv: list[str]) -> Launcher:
+def make_launcher(args: argparse.Namespace, argv: list[str],
+                  cpus: tuple[int, ...] | None = None) -> Launcher:
     if args.ray is not None:
         from ember.router.ray_replicas import RayLauncher  # ray loads only when asked for
         return RayLauncher(argv, None if args.ray == "auto" else args.ray)
-    return LocalLauncher(argv)
+    return LocalLauncher(argv, cpus=cpus)
+
+
+def role_cpus(available: list[int], num_prefill: int, num_decode: int
+              ) -> dict[str, tuple[int, ...] | None]:
+    """Each role's cores, in proportion to its replicas (at least one each), so that decode
+    steps never wait for a prompt computed beside them; None (share them all) where there
+    are not two cores to split."""
+    if len(available) < 2:
+        return {"prefill": None, "decode": None}
+    k = round(len(available) * num_prefill / (num_prefill + num_decode))
+    k = min(max(k, 1), len(available) - 1)
+    return {"prefill": tuple(available[:k]), "decode": tuple(available[k:])}
+
+
+def role_launchers(args: argparse.Namespace, argv: list[str], config: RouterConfig
+                   ) -> dict[str, Launcher]:
+    """A launcher per role: `ember serve --role ROLE`, on the role's cores unless the
+    options bind them (--cpu-bind) or the replicas run on Ray."""
+    sizes = {role: max(getattr(args, f"{role}_replicas"), cfg.max_replicas)
+             for role, cfg in (("prefill", config.prefill_autoscale),
+                               ("decode", config.decode_autoscale))}
+    bound = args.ray is not None or any(t.partition("=")[0] == "--cpu-bind" for t in argv)
+    cpus = role_cpus([] if bound else sorted(os.sched_getaffinity(0)), sizes["prefill"],
+                     sizes["decode"])
+    for role, mine in cpus.items():
+        if mine is not None:
+            print(f"ember: {role} replicas run on CPUs {','.join(map(str, mine))}",
+                  file=sys.stderr, flush=True)
+    return {role: make_launcher(args, argv + ["--role", role], cpus[role])
+            for role in ("prefill", "decode")}
 
 
 def local_replicas(launchers: dict[str, Launcher], primary_replicas: int) -> int:
     """How many replicas the local launchers may run at once on this machine: the primary
-    set at its largest, and a local canary and shadow (one each)."""
-    return sum(primary_replicas if group == "primary" else 1
-               for group, launcher in launchers.items() if isinstance(launcher, LocalLauncher))
+    set at its largest (both roles of a disaggregated fleet), and a local canary and shadow
+    (one each)."""
+    primary = any(isinstance(launchers.get(name), LocalLauncher)
+                  for name in ("primary", "prefill", "decode"))
+    sides = sum(isinstance(launchers.get(group), LocalLauncher)
+                for group in ("canary", "shadow"))
+    return primary_replicas * primary + sides
 
 
 def build_fleet(args: argparse.Namespace, argv: list[str], config: RouterConfig
                 ) -> tuple[Fleet, Rollout]:
     launchers: dict[str, Launcher] = {}
-    if not args.replica_url:
+    split = config.prefill_autoscale is not None
+    if split:
+        launchers.update(role_launchers(args, argv, config))
+    elif not args.replica_url:
         launchers["primary"] = make_launcher(args, argv)
     fleet = Fleet(config, launchers)
-    for i, url in enumerate(args.replica_url):
-        fleet.add(Replica(f"r{i + 1}", RemoteHandle(url.rstrip("/"))))
+    for i, (url, role) in enumerate(role_urls(args.replica_url)):
+        fleet.add(Replica(f"r{i + 1}", RemoteHandle(url), role=role))
     rollout = Rollout()
     for option, group in ((args.canary, "canary"), (args.shadow, "shadow")):
         if option is None:
@@ -57,8 +97,10 @@ def build_fleet(args: argparse.Namespace, argv: list[str], config: RouterConfig
         else:
             launchers[group] = LocalLauncher(with_model(argv, spec))
         setattr(rollout, f"{group}_percent", percent)
-    env = replica_environment(os.environ, local_replicas(
-        launchers, max(args.replicas, config.autoscale.max_replicas)))
+    most = max(args.replicas, config.autoscale.max_replicas) if not split else \
+        max(args.prefill_replicas, config.prefill_autoscale.max_replicas) + \
+        max(args.decode_replicas, config.decode_autoscale.max_replicas)
+    env = replica_environment(os.environ, local_replicas(launchers, most))
     for launcher in launchers.values():
         if isinstance(launcher, LocalLauncher):
             launcher.env = env
@@ -68,14 +110,21 @@ def build_fleet(args: argparse.Namespace, argv: list[str], config: RouterConfig
 def cmd_route(args: argparse.Namespace, server: ServerConfig, tokens: list[str]) -> None:
     """`tokens`: `ember route`'s own, as typed after the command."""
     check_remote_fleet(tokens)
+    split = check_roles(args, tokens)
     if args.replicas < 0 or (args.replicas == 0 and not args.scale_to_zero_after):
         raise ConfigError("--replicas must be at least 1 (0 needs --scale-to-zero-after)")
     argv = serve_argv(tokens, args.route_only)
     config = router_config(args, server)
     fleet, rollout = build_fleet(args, argv, config)
-    initial = 0 if args.replica_url else args.replicas
-    for _ in range(initial):
-        fleet.start_replica("primary")
+    if args.disagg_min_tokens and not fleet.disaggregated:
+        raise ConfigError("--disagg-min-tokens needs a disaggregated fleet: --prefill-replicas "
+                          "P --decode-replicas D, or --replica-url URL#prefill and URL#decode")
+    initial = {"both": 0 if args.replica_url or split else args.replicas,
+               "prefill": args.prefill_replicas if split else 0,
+               "decode": args.decode_replicas if split else 0}
+    for role, count in initial.items():
+        for _ in range(count):
+            fleet.start_replica("primary", role)
     for group in ("canary", "shadow"):
         if group in fleet.launchers:
             fleet.start_replica(group)
@@ -119,23 +168,43 @@ def assemble(fleet: Fleet, rollout: Rollout, config: RouterConfig,
     """The gateway over `fleet`: its proxy, autoscaler (if the bounds allow scaling) and
     prompt hashing, on block keys for the replicas that serve `tokenizer_model` (the served
     name `tokenizer` is for), on text for the others."""
-    autoscaler: Autoscaler | None = None
-    proxy = Proxy(fleet, lambda group: None)
-    if config.autoscale.enabled and "primary" in fleet.launchers:
-        autoscaler = Autoscaler(fleet, config.autoscale, lambda: proxy.held)
-        proxy.on_demand = autoscaler.on_demand
-        proxy.on_first_byte = autoscaler.note_request
+    proxy = Proxy(fleet, lambda group, roles: None)
+    bounds = (("both", config.autoscale), ("prefill", config.prefill_autoscale),
+              ("decode", config.decode_autoscale))
+    autoscalers = tuple(Autoscaler(fleet, cfg, held_for(fleet, role), role=role)
+                        for role, cfg in bounds if cfg is not None and cfg.enabled
+                        and launcher_name("primary", role) in fleet.launchers)
+    if autoscalers:
+        def on_demand(group: str, roles: tuple[str, ...] | None) -> None:
+            for autoscaler in autoscalers:
+                autoscaler.on_demand(group, roles)
+
+        def on_first_byte(ttft_s: float) -> None:
+            for autoscaler in autoscalers:
+                autoscaler.note_request(ttft_s)
+        proxy.on_demand, proxy.on_first_byte = on_demand, on_first_byte
     else:
-        proxy.on_demand = lambda group: _start_missing(fleet, group)
+        proxy.on_demand = lambda group, roles: _start_missing(fleet, group, roles)
     keys = config.server.tenant_keys() or (
         (ApiKey(config.server.api_key, "default"),) if config.server.api_key else ())
     prompts = PromptKeys(tokenizer, config.server.tenant_keys(), config.prefix.text_chunk_chars,
                          config.session_header)
     fleet.hash_model = tokenizer_model if tokenizer is not None else None
-    return Gateway(fleet, proxy, prompts, rollout, autoscaler, keys,
+    return Gateway(fleet, proxy, prompts, rollout, autoscalers, keys,
                    tenants=bool(config.server.api_keys))
 
 
-def _start_missing(fleet: Fleet, group: str) -> None:
-    if group in fleet.launchers and not fleet.group(group):
-        fleet.start_replica(group)
+def held_for(fleet: Fleet, role: str) -> Callable[[], int]:
+    """The held requests an autoscaler counts: those waiting for its role's replicas (all of
+    them, in an ordinary fleet)."""
+    if role == "both":
+        return lambda: fleet.held
+    return lambda: fleet.held_roles[role]
+
+
+def _start_missing(fleet: Fleet, group: str, roles: tuple[str, ...] | None) -> None:
+    for role in roles or ("both",):
+        if launcher_name(group, role) in fleet.launchers and \
+                not fleet.group(group, roles=None if role == "both" else (role,)):
+            fleet.start_replica(group, role)
+            return

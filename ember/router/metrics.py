@@ -106,4 +106,17 @@ class RouterMetrics:
         self.shadow_latency = Histogram("ember_router_shadow_latency_seconds", "Mirrored "
                                         "requests' latency on the shadow",
                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.disagg_requests = Counter("ember_router_disagg_requests", "Requests of a "
+                                       "disaggregated fleet, by path: prefill_decode (both "
+                                       "stages), prefill_only (the first token ended it), "
+                                       "kept_local (under --disagg-min-tokens), unsupported "
+                                       "(what a transfer cannot carry), fallback (no prefill "
+                                       "replica answered)", ["path"], registry=r)
+        self.disagg_fallbacks = Counter("ember_router_disagg_fallbacks", "Requests sent whole "
+                                        "to a decode replica because the prefill stage failed, "
+                                        "by reason", ["reason"], registry=r)
+        self.disagg_pins_released = Counter("ember_router_disagg_pins_released", "Prefill "
+                                            "replicas' pins the gateway released (its client "
+                                            "left, or no decode replica took the request)",
+                                            registry=r)
         r.register(FleetCollector(snapshot, held))

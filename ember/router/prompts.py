@@ -104,6 +104,20 @@ class PromptKeys:
         ids = head_ids + self.tokenizer.encode(full[len(head):], add_special_tokens=False)
         return extend_keys(list(head_keys), ids, block_size, salt)
 
+    def num_tokens(self, body: CompletionRequest | ChatCompletionRequest) -> int:
+        """The prompt's length in tokens, as the replica counts it; without the tokenizer (or
+        a chat template) estimated from its text at 4 characters a token."""
+        chat = isinstance(body, ChatCompletionRequest)
+        if self.tokenizer is None or (chat and self.template is None):
+            return len(prompt_text(body)) // 4
+        if not chat:
+            first = first_prompt(body)
+            return len(first) if isinstance(first, list) else len(self.tokenizer.encode(first))
+        messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
+        return len(self.tokenizer.encode(self.template.render(messages,
+                                                              body.add_generation_prompt),
+                                         add_special_tokens=False))
+
     def _head(self, text: str, block_size: int, salt: str | None
               ) -> tuple[list[int], list[int]]:
         key = (text, block_size, salt)

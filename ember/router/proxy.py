@@ -11,6 +11,7 @@ A request is held (not refused) while no replica is ready but one is starting or
 started; only a full hold queue or a wait past `hold_timeout_s` answers 503 + Retry-After.
 A request that finds every replica busy (429) and none starting is answered 429 + Retry-After
 at once: the replicas are full, not broken, and the client's retry is the queue.
+`roles` narrows the replicas a request may go to (disaggregated serving, disagg.py).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ HOP_HEADERS = {"content-type", "authorization", "x-request-id"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 RETRYABLE = {429, 500, 502, 503, 504}
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+Roles = tuple[str, ...] | None   # the replica roles a request may go to (None: any)
 
 
 @dataclass
@@ -62,7 +64,7 @@ class Attempt(Exception):
 
 
 class Proxy:
-    def __init__(self, fleet: Fleet, on_demand: Callable[[str], None]) -> None:
+    def __init__(self, fleet: Fleet, on_demand: Callable[[str, Roles], None]) -> None:
         self.fleet = fleet
         self.config = fleet.config
         self.on_demand = on_demand     # asks the autoscaler for a replica of a group now
@@ -73,37 +75,38 @@ class Proxy:
         """Requests waiting for a replica to become ready."""
         return self.fleet.held
 
-    async def acquire(self, group: str, keys: RouteKeys, exclude: set[str], deadline: float
-                      ) -> tuple[Replica, Decision, bool]:
+    async def acquire(self, group: str, keys: RouteKeys, exclude: set[str], deadline: float,
+                      roles: Roles = None) -> tuple[Replica, Decision, bool]:
         """A replica for this try, waiting (bounded) while none is ready; and whether it
         waited."""
         waited = False
         while True:
-            picked = self.fleet.choose(group, keys, exclude) or \
-                self.fleet.choose(group, keys, set())
+            picked = self.fleet.choose(group, keys, exclude, roles) or \
+                self.fleet.choose(group, keys, set(), roles)
             if picked is not None:
                 return picked[0], picked[1], waited
-            if self.fleet.busy(group, time.monotonic()):
+            if self.fleet.busy(group, time.monotonic(), roles):
                 self.fleet.metrics.rejected.labels("replicas_busy").inc()
                 raise Overloaded("every replica's queue is full; retry after the Retry-After "
                                  "seconds, or with backoff")
-            if not self.fleet.can_serve_soon(group):
+            if not self.fleet.can_serve_soon(group, roles):
                 raise Unavailable(self.fleet.failures.get(group)
                                   or "no replica can serve this request now; retry later")
             if self.held >= self.config.max_queue:
                 self.fleet.metrics.rejected.labels("hold_queue_full").inc()
                 raise Unavailable(f"{self.held} requests are already waiting for a replica "
                                   "to start; retry later")
-            self.on_demand(group)
+            self.on_demand(group, roles)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.fleet.metrics.rejected.labels("hold_timeout").inc()
                 raise Unavailable("no replica became ready in time; retry later")
-            await self._hold(remaining)
+            await self._hold(remaining, roles)
             waited = True
 
-    async def _hold(self, remaining: float) -> None:
+    async def _hold(self, remaining: float, roles: Roles) -> None:
         self.fleet.held += 1
+        self.fleet.held_roles.update(roles or ())
         try:
             if self.fleet.ready_event.is_set():
                 await asyncio.sleep(min(0.05, remaining))  # ready, but not for this request
@@ -113,14 +116,16 @@ class Proxy:
             pass
         finally:
             self.fleet.held -= 1
+            self.fleet.held_roles.subtract(roles or ())
 
     async def forward(self, path: str, raw: bytes, headers: dict[str, str], keys: RouteKeys,
                       group: str, stream: bool, arrival: float, tap: Capture | None = None,
-                      on_done: Callable[[], None] | None = None, method: str = "POST"
-                      ) -> Response:
+                      on_done: Callable[[], None] | None = None, method: str = "POST",
+                      roles: Roles = None) -> Response:
         """The replica's answer; `on_done` runs once it has been sent (or failed)."""
         try:
-            upstream = await self.first_byte(path, raw, headers, keys, group, arrival, method)
+            upstream = await self.first_byte(path, raw, headers, keys, group, arrival, method,
+                                             roles)
         except BaseException:
             if tap is not None:
                 tap.close()
@@ -141,8 +146,8 @@ class Proxy:
                              headers=SSE_HEADERS)
 
     async def first_byte(self, path: str, raw: bytes, headers: dict[str, str],
-                         keys: RouteKeys, group: str, arrival: float, method: str = "POST"
-                         ) -> Upstream | Response:
+                         keys: RouteKeys, group: str, arrival: float, method: str = "POST",
+                         roles: Roles = None) -> Upstream | Response:
         deadline = arrival + self.config.hold_timeout_s
         tried: set[str] = set()
         last: Attempt | None = None
@@ -150,7 +155,7 @@ class Proxy:
             if attempt:
                 self.fleet.metrics.retries.labels(last.reason).inc()
                 await asyncio.sleep(random.uniform(0, self.config.backoff_s * 2 ** attempt))
-            replica, _, waited = await self.acquire(group, keys, tried, deadline)
+            replica, _, waited = await self.acquire(group, keys, tried, deadline, roles)
             if attempt == 0 and not waited:  # the gateway's own time, not a cold start's
                 self.fleet.metrics.overhead.observe(time.monotonic() - arrival)
             tried.add(replica.id)

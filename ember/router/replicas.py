@@ -3,7 +3,7 @@
 A replica is one HTTP entry point that serves the OpenAI API (an `ember serve`, or any
 compatible server). The gateway only ever talks to `handle.url`; how the replica runs is the
 handle's business: a local process, a Ray actor, or a server started elsewhere. A later
-prefill/decode pair is one more handle whose url fronts both halves.
+prefill/decode pair is two replicas of the one group, each with its role (disagg.py).
 
     states:  starting -> ready <-> (ejected while failing) -> draining -> stopped
                   \\-> dead (exited; a local or Ray replica is restarted with backoff)
@@ -69,6 +69,7 @@ class Replica:
     id: str
     handle: ReplicaHandle
     group: str = "primary"          # primary | canary | shadow
+    role: str = "both"              # both | prefill | decode (disaggregated serving)
     state: ReplicaState = ReplicaState.STARTING
     started_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None
@@ -102,10 +103,10 @@ class Replica:
     def view(self) -> dict:
         """This replica in GET /fleet."""
         return {"id": self.id, "url": self.url, "pid": self.handle.pid, "group": self.group,
-                "model": self.model_name, "state": self.state.value, "running": self.running,
-                "waiting": self.waiting, "kv_usage": self.kv_usage, "in_flight": self.in_flight,
-                "busy": time.monotonic() < self.busy_until, "restarts": self.restarts,
-                "cold_start": self.cold_start(),
+                "role": self.role, "model": self.model_name, "state": self.state.value,
+                "running": self.running, "waiting": self.waiting, "kv_usage": self.kv_usage,
+                "in_flight": self.in_flight, "busy": time.monotonic() < self.busy_until,
+                "restarts": self.restarts, "cold_start": self.cold_start(),
                 "last_exit": self.last_exit}
 
     def cold_start(self) -> dict:
@@ -202,13 +203,17 @@ def replica_environment(environ: Mapping[str, str], local_replicas: int
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent_pid: int) -> Callable[[], None]:
+def die_with_parent(parent_pid: int, cpus: tuple[int, ...] | None = None
+                    ) -> Callable[[], None]:
     """For Popen's preexec_fn: the child gets SIGTERM when the process that started it dies,
     even of SIGKILL, so a gateway's replicas never outlive it as orphans holding their KV
     cache and cores (Linux's parent-death signal; elsewhere nothing). The signal follows the
     thread that started the child: replicas are started on the gateway's main thread, which
-    lives as long as the process."""
+    lives as long as the process. `cpus`: the cores the child may run on (its torch threads
+    follow its affinity)."""
     def arm() -> None:
+        if cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cpus)
         try:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         except (OSError, AttributeError):   # no prctl here
@@ -224,11 +229,12 @@ class LocalLauncher:
     replicas share the machine). Their output goes to a log file per replica in `log_dir`."""
 
     def __init__(self, serve_args: list[str], host: str = "127.0.0.1",
-                 log_dir: str | None = None) -> None:
+                 log_dir: str | None = None, cpus: tuple[int, ...] | None = None) -> None:
         self.serve_args = list(serve_args)
         self.host = host
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="ember-fleet-")
         self.env: dict[str, str] | None = None
+        self.cpus = cpus        # the cores its replicas run on (None: the gateway's)
 
     def command(self, port: int) -> list[str]:
         return [sys.executable, "-m", "ember.cli", "serve", "--host", self.host,
@@ -240,5 +246,6 @@ class LocalLauncher:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env=self.env, preexec_fn=die_with_parent(os.getpid()))
+                                    env=self.env,
+                                    preexec_fn=die_with_parent(os.getpid(), self.cpus))
         return ProcessHandle(proc, f"http://{self.host}:{port}", log_path)

@@ -65,6 +65,22 @@ def test_chat_sessions_workload_runs_every_turn(live, tmp_path):
     assert all(a < b < c for a, b, c in (sorted(v) for v in by_session.values()))
 
 
+def test_mixed_workload_sends_streams_then_long_prompts(live, tmp_path):
+    out = tmp_path / "mixed.json"
+    assert cli.main(["bench", "serve", "--base-url", live.url + "/v1", "--workload", "mixed",
+                     "--streams", "3", "--input-len", "fixed:12", "--stream-output-len", "10",
+                     "--long-prompts", "2", "--long-len", "200", "--long-every", "0.2",
+                     "--long-output-len", "2", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["completed"] == 5 and summary["output_tokens"] == 3 * 10 + 2 * 2
+    assert {k: v["completed"] for k, v in summary["by_kind"].items()} == \
+        {"stream": 3, "long": 2}
+    rows = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    longs = sorted(r["start"] for r in rows if r["kind"] == "long")
+    assert longs[0] >= 0.2 - 1e-3 and longs[1] >= 0.4 - 1e-3
+    assert all(abs(r["prompt_tokens"] - 200) <= 30 for r in rows if r["kind"] == "long")
+
+
 def test_offline_bench_writes_its_figures(tiny_llama_dir, tmp_path):
     folder, _ = tiny_llama_dir
     out = tmp_path / "offline.json"

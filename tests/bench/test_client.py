@@ -216,3 +216,23 @@ def test_a_server_that_drops_kept_alive_connections_loses_no_request():
     records = asyncio.run(main())
     assert [r.error for r in records] == [None, None, None], [r.error_message for r in records]
     assert [len(r.chunk_times) for r in records] == [3, 3, 3] and served == [0, 1, 2]
+
+
+def test_a_fixed_schedule_sends_each_request_at_its_time_and_reports_kinds():
+    """Requests with `at_s` go out on that schedule (real clock: only the order and the lower
+    bound are checked), whatever concurrency says; each kind is summarized apart."""
+    import time
+    server = ScriptedServer(FakeClock(), [{"ttft": 0.0, "gaps": [0.0], "tokens": 2}] * 5)
+    requests = [BenchRequest(index=i, max_tokens=2, prompt="p", at_s=at, kind=kind)
+                for i, (at, kind) in enumerate([(0.0, "stream"), (0.0, "stream"),
+                                                (0.1, "long"), (0.05, "long"),
+                                                (0.0, "stream")])]
+    config = LoadConfig(base_url="http://fake/v1", concurrency=1)
+    runner = Runner(config, clock=time.perf_counter, post=server.post)
+    records = asyncio.run(runner.run(requests))
+    assert [r.index for r in records] == [0, 1, 4, 3, 2]
+    for r in records:
+        assert r.start >= requests[r.index].at_s - 1e-3
+    by_kind = summarize(records)["by_kind"]
+    assert {k: v["completed"] for k, v in by_kind.items()} == {"long": 2, "stream": 3}
+    assert by_kind["stream"]["output_tokens"] == 6

@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 
 from ember.bench.workloads import (LengthDist, PromptMaker, chat_sessions, default_corpus,
-                                   from_jsonl, local_tokenizer, multi_tenant, shared_prefix,
-                                   synthetic)
+                                   from_jsonl, local_tokenizer, mixed, multi_tenant,
+                                   shared_prefix, synthetic)
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +93,18 @@ def test_chat_sessions_and_jsonl(tokenizer, tmp_path):
     reqs = from_jsonl(path, LengthDist.parse("fixed:9"), rng, chat=False)
     assert (reqs[0].prompt, reqs[0].max_tokens) == ("hi", 5)
     assert reqs[1].messages[0]["content"] == "yo" and reqs[1].max_tokens == 9
+
+
+def test_mixed_streams_at_once_then_long_prompts_on_a_schedule(tokenizer):
+    encode, _ = tokenizer
+
+    def build(seed):
+        return mixed(maker(tokenizer, seed), 16, LengthDist.parse("fixed:40"), 256, 3, 600,
+                     2.0, 8, random.Random(seed), chat=True)
+    a = build(5)
+    assert [(r.kind, r.at_s, r.max_tokens) for r in a] == \
+        [("stream", 0.0, 256)] * 16 + [("long", 2.0, 8), ("long", 4.0, 8), ("long", 6.0, 8)]
+    assert all(abs(len(encode(r.messages[0]["content"])) - r.target_prompt_tokens) <= 2
+               for r in a)
+    assert [r.messages for r in a] == [r.messages for r in build(5)]
+    assert [r.messages for r in a] != [r.messages for r in build(6)]

@@ -22,16 +22,19 @@ class LiveGateway(ThreadedServer):
     def __init__(self, urls: dict[str, str], model: str | None = None,
                  launchers: dict[str, Launcher] | None = None, rollout: Rollout | None = None,
                  tokenizer: str | None = None, default_tokenizer: bool = False,
-                 num_started: int = 0, **options) -> None:
+                 num_started: int = 0, roles: dict[str, str] | None = None,
+                 **options) -> None:
         """`model`, `tokenizer`: as `ember route --model/--tokenizer` (neither: no tokenizer,
         unless `default_tokenizer`, which loads the default model's as `ember route` does).
         `num_started` primary replicas are started by the launcher before the gateway serves,
-        as `ember route --replicas N` does."""
+        as `ember route --replicas N` does. `roles`: replica id -> its role, as
+        `--replica-url URL#prefill` gives it (default: both)."""
         self.config = RouterConfig(**(FAST | options))
         self.fleet = Fleet(self.config, launchers or {})
         for replica_id, url in urls.items():
             group = "primary" if replica_id.startswith("r") else replica_id.rstrip("0123456789")
-            self.fleet.add(Replica(replica_id, RemoteHandle(url), group))
+            self.fleet.add(Replica(replica_id, RemoteHandle(url), group,
+                                   (roles or {}).get(replica_id, "both")))
         for _ in range(num_started):
             self.fleet.start_replica("primary")
         hashing = route_tokenizer(model, tokenizer, None) \

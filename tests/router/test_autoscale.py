@@ -77,3 +77,27 @@ def test_loop_scales_up_after_its_delay_and_drains_down_to_zero():
         assert fleet.metrics.scale_events.labels("up")._value.get() == 2
         assert fleet.metrics.scale_events.labels("down")._value.get() == 2
     asyncio.run(run())
+
+
+def test_each_role_scales_its_own_replicas():
+    """A disaggregated fleet: each role's autoscaler counts only its replicas and the requests
+    held for them, and starts replicas of its role only."""
+    async def run() -> None:
+        cfg = AutoscaleConfig(min_replicas=1, max_replicas=3, target_ongoing=2, look_back_s=1,
+                              scale_up_delay_s=0, scale_down_delay_s=0)
+        launchers = {"prefill": FakeLauncher(), "decode": FakeLauncher()}
+        fleet = Fleet(RouterConfig(), launchers)
+        for role in ("prefill", "decode"):
+            fleet.start_replica("primary", role).state = ReplicaState.READY
+        scalers = [Autoscaler(fleet, cfg, held=lambda role=role: fleet.held_roles[role],
+                              role=role) for role in ("prefill", "decode")]
+        fleet.group("primary", roles=("decode",))[0].in_flight = 4
+        fleet.held_roles["decode"] = 2                   # waiting for a decode replica
+        for scaler in scalers:
+            scaler.step(1.0)
+        assert (len(launchers["prefill"].started), len(launchers["decode"].started)) == (1, 2)
+        assert sorted(r.role for r in fleet.replicas.values()) == \
+            ["decode", "decode", "prefill"]
+        scalers[0].on_demand("primary", ("decode", "both"))   # not its role: nothing
+        assert len(launchers["prefill"].started) == 1
+    asyncio.run(run())

@@ -67,3 +67,18 @@ def test_a_local_launcher_starts_its_replicas_with_that_environment(tmp_path):
     printed = (tmp_path / "p1.log").read_text().splitlines()
     assert "OMP_WAIT_POLICY=passive" in printed
     assert LocalLauncher(["--help"], log_dir=str(tmp_path)).env is None
+
+
+def test_a_disaggregated_fleet_starts_each_role_on_its_own_cores(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    fleet, _ = route_fleet("--prefill-replicas", "1", "--decode-replicas", "3")
+    prefill, decode = fleet.launchers["prefill"], fleet.launchers["decode"]
+    assert set(fleet.launchers) == {"prefill", "decode"}
+    assert prefill.serve_args == ["--model", "m.gguf", "--role", "prefill"]
+    assert decode.serve_args == ["--model", "m.gguf", "--role", "decode"]
+    assert (prefill.cpus, decode.cpus) == ((0,), (1, 2, 3))
+    assert all(launcher.env["OMP_WAIT_POLICY"] == "passive" for launcher in (prefill, decode))
+    fleet, _ = route_fleet("--prefill-replicas", "1", "--decode-replicas", "1",
+                           "--cpu-bind", "2")                  # the user's binding is kept
+    assert fleet.launchers["prefill"].cpus is None

@@ -41,6 +41,10 @@ def route_and_serve(tokens: list[str]) -> tuple[list[str], dict, dict]:
       "m.gguf", "--canary", "new.gguf:10", "--ttft-slo", "2"],
      ["--model", "m.gguf"]),
     (["--ray", "10.0.0.1:6379", "--kv-cache-gib", "0.5"], ["--kv-cache-gib", "0.5"]),
+    # a disaggregated fleet's sizes stay with the gateway; the transfer options go on
+    (["--prefill-replicas", "1", "--decode-replicas", "2", "--disagg-min-tokens", "256",
+      "--kv-transport", "http", "--max-decode-replicas", "3", "--kv-pin-seconds=5"],
+     ["--kv-transport", "http", "--kv-pin-seconds=5"]),
 ])
 def test_replicas_get_the_users_serve_tokens_verbatim(tokens, forwarded):
     argv, routed, served = route_and_serve(tokens)
