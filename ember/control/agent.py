@@ -51,6 +51,7 @@ class PlaneAgent:
     control_url: str
     heartbeat_s: float = 1.0
     host: str = "127.0.0.1"
+    token: str | None = None        # the control plane's plane token, sent as a bearer
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="ember-plane-"))
     fleets: dict[str, LocalFleet] = field(default_factory=dict)
     replacing: dict[str, LocalFleet] = field(default_factory=dict)   # the next, starting
@@ -75,11 +76,12 @@ class PlaneAgent:
         await self.probe(session)
         try:
             async with session.post(self.control_url + "/control/planes",
-                                    json=self.heartbeat_body(),
+                                    json=self.heartbeat_body(), headers=self.auth(),
                                     timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 reply = await resp.json()
                 if resp.status != 200:
-                    log.warning("the control plane refused the heartbeat: %s", reply)
+                    log.warning("the control plane refused the heartbeat (%d): %s",
+                                resp.status, reply.get("error", {}).get("message", reply))
                     return
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             # fleets keep serving while the control plane is away
@@ -87,6 +89,9 @@ class PlaneAgent:
                         self.control_url, e)
             return
         await self.reconcile(reply["fleets"])
+
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     async def reconcile(self, desired: list[dict]) -> None:
         wanted = {d["deployment"]: d for d in desired}

@@ -1,7 +1,8 @@
 """create_control_app(controller): the control plane's HTTP face and the global endpoint.
 
     POST /control/planes          a plane's heartbeat (its first registers it): its capacity,
-                                  load and fleets in; its desired fleets out
+                                  load and fleets in; its desired fleets out (with tenants'
+                                  keys, so it needs the plane token when one is set)
     GET  /control                 planes, deployments with their placement, recent events
     POST /v1/chat/completions,    the tenant's key -> its regions -> routing.candidates ->
          /v1/completions          forwarded to that plane's fleet; retried on the next
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,7 +32,8 @@ from ember.control.routing import PlaneView, candidates
 from ember.errors import ConfigError, InvalidRequest
 from ember.router.proxy import (HOP_HEADERS, SSE_HEADERS, Attempt, kept_headers, read_first,
                                 relay_stream)
-from ember.server.errors import Unavailable, error_body, install_error_handlers, read_body
+from ember.server.errors import (Unauthorized, Unavailable, error_body, install_error_handlers,
+                                 read_body)
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from ember.server.tenants import match_key
 
@@ -38,7 +41,9 @@ REGION_HEADER = "x-ember-region"
 
 
 def create_control_app(ctl: Controller, check_every_s: float = 0.5,
-                       server: ServerConfig | None = None) -> FastAPI:
+                       server: ServerConfig | None = None, plane_token: str | None = None
+                       ) -> FastAPI:
+    """`plane_token`: the secret a heartbeat must carry as its bearer token (None: any)."""
     server = server or ServerConfig()
     session: dict[str, aiohttp.ClientSession] = {}
 
@@ -57,6 +62,7 @@ def create_control_app(ctl: Controller, check_every_s: float = 0.5,
 
     @app.post("/control/planes")
     async def heartbeat(request: Request) -> JSONResponse:
+        _check_plane_token(request, plane_token)
         plane, fleets, load = _parse_heartbeat(await read_body(request, server.max_body_bytes))
         return JSONResponse({"fleets": ctl.heard(plane, fleets, load)})
 
@@ -92,6 +98,17 @@ async def _monitor(ctl: Controller, every_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
         ctl.check()
+
+
+def _check_plane_token(request: Request, token: str | None) -> None:
+    """A heartbeat's reply carries tenants' keys: only a plane holding the token gets one."""
+    if token is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+        raise Unauthorized("missing or wrong plane token; start `ember plane` with "
+                           "--token-file FILE holding the secret in `ember control "
+                           "--plane-token-file`")
 
 
 def _parse_heartbeat(raw: bytes) -> tuple[Plane, list[FleetReport], float]:
