@@ -23,6 +23,7 @@ from ember.config import ApiKey
 from ember.errors import Overloaded
 from ember.router.autoscale import Autoscaler
 from ember.router.fleet import Fleet, RouteKeys
+from ember.router.metrics import ANONYMOUS
 from ember.router.prompts import PromptKeys
 from ember.router.proxy import CLIENT_CLOSED_REQUEST, HOP_HEADERS, Proxy
 from ember.router.replicas import ReplicaState
@@ -113,13 +114,15 @@ def create_gateway(gw: Gateway) -> FastAPI:
     async def passthrough(request: Request) -> Response:
         raw = await read_request(gw, request)
         return await gw.proxy.forward(request.url.path, raw, forwarded(request), NO_KEYS,
-                                      "primary", False, time.monotonic())
+                                      "primary", False, time.monotonic(),
+                                      tenant=tenant_name(request))
 
     @app.get("/v1/models", dependencies=[Depends(guard)])
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(guard)])
     async def models(request: Request) -> Response:
         return await gw.proxy.forward(request.url.path, b"", forwarded(request), NO_KEYS,
-                                      "primary", False, time.monotonic(), method="GET")
+                                      "primary", False, time.monotonic(), method="GET",
+                                      tenant=tenant_name(request))
 
     @app.post("/v1/embeddings", dependencies=[Depends(guard)])
     async def embeddings(request: Request) -> Response:
@@ -230,8 +233,15 @@ async def read_request(gw: Gateway, request: Request) -> bytes:
     try:
         return await read_body(request, gw.fleet.config.server.max_body_bytes)
     except ClientDisconnected:
-        gw.fleet.metrics.requests.labels("none", str(CLIENT_CLOSED_REQUEST)).inc()
+        gw.fleet.metrics.requests.labels("none", str(CLIENT_CLOSED_REQUEST),
+                                         tenant_name(request)).inc()
         raise
+
+
+def tenant_name(request: Request) -> str:
+    """The tenant the request's key named (set by the guard), or anonymous."""
+    tenant = getattr(request.state, "tenant", None)
+    return tenant.tenant if tenant is not None else ANONYMOUS
 
 
 def forwarded(request: Request) -> dict[str, str]:
@@ -242,8 +252,8 @@ async def route(gw: Gateway, request: Request, model: type, path: str) -> Respon
     """Validate (as the replica would), hash, pick, forward."""
     arrival = time.monotonic()
     server = gw.fleet.config.server
-    if request.state.tenant is not None:   # where each tenant's inputs were processed
-        gw.fleet.metrics.tenant_requests.labels(request.state.tenant.tenant).inc()
+    tenant = tenant_name(request)
+    gw.fleet.metrics.tenant_requests.labels(tenant).inc()   # where its inputs were processed
     raw = await read_request(gw, request)
     body = parse_body(raw, model, server.max_json_depth, server.max_n)
     embedding = isinstance(body, EmbeddingRequest)
@@ -275,7 +285,7 @@ async def route(gw: Gateway, request: Request, model: type, path: str) -> Respon
         # leaving aborts it there; a stream after its first byte stops with its relay
         return await unless_disconnected(request, gw.proxy.forward(
             path, raw, headers, keys, gw.rollout.group_for(gw.fleet),
-            not embedding and body.stream, arrival, capture, on_done=gw.left))
+            not embedding and body.stream, arrival, capture, on_done=gw.left, tenant=tenant))
     except BaseException:
         gw.left()
         raise
