@@ -29,8 +29,8 @@ from ember.router.proxy import CLIENT_CLOSED_REQUEST, HOP_HEADERS, Proxy
 from ember.router.replicas import ReplicaState
 from ember.router.rollout import Capture, Rollout
 from ember.server.disconnect import unless_disconnected
-from ember.server.errors import (ClientDisconnected, error_body, install_error_handlers,
-                                 read_body)
+from ember.server.errors import (ClientDisconnected, Unauthorized, error_body,
+                                 install_error_handlers, read_body)
 from ember.server.protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
                                    LoadLoraAdapterRequest, UnloadLoraAdapterRequest, parse_body)
 from ember.server.tenants import match_key
@@ -62,7 +62,11 @@ class Gateway:
     def check_key(self, request: Request) -> ApiKey | None:
         if not self.keys:
             return None
-        key = match_key(request.headers.get("authorization", ""), self.keys)
+        try:
+            key = match_key(request.headers.get("authorization", ""), self.keys)
+        except Unauthorized:   # counted: a plane sees a key it was not given sent to it
+            self.fleet.metrics.rejected.labels("unauthorized").inc()
+            raise
         return key if self.tenants else None
 
     def left(self) -> None:

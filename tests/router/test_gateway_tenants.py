@@ -26,6 +26,7 @@ def test_requests_are_counted_under_the_tenant_their_key_names():
         statuses = [ask(gw, key) for key in ("sk-acme", "sk-globex", "sk-acme", "sk-acme")]
         assert statuses == [200] * 4
         assert ask(gw, "sk-nobody") == 401 and ask(gw, None) == 401
+        assert gw.metric('ember_router_rejected_total{reason="unauthorized"}') == 2
         assert replica.hits == 4
         for tenant, count in (("acme", 3), ("globex", 1)):
             assert gw.metric(f'ember_router_requests_total{{replica="r1",status="200",'
