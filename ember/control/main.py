@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import ipaddress
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from ember.errors import ConfigError
@@ -27,8 +28,14 @@ def add_control_parsers(sub: argparse._SubParsersAction) -> None:
                            "control plane and runs the `ember route` fleets it assigns")
     plane.add_argument("--name", required=True)
     plane.add_argument("--region", required=True)
-    plane.add_argument("--cores", type=int, required=True)
-    plane.add_argument("--memory-gib", type=float, required=True)
+    plane.add_argument("--cores", type=int,
+                       help="cores its fleets may use (with --ray: default the cluster's)")
+    plane.add_argument("--memory-gib", type=float,
+                       help="memory its fleets may use (with --ray: default the cluster's)")
+    plane.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                       help="run its fleets' replicas as actors on the Ray cluster at "
+                            "ADDRESS (default: the one `ray start` set up, else a local "
+                            "one), and report that cluster's capacity")
     plane.add_argument("--cost-per-hour", type=float, default=1.0)
     plane.add_argument("--spot", action="store_true",
                        help="capacity that can be taken back: only deployments with "
@@ -63,14 +70,37 @@ def cmd_plane(args: argparse.Namespace) -> None:
     from ember.control.placement import Plane
     if args.heartbeat <= 0:
         raise ConfigError("--heartbeat must be > 0 seconds; try 1")
-    plane = Plane(args.name, args.region, args.cores, round(1024 * args.memory_gib),
-                  args.cost_per_hour, args.spot)
+    ray_address, capacity = None, None
+    if args.ray is not None:    # ray loads only when asked for
+        from ember.router.ray_replicas import connect
+        ray_address = connect(None if args.ray == "auto" else args.ray)
+        capacity = ray_capacity(args.cores, args.memory_gib)
+    cores, memory_mib = capacity() if capacity else given_capacity(args.cores,
+                                                                   args.memory_gib, None)
+    plane = Plane(args.name, args.region, cores, memory_mib, args.cost_per_hour, args.spot)
     token = read_token(args.token_file, "--token-file") if args.token_file else None
     agent = PlaneAgent(plane, args.control.rstrip("/"), args.heartbeat, args.host,
-                       token=token)
+                       token=token, ray=ray_address, capacity=capacity)
     print(f"ember: plane {plane.name} ({plane.region}) reporting to {agent.control_url}; "
           f"fleet logs in {agent.log_dir}", file=sys.stderr, flush=True)
     asyncio.run(agent.run())
+
+
+def given_capacity(cores: int | None, memory_gib: float | None,
+                   cluster: tuple[int, int] | None) -> tuple[int, int]:
+    """(cores, memory MiB): the flags where given, else the Ray cluster's (cores, MiB)."""
+    if cluster is None and (cores is None or memory_gib is None):
+        raise ConfigError("give the plane's --cores and --memory-gib, or --ray ADDRESS to "
+                          "read them from a Ray cluster")
+    return (cores if cores is not None else cluster[0],
+            round(1024 * memory_gib) if memory_gib is not None else cluster[1])
+
+
+def ray_capacity(cores: int | None, memory_gib: float | None
+                 ) -> Callable[[], tuple[int, int]]:
+    """The plane's capacity as the joined Ray cluster has it now, the flags given winning."""
+    from ember.router.ray_replicas import cluster_capacity
+    return lambda: given_capacity(cores, memory_gib, cluster_capacity())
 
 
 def plane_token(host: str, token_file: str | None) -> str | None:

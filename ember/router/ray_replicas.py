@@ -112,8 +112,7 @@ class RayLauncher:
 
     def __init__(self, serve_args: list[str], address: str | None = None) -> None:
         self.serve_args = list(serve_args)
-        if not ray.is_initialized():
-            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+        connect(address)
 
     def start(self, replica_id: str) -> RayHandle:
         """The actor is asked for; Ray places and starts it in the background (minutes, on a
@@ -121,3 +120,18 @@ class RayLauncher:
         env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
         return RayHandle(ReplicaActor.options(runtime_env={"env_vars": env}).remote(
             self.serve_args))
+
+
+def connect(address: str | None) -> str:
+    """Joins the Ray cluster at `address` (None: the one `ray start` set up on this machine,
+    else a new local one) once per process; its GCS address, which others can join."""
+    if not ray.is_initialized():
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    return ray.get_runtime_context().gcs_address
+
+
+def cluster_capacity() -> tuple[int, int]:
+    """The joined cluster's CPUs and memory for tasks (MiB), as Ray counts them now (nodes
+    join and leave)."""
+    total = ray.cluster_resources()
+    return int(total.get("CPU", 0)), int(total.get("memory", 0)) // 2**20
