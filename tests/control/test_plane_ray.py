@@ -59,6 +59,10 @@ replicas = 2
 cores = 1
 memory_gib = 1
 serve_args = ["--simulate", "{profile}", "--kv-cache-gib", "{kv}"]
+
+[[tenant]]
+name = "acme"
+keys = ["sk-acme"]
 """
 
 
@@ -100,7 +104,9 @@ def test_a_plane_in_front_of_a_ray_cluster(tmp_path, smollm_path):
         assert capacity["cores"] == 3
         assert capacity["memory_mib"] == int(ray.cluster_resources()["memory"]) // 2**20
         assert ray.available_resources().get("CPU", 0) == 1    # 2 replicas' actors
-        r = httpx.post(url + "/v1/completions", timeout=60, json={
+        # the fleet's replicas got the plane's keys file as text (shipped with the actor)
+        r = httpx.post(url + "/v1/completions", timeout=60, headers={
+            "Authorization": "Bearer sk-acme"}, json={
             "model": profile.model_name, "prompt": "Hello", "max_tokens": 4})
         assert r.status_code == 200, r.text
     finally:
