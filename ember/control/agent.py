@@ -9,6 +9,9 @@ for (it pulls its work: the control plane never calls it).
     a fleet's process exited                            -> forgotten; started again if listed
 
 A plane keeps nothing across a restart; its fleets die with it (their parent-death signal).
+In front of a Ray cluster (`ray`), each fleet is `ember route --ray ADDRESS`: its gateway runs
+here and its replicas are Ray actors, and the plane's capacity is re-read from the cluster
+on each heartbeat (`capacity`).
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
@@ -51,6 +55,9 @@ class PlaneAgent:
     control_url: str
     heartbeat_s: float = 1.0
     host: str = "127.0.0.1"
+    token: str | None = None        # the control plane's plane token, sent as a bearer
+    ray: str | None = None          # the Ray cluster (GCS address) its fleets' replicas join
+    capacity: Callable[[], tuple[int, int]] | None = None   # (cores, memory MiB) now
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="ember-plane-"))
     fleets: dict[str, LocalFleet] = field(default_factory=dict)
     replacing: dict[str, LocalFleet] = field(default_factory=dict)   # the next, starting
@@ -73,13 +80,16 @@ class PlaneAgent:
 
     async def tick(self, session: aiohttp.ClientSession) -> None:
         await self.probe(session)
+        if self.capacity is not None:
+            await self.refresh_capacity()
         try:
             async with session.post(self.control_url + "/control/planes",
-                                    json=self.heartbeat_body(),
+                                    json=self.heartbeat_body(), headers=self.auth(),
                                     timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 reply = await resp.json()
                 if resp.status != 200:
-                    log.warning("the control plane refused the heartbeat: %s", reply)
+                    log.warning("the control plane refused the heartbeat (%d): %s",
+                                resp.status, reply.get("error", {}).get("message", reply))
                     return
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             # fleets keep serving while the control plane is away
@@ -87,6 +97,18 @@ class PlaneAgent:
                         self.control_url, e)
             return
         await self.reconcile(reply["fleets"])
+
+    async def refresh_capacity(self) -> None:
+        try:
+            cores, memory_mib = await asyncio.to_thread(self.capacity)
+        except Exception as e:   # Ray's errors share no base class; keep the last
+            log.warning("could not read the Ray cluster's capacity (%s); reporting the last",
+                        e)
+            return
+        self.plane = replace(self.plane, cores=cores, memory_mib=memory_mib)
+
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     async def reconcile(self, desired: list[dict]) -> None:
         wanted = {d["deployment"]: d for d in desired}
@@ -126,15 +148,13 @@ class PlaneAgent:
         agent's main thread, so the parent-death signal ties the fleet to the agent."""
         port = free_port(self.host)
         name = spec["deployment"]
-        argv = [sys.executable, "-m", "ember.cli", "route", "--host", self.host,
-                "--port", str(port), "--replicas", str(spec["replicas"]),
-                *spec["serve_args"]]
+        keys_path = None
         if spec.get("api_keys"):
             keys_path = os.path.join(self.log_dir, f"{name}-{port}.keys")
             with open(os.open(keys_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
                       "w") as f:
                 f.write("\n".join(spec["api_keys"]) + "\n")
-            argv += ["--api-keys", keys_path]
+        argv = fleet_argv(spec, self.host, port, self.ray, keys_path)
         log_path = os.path.join(self.log_dir, f"{name}-{port}.log")
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
@@ -150,6 +170,20 @@ class PlaneAgent:
         for f in fleets:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(f.handle.proc.wait, 30)
+
+
+def fleet_argv(spec: dict, host: str, port: int, ray: str | None, keys_path: str | None
+               ) -> list[str]:
+    """The `ember route` command of one desired fleet: on `ray`, its replicas are actors
+    there (each `ember serve SERVE_ARGS`), else local processes."""
+    argv = [sys.executable, "-m", "ember.cli", "route", "--host", host, "--port", str(port),
+            "--replicas", str(spec["replicas"])]
+    if ray is not None:
+        argv += ["--ray", ray]
+    argv += spec["serve_args"]
+    if keys_path is not None:
+        argv += ["--api-keys", keys_path]
+    return argv
 
 
 async def _ready(session: aiohttp.ClientSession, url: str) -> bool:

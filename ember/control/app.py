@@ -1,19 +1,22 @@
 """create_control_app(controller): the control plane's HTTP face and the global endpoint.
 
     POST /control/planes          a plane's heartbeat (its first registers it): its capacity,
-                                  load and fleets in; its desired fleets out
+                                  load and fleets in; its desired fleets out (with tenants'
+                                  keys, so it needs the plane token when one is set)
     GET  /control                 planes, deployments with their placement, recent events
     POST /v1/chat/completions,    the tenant's key -> its regions -> routing.candidates ->
          /v1/completions          forwarded to that plane's fleet; retried on the next
                                   candidate before the first byte, never outside the list
-    GET  /v1/models               the deployments' models
+    GET  /v1/models[/ID]          the models of the deployments the key's tenant may use
     GET  /health
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -25,12 +28,13 @@ from starlette.responses import StreamingResponse
 from ember.config import ServerConfig
 from ember.control.config import Tenant
 from ember.control.controller import Controller, FleetReport
-from ember.control.placement import Plane
+from ember.control.placement import Deployment, Plane
 from ember.control.routing import PlaneView, candidates
 from ember.errors import ConfigError, InvalidRequest
 from ember.router.proxy import (HOP_HEADERS, SSE_HEADERS, Attempt, kept_headers, read_first,
                                 relay_stream)
-from ember.server.errors import Unavailable, error_body, install_error_handlers, read_body
+from ember.server.errors import (NotFound, Unauthorized, Unavailable, error_body,
+                                 install_error_handlers, read_body)
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from ember.server.tenants import match_key
 
@@ -38,7 +42,9 @@ REGION_HEADER = "x-ember-region"
 
 
 def create_control_app(ctl: Controller, check_every_s: float = 0.5,
-                       server: ServerConfig | None = None) -> FastAPI:
+                       server: ServerConfig | None = None, plane_token: str | None = None
+                       ) -> FastAPI:
+    """`plane_token`: the secret a heartbeat must carry as its bearer token (None: any)."""
     server = server or ServerConfig()
     session: dict[str, aiohttp.ClientSession] = {}
 
@@ -57,6 +63,7 @@ def create_control_app(ctl: Controller, check_every_s: float = 0.5,
 
     @app.post("/control/planes")
     async def heartbeat(request: Request) -> JSONResponse:
+        _check_plane_token(request, plane_token)
         plane, fleets, load = _parse_heartbeat(await read_body(request, server.max_body_bytes))
         return JSONResponse({"fleets": ctl.heard(plane, fleets, load)})
 
@@ -68,12 +75,20 @@ def create_control_app(ctl: Controller, check_every_s: float = 0.5,
     async def health() -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
+    created = int(time.time())
+
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        _tenant(ctl, request)
-        names = sorted({d.model for d in ctl.config.deployments})
-        return JSONResponse({"object": "list", "data": [
-            {"id": n, "object": "model", "owned_by": "ember"} for n in names]})
+        names = tenant_models(ctl.config.deployments, _tenant(ctl, request))
+        return JSONResponse({"object": "list",
+                             "data": [_model_card(n, created) for n in names]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> JSONResponse:
+        if model_id not in tenant_models(ctl.config.deployments, _tenant(ctl, request)):
+            raise NotFound(f"model {model_id!r} is not deployed where this key's requests "
+                           "may be served; see /v1/models")
+        return JSONResponse(_model_card(model_id, created))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -92,6 +107,17 @@ async def _monitor(ctl: Controller, every_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
         ctl.check()
+
+
+def _check_plane_token(request: Request, token: str | None) -> None:
+    """A heartbeat's reply carries tenants' keys: only a plane holding the token gets one."""
+    if token is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+        raise Unauthorized("missing or wrong plane token; start `ember plane` with "
+                           "--token-file FILE holding the secret in `ember control "
+                           "--plane-token-file`")
 
 
 def _parse_heartbeat(raw: bytes) -> tuple[Plane, list[FleetReport], float]:
@@ -116,6 +142,18 @@ def _tenant(ctl: Controller, request: Request) -> Tenant | None:
         return None
     key = match_key(request.headers.get("authorization", ""), ctl.config.keys)
     return ctl.config.tenants[key.tenant]
+
+
+def tenant_models(deployments: tuple[Deployment, ...], tenant: Tenant | None) -> list[str]:
+    """The models a tenant may ask for: those of the deployments allowed in one of its
+    regions (every deployment's without tenants)."""
+    regions = set(tenant.regions) if tenant is not None else set()
+    return sorted({d.model for d in deployments
+                   if not regions or not d.regions or regions & set(d.regions)})
+
+
+def _model_card(model: str, created: int) -> dict:
+    return {"id": model, "object": "model", "created": created, "owned_by": "ember"}
 
 
 def choose(ctl: Controller, model: str, tenant: Tenant | None, client_region: str | None

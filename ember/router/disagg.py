@@ -30,7 +30,7 @@ from starlette.responses import StreamingResponse
 
 from ember.errors import EmberError
 from ember.router.fleet import RouteKeys
-from ember.router.metrics import RouterMetrics
+from ember.router.metrics import ANONYMOUS, RouterMetrics
 from ember.router.proxy import SSE_HEADERS, Attempt, Proxy, Relay, Roles, Upstream
 from ember.server.errors import error_body
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -83,6 +83,7 @@ class Split:
     on_done: Callable[[], None]
     # runs a coroutine no request awaits (the gateway's in_background)
     background: Callable[[Coroutine], object]
+    tenant: str = ANONYMOUS   # the key's tenant: each stage's answer is counted under it
 
     @property
     def metrics(self) -> RouterMetrics:
@@ -121,7 +122,8 @@ class Split:
         try:
             return await self.proxy.forward(self.path, self.raw, self.headers, self.keys,
                                             "primary", self.stream, self.arrival,
-                                            on_done=self.on_done, roles=WHOLE)
+                                            on_done=self.on_done, roles=WHOLE,
+                                            tenant=self.tenant)
         except BaseException:
             self.on_done()
             raise
@@ -149,7 +151,7 @@ class Split:
                 reason = "prefill_busy" if failed.status == 429 else "prefill_failed"
                 continue
             except BaseException:   # the client left: the replica was hung up on
-                self.proxy._done(replica, 499)
+                self.proxy._done(replica, 499, self.tenant)
                 raise
             return self._prefill_answer(upstream)
         self.metrics.disagg_fallbacks.labels(reason).inc()
@@ -158,7 +160,7 @@ class Split:
 
     def _prefill_answer(self, upstream: Upstream) -> dict | Response:
         status = upstream.response.status
-        self.proxy._done(upstream.replica, status)
+        self.proxy._done(upstream.replica, status, self.tenant)
         if status != 200:
             return Response(upstream.first, status_code=status,
                             media_type=upstream.response.content_type)
@@ -169,7 +171,7 @@ class Split:
         try:
             resp = await self.proxy.forward(self.path, raw, self.headers, self.keys, "primary",
                                             False, self.arrival, on_done=self.on_done,
-                                            roles=DECODE)
+                                            roles=DECODE, tenant=self.tenant)
         except BaseException:
             self.on_done()
             self.release(params)
@@ -194,7 +196,8 @@ class Split:
             yield _event(_first_chunk(first, self.chat, self.include_usage))
             try:
                 upstream = await self.proxy.first_byte(self.path, raw, self.headers, self.keys,
-                                                       "primary", self.arrival, roles=DECODE)
+                                                       "primary", self.arrival, roles=DECODE,
+                                                       tenant=self.tenant)
             except EmberError as e:    # no decode replica now (busy, none startable)
                 yield _error_event(e.http_status, str(e))
                 return
@@ -203,7 +206,7 @@ class Split:
                                    "retry")
                 return
             answered = True
-            relay = Relay(self.proxy, upstream, None, None)
+            relay = Relay(self.proxy, upstream, None, None, self.tenant)
             if upstream.response.content_type != "text/event-stream":  # its error, whole
                 relay.status = upstream.response.status
                 yield b"data: " + upstream.first + b"\n\ndata: [DONE]\n\n"

@@ -24,13 +24,14 @@ from ember.errors import Overloaded
 from ember.router.autoscale import Autoscaler
 from ember.router.disagg import WHOLE, Split, unsupported
 from ember.router.fleet import Fleet, RouteKeys
+from ember.router.metrics import ANONYMOUS
 from ember.router.prompts import PromptKeys
 from ember.router.proxy import CLIENT_CLOSED_REQUEST, HOP_HEADERS, Proxy
 from ember.router.replicas import ReplicaState
 from ember.router.rollout import Capture, Rollout
 from ember.server.disconnect import unless_disconnected
-from ember.server.errors import (ClientDisconnected, error_body, install_error_handlers,
-                                 read_body)
+from ember.server.errors import (ClientDisconnected, Unauthorized, error_body,
+                                 install_error_handlers, read_body)
 from ember.server.protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
                                    LoadLoraAdapterRequest, UnloadLoraAdapterRequest, parse_body)
 from ember.server.tenants import match_key
@@ -62,7 +63,11 @@ class Gateway:
     def check_key(self, request: Request) -> ApiKey | None:
         if not self.keys:
             return None
-        key = match_key(request.headers.get("authorization", ""), self.keys)
+        try:
+            key = match_key(request.headers.get("authorization", ""), self.keys)
+        except Unauthorized:   # counted: a plane sees a key it was not given sent to it
+            self.fleet.metrics.rejected.labels("unauthorized").inc()
+            raise
         return key if self.tenants else None
 
     def left(self) -> None:
@@ -117,13 +122,15 @@ def create_gateway(gw: Gateway) -> FastAPI:
     async def passthrough(request: Request) -> Response:
         raw = await read_request(gw, request)
         return await gw.proxy.forward(request.url.path, raw, forwarded(request), NO_KEYS,
-                                      "primary", False, time.monotonic())
+                                      "primary", False, time.monotonic(),
+                                      tenant=tenant_name(request))
 
     @app.get("/v1/models", dependencies=[Depends(guard)])
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(guard)])
     async def models(request: Request) -> Response:
         return await gw.proxy.forward(request.url.path, b"", forwarded(request), NO_KEYS,
-                                      "primary", False, time.monotonic(), method="GET")
+                                      "primary", False, time.monotonic(), method="GET",
+                                      tenant=tenant_name(request))
 
     @app.post("/v1/embeddings", dependencies=[Depends(guard)])
     async def embeddings(request: Request) -> Response:
@@ -234,8 +241,15 @@ async def read_request(gw: Gateway, request: Request) -> bytes:
     try:
         return await read_body(request, gw.fleet.config.server.max_body_bytes)
     except ClientDisconnected:
-        gw.fleet.metrics.requests.labels("none", str(CLIENT_CLOSED_REQUEST)).inc()
+        gw.fleet.metrics.requests.labels("none", str(CLIENT_CLOSED_REQUEST),
+                                         tenant_name(request)).inc()
         raise
+
+
+def tenant_name(request: Request) -> str:
+    """The tenant the request's key named (set by the guard), or anonymous."""
+    tenant = getattr(request.state, "tenant", None)
+    return tenant.tenant if tenant is not None else ANONYMOUS
 
 
 def forwarded(request: Request) -> dict[str, str]:
@@ -246,8 +260,8 @@ async def route(gw: Gateway, request: Request, model: type, path: str) -> Respon
     """Validate (as the replica would), hash, pick, forward."""
     arrival = time.monotonic()
     server = gw.fleet.config.server
-    if request.state.tenant is not None:   # where each tenant's inputs were processed
-        gw.fleet.metrics.tenant_requests.labels(request.state.tenant.tenant).inc()
+    tenant = tenant_name(request)
+    gw.fleet.metrics.tenant_requests.labels(tenant).inc()   # where its inputs were processed
     raw = await read_request(gw, request)
     body = parse_body(raw, model, server.max_json_depth, server.max_n)
     embedding = isinstance(body, EmbeddingRequest)
@@ -277,7 +291,7 @@ async def route(gw: Gateway, request: Request, model: type, path: str) -> Respon
     if not embedding and group == "primary" and gw.fleet.disaggregated:
         split = Split(gw.proxy, path, raw, headers, keys, arrival,
                       isinstance(body, ChatCompletionRequest), body.stream,
-                      body.include_usage, gw.left, gw.in_background)
+                      body.include_usage, gw.left, gw.in_background, tenant)
         return await unless_disconnected(request, route_split(gw, body, split))
     try:
         # until the first byte (all of a plain answer) a client that leaves cancels the
@@ -285,7 +299,7 @@ async def route(gw: Gateway, request: Request, model: type, path: str) -> Respon
         # leaving aborts it there; a stream after its first byte stops with its relay
         return await unless_disconnected(request, gw.proxy.forward(
             path, raw, headers, keys, group,
-            not embedding and body.stream, arrival, capture, on_done=gw.left))
+            not embedding and body.stream, arrival, capture, on_done=gw.left, tenant=tenant))
     except BaseException:
         gw.left()
         raise

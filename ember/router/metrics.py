@@ -10,6 +10,7 @@ from prometheus_client.registry import Collector
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 COLD_START_BUCKETS = (0.5, 1, 2, 3, 5, 8, 12, 20, 30, 60, 120)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ANONYMOUS = "anonymous"            # the tenant of a request when keys name no tenants
 
 
 class FleetCollector(Collector):
@@ -68,11 +69,14 @@ class RouterMetrics:
     def __init__(self, snapshot: Callable[[], list[dict]], held: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("ember_router_requests", "Requests answered, by replica and "
-                                "HTTP status", ["replica", "status"], registry=r)
+        # `tenant` (the name the request's key resolved to) says where each tenant's inputs
+        # were processed, from the plane's own counters
+        self.requests = Counter("ember_router_requests", "Requests answered, by replica, "
+                                "HTTP status and tenant", ["replica", "status", "tenant"],
+                                registry=r)
         self.tenant_requests = Counter("ember_router_tenant_requests", "Requests that reached "
-                                       "this gateway, by tenant (with --api-keys)", ["tenant"],
-                                       registry=r)
+                                       "this gateway, by tenant (anonymous without --api-keys)",
+                                       ["tenant"], registry=r)
         self.decisions = Counter("ember_router_routing_decisions", "Routing decisions, by "
                                  "replica and reason", ["replica", "reason"], registry=r)
         self.retries = Counter("ember_router_retries", "Requests sent again to another "

@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from ember.errors import Overloaded
 from ember.router.fleet import Fleet, RouteKeys
+from ember.router.metrics import ANONYMOUS
 from ember.router.policies import Decision
 from ember.router.replicas import Replica
 from ember.router.rollout import Capture
@@ -121,11 +122,12 @@ class Proxy:
     async def forward(self, path: str, raw: bytes, headers: dict[str, str], keys: RouteKeys,
                       group: str, stream: bool, arrival: float, tap: Capture | None = None,
                       on_done: Callable[[], None] | None = None, method: str = "POST",
-                      roles: Roles = None) -> Response:
-        """The replica's answer; `on_done` runs once it has been sent (or failed)."""
+                      roles: Roles = None, tenant: str = ANONYMOUS) -> Response:
+        """The replica's answer; `on_done` runs once it has been sent (or failed). Its
+        status is counted under `tenant` (the key's tenant, or anonymous)."""
         try:
             upstream = await self.first_byte(path, raw, headers, keys, group, arrival, method,
-                                             roles)
+                                             roles, tenant)
         except BaseException:
             if tap is not None:
                 tap.close()
@@ -135,19 +137,20 @@ class Proxy:
             return upstream
         resp, replica = upstream.response, upstream.replica
         if resp.content_type != "text/event-stream":
-            self._done(replica, resp.status)
+            self._done(replica, resp.status, tenant)
             if tap is not None:
                 tap.feed(upstream.first)
             _finish(tap, on_done)
             return Response(upstream.first, status_code=resp.status,
                             media_type=resp.content_type, headers=kept_headers(resp))
-        relay = Relay(self, upstream, tap, on_done)
+        relay = Relay(self, upstream, tap, on_done, tenant)
         return RelayResponse(relay, status_code=resp.status, media_type="text/event-stream",
                              headers=SSE_HEADERS)
 
     async def first_byte(self, path: str, raw: bytes, headers: dict[str, str],
                          keys: RouteKeys, group: str, arrival: float, method: str = "POST",
-                         roles: Roles = None) -> Upstream | Response:
+                         roles: Roles = None, tenant: str = ANONYMOUS
+                         ) -> Upstream | Response:
         deadline = arrival + self.config.hold_timeout_s
         tried: set[str] = set()
         last: Attempt | None = None
@@ -174,9 +177,9 @@ class Proxy:
                 self.fleet.release(replica)
                 self._eject_after(replica, failed)
             except BaseException:   # cancelled: the client left, the replica was hung up on
-                self._done(replica, CLIENT_CLOSED_REQUEST)
+                self._done(replica, CLIENT_CLOSED_REQUEST, tenant)
                 raise
-        self._done_status(last.status)
+        self._done_status(last.status, tenant)
         return Response(last.body or json.dumps(error_body(
             last.status, f"every replica tried failed ({last.reason}); retry later",
             "unavailable_error")).encode(), status_code=last.status,
@@ -200,12 +203,12 @@ class Proxy:
             return
         self.fleet.eject(replica, failed.reason)
 
-    def _done(self, replica: Replica, status: int) -> None:
+    def _done(self, replica: Replica, status: int, tenant: str) -> None:
         self.fleet.release(replica)
-        self.fleet.metrics.requests.labels(replica.id, str(status)).inc()
+        self.fleet.metrics.requests.labels(replica.id, str(status), tenant).inc()
 
-    def _done_status(self, status: int) -> None:
-        self.fleet.metrics.requests.labels("none", str(status)).inc()
+    def _done_status(self, status: int, tenant: str) -> None:
+        self.fleet.metrics.requests.labels("none", str(status), tenant).inc()
 
 
 class Relay:
@@ -214,8 +217,9 @@ class Relay:
     stream ended, failed, or its client left before it began."""
 
     def __init__(self, proxy: Proxy, upstream: Upstream, tap: Capture | None,
-                 on_done: Callable[[], None] | None) -> None:
+                 on_done: Callable[[], None] | None, tenant: str) -> None:
         self.proxy, self.upstream, self.tap, self.on_done = proxy, upstream, tap, on_done
+        self.tenant = tenant
         self.status = upstream.response.status
         self.closed = False
 
@@ -238,7 +242,7 @@ class Relay:
             return
         self.closed = True
         self.upstream.response.close()   # a client that left aborts the replica's request
-        self.proxy._done(self.upstream.replica, self.status)
+        self.proxy._done(self.upstream.replica, self.status, self.tenant)
         _finish(self.tap, self.on_done)
 
 

@@ -19,36 +19,44 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 
+from ember.errors import ConfigError
 from ember.router.replicas import die_with_parent
 
 ACTOR_RESTARTS = 3
 # what a replica needs from the gateway's environment to run the same ember the same way
 FORWARDED_ENV = ("PYTHONPATH", "TORCH_EXTENSIONS_DIR", "EMBER_MODEL", "EMBER_API_KEY")
 CALL_TIMEOUT_S = 2.0     # the longest a check waits for the call it makes
+# files a replica reads that exist only where the gateway runs (an `ember plane` writes its
+# tenants' keys there): their text travels with the actor, which writes it on its own node
+SHIPPED_FILES = ("--api-keys",)
 
 
 @ray.remote(num_cpus=1, max_restarts=ACTOR_RESTARTS, max_task_retries=0)
 class ReplicaActor:
     """Runs one `ember serve` on this node, on a free port, for as long as it lives."""
 
-    def __init__(self, serve_args: list[str]) -> None:
+    def __init__(self, serve_args: list[str], files: dict[str, str]) -> None:
         host = ray.util.get_node_ip_address()
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
         self.url = f"http://{host}:{port}"
+        self.folder = tempfile.mkdtemp(prefix="ember-replica-")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ember.cli", "serve", "--host", "0.0.0.0", "--port",
-             str(port), *serve_args], stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent(os.getpid()))
+             str(port), *serve_args, *write_files(files, self.folder)],
+            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid()))
 
     def info(self) -> tuple[str, int, int | None]:
         """Its server's URL, pid, and exit status (None while it runs)."""
@@ -57,6 +65,7 @@ class ReplicaActor:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+        shutil.rmtree(self.folder, ignore_errors=True)   # the server read them at its start
 
 
 @dataclass
@@ -111,13 +120,59 @@ class RayLauncher:
     one `ray start` set up on this machine, else a new local one)."""
 
     def __init__(self, serve_args: list[str], address: str | None = None) -> None:
-        self.serve_args = list(serve_args)
-        if not ray.is_initialized():
-            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+        self.serve_args, self.files = ship_files(serve_args)
+        connect(address)
 
     def start(self, replica_id: str) -> RayHandle:
         """The actor is asked for; Ray places and starts it in the background (minutes, on a
         full cluster), and the handle learns its URL from its first answer."""
         env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
         return RayHandle(ReplicaActor.options(runtime_env={"env_vars": env}).remote(
-            self.serve_args))
+            self.serve_args, self.files))
+
+
+def ship_files(serve_args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`serve_args` without the SHIPPED_FILES options, and those files' text by option."""
+    args: list[str] = []
+    files: dict[str, str] = {}
+    tokens = iter(serve_args)
+    for token in tokens:
+        option, eq, value = token.partition("=")
+        if option not in SHIPPED_FILES:
+            args.append(token)
+            continue
+        path = value if eq else next(tokens, None)
+        if not path:
+            raise ConfigError(f"{option} needs a file")
+        try:
+            files[option] = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"{option} {path}: {e.strerror}; give a readable file") from None
+    return args, files
+
+
+def write_files(files: dict[str, str], folder: str) -> list[str]:
+    """Each shipped file written into `folder` (only its owner may read it); the options
+    that name them."""
+    argv: list[str] = []
+    for option, text in files.items():
+        path = os.path.join(folder, option.lstrip("-"))
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(text)
+        argv += [option, path]
+    return argv
+
+
+def connect(address: str | None) -> str:
+    """Joins the Ray cluster at `address` (None: the one `ray start` set up on this machine,
+    else a new local one) once per process; its GCS address, which others can join."""
+    if not ray.is_initialized():
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    return ray.get_runtime_context().gcs_address
+
+
+def cluster_capacity() -> tuple[int, int]:
+    """The joined cluster's CPUs and memory for tasks (MiB), as Ray counts them now (nodes
+    join and leave)."""
+    total = ray.cluster_resources()
+    return int(total.get("CPU", 0)), int(total.get("memory", 0)) // 2**20

@@ -76,18 +76,24 @@ class Cluster:
         config = folder / "deployments.toml"
         config.write_text(template.format(model=model, profile=profile_path, kv=TEST_KV_GIB))
         self.state = folder / "control.db"
+        self.token_file = folder / "plane.token"     # planes must hold it to register
+        self.token_file.write_text("b8f3d0c2a1e94f6b\n")
         self.config, self.port = config, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
         self.control = self.start_control()
-        self.planes = {name: Proc("plane", "--name", name, "--region", region, "--cores", "2",
-                                  "--memory-gib", "4", "--control", self.url,
-                                  "--heartbeat", "0.3")
+        self.planes = {name: self.start_plane(name, region)
                        for name, region in (("eu-1", "eu"), ("eu-2", "eu"), ("us-1", "us"))}
+
+    def start_plane(self, name: str, region: str) -> Proc:
+        return Proc("plane", "--name", name, "--region", region, "--cores", "2",
+                    "--memory-gib", "4", "--control", self.url, "--heartbeat", "0.3",
+                    "--token-file", str(self.token_file))
 
     def start_control(self) -> Proc:
         return Proc("control", "--config", str(self.config), "--state", str(self.state),
-                    "--port", str(self.port), "--down-after", "2")
+                    "--port", str(self.port), "--down-after", "2",
+                    "--plane-token-file", str(self.token_file))
 
     def snapshot(self) -> dict:
         return httpx.get(self.url + "/control", timeout=10).json()

@@ -127,7 +127,7 @@ def test_a_poison_request_fails_once_and_takes_no_replica_out_of_routing(replica
         assert gw.metric("ember_router_ejections_total") == 0
         for replica_id in ("r1", "r2"):                   # both stayed in rotation
             assert gw.metric(f'ember_router_requests_total{{replica="{replica_id}",'
-                             'status="200"}') == 10
+                             'status="200",') == 10
     finally:
         gw.close()
 

@@ -159,7 +159,7 @@ def long_body(i: int, stream: bool) -> dict:
 
 def answered(route: Route, replica: str, status: int) -> float:
     return route.metric(f'ember_router_requests_total{{replica="{replica}",'
-                        f'status="{status}"}}')
+                        f'status="{status}",')
 
 
 def on_replicas(route: Route, status: int) -> float:

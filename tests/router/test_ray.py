@@ -53,7 +53,7 @@ def replica(fleet: dict, replica_id: str) -> dict:
 
 
 def served(gw: LiveGateway, replica_id: str) -> float:
-    return gw.metric(f'ember_router_requests_total{{replica="{replica_id}",status="200"}}')
+    return gw.metric(f'ember_router_requests_total{{replica="{replica_id}",status="200",')
 
 
 def short_answers(gw: LiveGateway, n: int) -> list[int]:
