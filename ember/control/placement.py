@@ -6,7 +6,8 @@ where allowed), spread (active-active on >= 2 planes) and standby (active-passiv
 on a plane holding none of the deployment's active replicas) constraints, minimising cost and,
 on a re-solve, the replicas moved off where they run. That is a small integer program with
 logical side constraints; CP-SAT solves it exactly (or to a proven gap within a time limit),
-with parallel search, from a maintained package, where a hand-written search would be neither.
+bounded by its LP relaxation, from a maintained package, where a hand-written search would
+be neither.
 
 The objective, lexicographic by weight (`score` computes it for any placement, so an
 exhaustive search can check the solver's answer):
