@@ -30,7 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--deployments", type=int, default=200)
     ap.add_argument("--planes", type=int, default=50)
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-limit", type=float, default=10.0, help="seconds per solve")
     ap.add_argument("--out", default="placement_scale.json")

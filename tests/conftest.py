@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,21 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data))
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """A headless Chromium (Debian's) driven by Playwright, for the web pages' tests."""
+    if CHROMIUM is None:
+        pytest.skip("Chromium is not installed (scripts/setup --test installs Debian's "
+                    "chromium where apt-get is available)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run"])
+        yield browser
+        browser.close()

@@ -4,6 +4,8 @@
                                   load and fleets in; its desired fleets out (with tenants'
                                   keys, so it needs the plane token when one is set)
     GET  /control                 planes, deployments with their placement, recent events
+    GET  /control/                a page drawing /control (planes as boxes, their replicas
+                                  and traffic), polled every second
     POST /v1/chat/completions,    the tenant's key -> its regions -> routing.candidates ->
          /v1/completions          forwarded to that plane's fleet; retried on the next
                                   candidate before the first byte, never outside the list
@@ -19,10 +21,11 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib import resources
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.responses import StreamingResponse
 
 from ember.config import ServerConfig
@@ -70,6 +73,12 @@ def create_control_app(ctl: Controller, check_every_s: float = 0.5,
     @app.get("/control")
     async def control() -> JSONResponse:
         return JSONResponse(ctl.snapshot())
+
+    page = resources.files("ember.control").joinpath("static/control.html").read_text()
+
+    @app.get("/control/", include_in_schema=False)
+    async def control_page() -> HTMLResponse:
+        return HTMLResponse(page)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -193,7 +193,24 @@ class Controller:
                 "use": {"cores": sum(d.cores * n for d, n in used),
                         "memory_mib": sum(d.memory_mib * n for d, n in used)},
                 "load": live.load, "in_flight": live.in_flight,
+                "requests": sum(n for (_, p), n in self.served.items() if p == plane.name),
+                "replicas": _placed_on(plane.name, placement, live),
                 "fleets": [vars(f) for f in live.fleets.values()]}
+
+
+def _placed_on(plane_name: str, placement: dict[str, Assignment], live: PlaneLive
+               ) -> list[dict]:
+    """The replicas the placement puts on `plane_name`, by deployment, and whether the plane
+    reports that deployment's fleet ready."""
+    out = []
+    for name, a in placement.items():
+        n = a.active.get(plane_name, 0) or int(a.standby == plane_name)
+        if n:
+            f = live.fleets.get(name)
+            out.append({"deployment": name, "count": n,
+                        "role": "active" if a.active.get(plane_name) else "standby",
+                        "ready": f is not None and f.ready})
+    return out
 
 
 def _role(a: Assignment | None, plane_name: str) -> str:

@@ -6,7 +6,8 @@ where allowed), spread (active-active on >= 2 planes) and standby (active-passiv
 on a plane holding none of the deployment's active replicas) constraints, minimising cost and,
 on a re-solve, the replicas moved off where they run. That is a small integer program with
 logical side constraints; CP-SAT solves it exactly (or to a proven gap within a time limit),
-with parallel search, from a maintained package, where a hand-written search would be neither.
+bounded by its LP relaxation, from a maintained package, where a hand-written search would
+be neither.
 
 The objective, lexicographic by weight (`score` computes it for any placement, so an
 exhaustive search can check the solver's answer):
@@ -170,22 +171,28 @@ def violations(problem: Problem, assignments: dict[str, Assignment]) -> list[str
     return out
 
 
-def place(problem: Problem, time_limit_s: float = 10.0, workers: int = 2,
+def place(problem: Problem, time_limit_s: float = 10.0, workers: int = 1,
           gap: float = 0.005) -> Placement:
     """The best placement CP-SAT finds within `time_limit_s` (per try) to a relative `gap`.
-    It first tries with every deployment placed whole and spread over two regions where its
-    planes span two (hard constraints propagate fast); only if that is infeasible does it
-    solve the model where replicas short, standbys and regions are paid for instead."""
+    One worker with the full LP relaxation: on these assignment problems the LP's bound and
+    its dive meet within a second, while a multi-worker portfolio spends the cores on local
+    search and proves little. It first tries with every deployment placed whole and spread
+    over two regions where its planes span two (hard constraints propagate fast); only if
+    that is infeasible does it solve the model where replicas short, standbys and regions
+    are paid for instead."""
+    start = greedy(problem)
     for strict in (True, False):
         model = cp_model.CpModel()
-        v = _Vars(model, problem, strict)
-        v.hint(model, greedy(problem))
+        v = _Vars(model, problem, strict, start)
+        if problem.previous:    # a fresh greedy start only delays CP-SAT's own LP dive
+            v.hint(model)
         _capacity(model, problem, v)
         model.minimize(v.objective)
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = time_limit_s
         solver.parameters.num_workers = workers
         solver.parameters.relative_gap_limit = gap
+        solver.parameters.linearization_level = 2
         status = solver.solve(model)
         if status != cp_model.INFEASIBLE:    # out of time is no reason to relax the model
             break
@@ -200,97 +207,104 @@ def place(problem: Problem, time_limit_s: float = 10.0, workers: int = 2,
 
 
 class _Vars:
-    """The model's variables and objective, per deployment d over its eligible planes p:
-    x[d,p] active replicas, y[d,p] x > 0, s[d,p] its standby is there, n[d] = sum x.
+    """The model's variables, objective and a complete hint, per deployment d over its
+    eligible planes p: x[d,p] active replicas, s[d,p] its standby is there (active-passive),
+    r[d,g] some replica or standby runs in region g.
 
-    Every link between them is linear (y <= x <= cap*y, y + s <= 1, a region counts only
-    if some y or s in it is 1), so the LP relaxation CP-SAT bounds with is tight. Spread is
-    a domain, not a count: an active-active replica count on one plane is at most
-    replicas - 1, which with n = replicas forces a second plane."""
+    No indicator "x > 0" is needed: a standby excludes actives by x <= cap * (1 - s), and a
+    region counts by r <= sum of x and s in it, both of which are as tight in the LP
+    relaxation as an indicator would be. Spread is a domain, not a count: an active-active
+    replica count on one plane is at most replicas - 1, which with sum x = replicas forces a
+    second plane. Every variable gets a hint value from `start`, so CP-SAT begins from a
+    complete solution rather than searching for one."""
 
-    def __init__(self, m: cp_model.CpModel, problem: Problem, strict: bool) -> None:
+    def __init__(self, m: cp_model.CpModel, problem: Problem, strict: bool,
+                 start: dict[str, Assignment]) -> None:
         self.problem, self.strict = problem, strict
         self.x: dict[tuple[str, str], cp_model.IntVar] = {}
         self.s: dict[tuple[str, str], cp_model.IntVar] = {}
-        self.n: dict[str, cp_model.IntVar] = {}
+        self.hints: list[tuple[cp_model.IntVar, int]] = []
         terms = []
         for d in problem.deployments:
-            terms += self._deployment(m, d)
+            terms += self._deployment(m, d, start.get(d.name))
         self.objective = cp_model.LinearExpr.sum(terms)
 
-    def _deployment(self, m: cp_model.CpModel, d: Deployment) -> list:
+    def _var(self, m: cp_model.CpModel, hi: int, hint: int, name: str = ""
+             ) -> cp_model.IntVar:
+        var = m.new_bool_var(name) if hi == 1 else m.new_int_var(0, hi, name)
+        self.hints.append((var, hint))
+        return var
+
+    def _deployment(self, m: cp_model.CpModel, d: Deployment, a: Assignment | None) -> list:
         eligible = [p for p in self.problem.planes if d.allows(p)]
         spread = d.mode == "active-active" and len(eligible) >= 2
         cap = d.replicas - 1 if spread else d.replicas
-        xs, ys, terms, by_region = [], [], [], {}
+        start = a or Assignment()
+        xs, standbys, terms, by_region = [], [], [], {}
         for p in eligible:
-            if cap == 1:
-                x = y = m.new_bool_var(f"x[{d.name},{p.name}]")
-            else:
-                x = m.new_int_var(0, cap, f"x[{d.name},{p.name}]")
-                y = m.new_bool_var("")
-                m.add(x >= y)
-                m.add(x <= cap * y)
-            self.x[d.name, p.name] = x
+            x = self.x[d.name, p.name] = self._var(m, cap, start.active.get(p.name, 0),
+                                                   f"x[{d.name},{p.name}]")
             xs.append(x)
-            ys.append(y)
             terms.append(replica_cost(d, p) * x)
-            on = [y]
+            by_region.setdefault(p.region, []).append(x)
             if d.mode == "active-passive":
-                s = self.s[d.name, p.name] = m.new_bool_var(f"s[{d.name},{p.name}]")
-                m.add(s + y <= 1)
+                s = self.s[d.name, p.name] = self._var(m, 1, start.standby == p.name,
+                                                       f"s[{d.name},{p.name}]")
+                m.add(x + cap * s <= cap)
+                standbys.append(s)
                 terms.append(replica_cost(d, p) * s)
-                on.append(s)
-            by_region.setdefault(p.region, []).extend(on)
-        n = self.n[d.name] = m.new_int_var(0 if not self.strict else d.replicas,
-                                           d.replicas, f"n[{d.name}]")
-        m.add(cp_model.LinearExpr.sum(xs) == n)
-        standbys = [self.s[d.name, p.name] for p in eligible if (d.name, p.name) in self.s]
-        placed = 1
+                by_region[p.region].append(s)
+        count = sum(start.active.values())
         if self.strict:
-            if d.mode == "active-passive":
+            placed = 1
+            m.add(cp_model.LinearExpr.sum(xs) == d.replicas)
+            if standbys:
                 m.add(cp_model.LinearExpr.sum(standbys) == 1)
         else:
-            placed = m.new_bool_var("")
+            placed = self._var(m, 1, a is not None)
+            n = self._var(m, d.replicas, count)
+            m.add(cp_model.LinearExpr.sum(xs) == n)
             m.add(n >= placed)
             m.add(n <= d.replicas * placed)
             terms += [UNPLACED * (1 - placed), SHORT * (d.replicas - n)]
-            if d.mode == "active-passive":
+            if standbys:
                 m.add(cp_model.LinearExpr.sum(standbys) <= placed)
                 terms.append(SHORT * (placed - cp_model.LinearExpr.sum(standbys)))
             if spread and d.replicas > 2:
-                self._spread_short(m, d, xs, n)
-        terms += self._region_shortfall(m, d, by_region, placed)
-        terms += self._moves(m, d)
+                self._spread_short(m, d, xs, n, count)
+        terms += self._region_shortfall(m, d, by_region, placed, start)
+        terms += self._moves(m, d, start)
         return terms
 
-    @staticmethod
-    def _spread_short(m: cp_model.CpModel, d: Deployment, xs: list, n) -> None:
+    def _spread_short(self, m: cp_model.CpModel, d: Deployment, xs: list, n, count: int
+                      ) -> None:
         """Fewer than `d.replicas` active-active replicas still spread once there are two:
         no plane holds more than n - 1 unless n <= 1."""
-        one = m.new_bool_var("")
+        one = self._var(m, 1, count <= 1)
         m.add(n <= 1 + (d.replicas - 1) * (1 - one))
         for x in xs:
             m.add(x <= n - 1 + one)
 
     def _region_shortfall(self, m: cp_model.CpModel, d: Deployment,
-                          by_region: dict[str, list], placed) -> list:
+                          by_region: dict[str, list], placed, start: Assignment) -> list:
         target = region_target(d, self.problem)
         if target < 2:
             return []
+        planes = {p.name: p for p in self.problem.planes}
+        used = {planes[p].region for p in [*start.active, start.standby] if p in planes}
         regions = []
-        for ons in by_region.values():
-            r = m.new_bool_var("")
+        for region, ons in by_region.items():
+            r = self._var(m, 1, region in used)
             m.add(r <= cp_model.LinearExpr.sum(ons))
             regions.append(r)
         if self.strict:   # first try: spread over two regions, every deployment placed
             m.add(cp_model.LinearExpr.sum(regions) >= target)
             return []
-        short = m.new_int_var(0, target, "")
+        short = self._var(m, target, max(0, target * bool(start.active) - len(used)))
         m.add(short >= target * placed - cp_model.LinearExpr.sum(regions))
         return [REGION * short]
 
-    def _moves(self, m: cp_model.CpModel, d: Deployment) -> list:
+    def _moves(self, m: cp_model.CpModel, d: Deployment, start: Assignment) -> list:
         prev = self.problem.previous.get(d.name)
         if prev is None:
             return []
@@ -303,7 +317,7 @@ class _Vars:
             if x is None:
                 terms.append(MOVE * k)          # no longer allowed there: all move
                 continue
-            moved = m.new_int_var(0, k, "")
+            moved = self._var(m, k, max(0, k - start.active.get(p, 0)))
             m.add(moved >= k - x)
             terms.append(MOVE * moved)
         if prev.standby in up:
@@ -311,14 +325,9 @@ class _Vars:
             terms.append(MOVE * (1 - s) if s is not None else MOVE)
         return terms
 
-    def hint(self, m: cp_model.CpModel, start: dict[str, Assignment]) -> None:
-        """Start the search from `start`: a complete solution found at once, so CP-SAT
-        spends its time closing the gap rather than finding a first placement."""
-        for (dn, p), x in self.x.items():
-            a = start.get(dn, Assignment())
-            m.add_hint(x, a.active.get(p, 0))
-        for (dn, p), s in self.s.items():
-            m.add_hint(s, start.get(dn, Assignment()).standby == p)
+    def hint(self, m: cp_model.CpModel) -> None:
+        for var, value in self.hints:
+            m.add_hint(var, int(value))
 
     def read(self, solver: cp_model.CpSolver) -> dict[str, Assignment]:
         active: dict[str, dict[str, int]] = {}

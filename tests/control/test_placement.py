@@ -3,6 +3,7 @@ the best one an exhaustive search over every assignment finds (the reference).""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -78,6 +79,22 @@ def test_placement_scores_the_exhaustive_optimum(problem):
     assert placed.optimal
     best = exhaustive(problem)
     assert placed.score <= best * 1.01 and placed.score >= best
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems(max_planes=3, max_deployments=2, max_replicas=2), st.data())
+def test_resolve_after_a_plane_fails_scores_the_exhaustive_optimum(problem, data):
+    """The re-solve starts from the previous placement as a hint and pays for moves; the
+    exhaustive search scores the same moves, so the two optima must agree."""
+    first = place(problem)
+    down = data.draw(st.integers(0, len(problem.planes) - 1))
+    planes = tuple(replace(p, up=False) if i == down else p
+                   for i, p in enumerate(problem.planes))
+    again = Problem(planes, problem.deployments, first.assignments)
+    placed = place(again)
+    assert violations(again, placed.assignments) == []
+    best = exhaustive(again)
+    assert best <= placed.score <= best * 1.01
 
 
 def test_spread_standby_spot_and_cost():

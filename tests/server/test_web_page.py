@@ -1,30 +1,12 @@
-"""The chat page in a real headless Chromium (Debian's), driven by Playwright.
+"""The chat page in a real headless Chromium (Debian's, the `browser` fixture), driven by
+Playwright.
 
 Type a message, see the streamed reply appear, and see the metrics panel fill in from /metrics.
 Reference: the same chat through the API (the page must show exactly that text).
 """
 from __future__ import annotations
 
-import shutil
-
 import httpx
-import pytest
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if CHROMIUM is None:
-        pytest.skip("Chromium is not installed (scripts/setup --test installs Debian's "
-                    "chromium where apt-get is available)")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run"])
-        yield browser
-        browser.close()
 
 
 def test_chat_streams_and_metrics_appear(browser, server):
