@@ -11,7 +11,8 @@ import uvicorn
 from ember.config import ApiKey, ServerConfig
 from ember.errors import ConfigError
 from ember.router.autoscale import Autoscaler
-from ember.router.cli import check_remote_fleet, router_config, serve_argv, with_model
+from ember.router.cli import (check_remote_fleet, router_config, serve_argv, target_ongoing,
+                              with_model)
 from ember.router.config import RouterConfig
 from ember.router.fleet import Fleet
 from ember.router.gateway import Gateway, create_gateway
@@ -71,7 +72,8 @@ def cmd_route(args: argparse.Namespace, server: ServerConfig, tokens: list[str])
     if args.replicas < 0 or (args.replicas == 0 and not args.scale_to_zero_after):
         raise ConfigError("--replicas must be at least 1 (0 needs --scale-to-zero-after)")
     argv = serve_argv(tokens, args.route_only)
-    config = router_config(args, server)
+    target, source = target_ongoing(args)
+    config = router_config(args, server, target)
     fleet, rollout = build_fleet(args, argv, config)
     initial = 0 if args.replica_url else args.replicas
     for _ in range(initial):
@@ -91,6 +93,11 @@ def cmd_route(args: argparse.Namespace, server: ServerConfig, tokens: list[str])
     print(f"ember: routing on http://{server.host}:{server.port} over "
           f"{len(fleet.replicas)} replicas ({config.policy}); see /fleet", file=sys.stderr,
           flush=True)
+    if config.autoscale.enabled or args.plan:
+        aim = f"{target:g} ongoing requests per replica ({source})"
+        print("ember: autoscaling to " + aim if config.autoscale.enabled else
+              "ember: not autoscaling (--min-replicas = --max-replicas); the target is " + aim,
+              file=sys.stderr, flush=True)
     uv_config = uvicorn.Config(app, host=server.host, port=server.port, log_level="warning",
                                timeout_graceful_shutdown=server.drain_timeout_s,
                                access_log=False)
