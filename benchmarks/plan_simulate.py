@@ -1,13 +1,14 @@
 """How long `ember plan` takes to simulate one fleet: 10,000 requests over 8 replicas by default.
 
     .venv/bin/python benchmarks/plan_simulate.py [--rate 30] [--replicas 8] [--profile P]
-        [--cprofile]
+        [--cprofile] [--step-by-step]
 
 The requests are `ember plan`'s own (bench's random workload, 256-token prompts, 64 output
 tokens, the default model's tokenizer); the replica is the default model's, with a fixed step
 model unless --profile gives a measured one. Reported: the seconds spent building the
 workload and simulating the fleet (wall and CPU), the simulated steps and the simulated run's
-length. With --cprofile, the 25 functions that took the most time follow.
+length. With --cprofile, the 25 functions that took the most time follow. --step-by-step
+plans every step with the scheduler (FleetSim(decode_ahead=False)), for the shortcut's gain.
 """
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="a measured profile (default: the "
                         "default model with a fixed step model)")
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--step-by-step", action="store_true", help="plan every step with the "
+                        "scheduler (no decode-ahead shortcut): the reference's cost")
     args = parser.parse_args()
     profile = load_profile(args.profile) if args.profile else fixed_profile()
     options = plan_args(["--num-requests", str(args.num_requests), "--input-len", "fixed:256",
@@ -68,7 +71,8 @@ def main() -> None:
     load = bench_load(options, len(requests), args.rate)
     token_ids = [i for i in range(tokenizer.vocab_size) if i not in config.eos_token_ids]
     built = time.perf_counter() - began
-    sim = FleetSim(config, args.replicas, args.policy, token_ids)
+    sim = FleetSim(config, args.replicas, args.policy, token_ids,
+                   decode_ahead=not args.step_by_step)
     profiler = cProfile.Profile() if args.cprofile else None
     wall, cpu = time.perf_counter(), time.process_time()
     if profiler:
