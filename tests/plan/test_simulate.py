@@ -203,3 +203,22 @@ def test_decoding_ahead_changes_nothing(case):
         ahead_steps.append(sum(r.num_steps_ahead for r in sim.replicas))
     assert outcomes[0] == outcomes[1]
     assert ahead_steps[0] == 0 and ahead_steps[1] > 0
+
+
+def test_a_request_sent_as_a_step_ends_joins_the_queue_before_that_end():
+    """A tie: the second request is sent at the very instant one of the first's decode steps
+    ends (a step the shortcut applies at once). The event queue handles a send before a step
+    end at the same instant, so the step planned then computes the new prompt beside the
+    first request's next token; the shortcut keeps that order."""
+    first = request(0, own_prompt(0, 64), 40)
+    alone, _ = run([first], Load((0.0,)))
+    tie = alone[0].chunk_times[5]   # past the prompt and the step that took a new block
+    reqs, load = [first, request(1, own_prompt(1, 64), 8)], Load((0.0, tie))
+    outcomes = []
+    for ahead in (False, True):
+        sim = FleetSim(config(), 1, "prefix", TOKENS, decode_ahead=ahead)
+        outcomes.append(_outcome(sim.run(reqs, load), sim))
+    assert outcomes[0] == outcomes[1]
+    ttft = outcomes[1][0][1][2]
+    # the first request has computed 64 + 5 tokens: its next row reads 70 keys
+    assert ttft == pytest.approx(STEP_MODEL.predict(StepShape(64, 64 * 65 // 2, 1, 70)))
