@@ -8,6 +8,8 @@ with step durations from a profile's fitted step-time model instead of a model's
 Everything but the forward is the engine's and the gateway's own code, so chunked prefill,
 the token budget, preemption, prefix hits, partial-block reuse, eviction and routing behave
 as they do in `ember serve` and `ember route`. No torch: a replica is plain Python over ints.
+What each request saw is written as `ember bench`'s RequestRecord, so a simulated run is
+summarised (and compared) exactly as a measured one.
 
 One shortcut, exact: a replica whose every request is decoding steps the same plan again and
 again (each request one token, no block to allocate, cache or free, no request finishing)
@@ -17,8 +19,6 @@ to the replica meanwhile cuts them where it arrives, and the step then running i
 by the scheduler. Nothing the gateway reads changes during them, so routing is unchanged.
 FleetSim(decode_ahead=False) plans every step, and a test holds the two runs equal. Most of
 a long run's steps are such steps.
-What each request saw is written as `ember bench`'s RequestRecord, so a simulated run is
-summarised (and compared) exactly as a measured one.
 """
 from __future__ import annotations
 
