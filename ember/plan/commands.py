@@ -12,6 +12,7 @@ from ember.bench import report as bench_report
 from ember.bench.metrics import parse_slo
 from ember.config import SchedulerConfig
 from ember.errors import ConfigError
+from ember.plan.knee import profile_knee
 from ember.plan.profile import Profile, load_profile
 from ember.plan.report import curve_data, describe_point, plot
 from ember.plan.search import Planner, Point, Slo
@@ -99,7 +100,8 @@ def _profile_text(profile: Profile) -> str:
     text = (f"profile: {profile.model_name} on {m.get('cpu', '?')} ({m.get('cpus', '?')} "
             f"CPUs); step model within "
             f"{profile.residuals.get('all', {}).get('median_abs', float('nan')) * 100:.0f}% "
-            "(median) of the measured steps")
+            "(median) of the measured steps; its knee is "
+            f"{profile_knee(profile)} requests at once (`ember route --plan`'s target)")
     load = max(m.get("load_average_before", 0.0), m.get("load_average_after", 0.0))
     disturbed = m.get("disturbed_steps", 0) / max(len(profile.steps), 1)
     # (the profile's own engine threads keep the load average near the CPU count)

@@ -10,19 +10,30 @@ the token budget, preemption, prefix hits, partial-block reuse, eviction and rou
 as they do in `ember serve` and `ember route`. No torch: a replica is plain Python over ints.
 What each request saw is written as `ember bench`'s RequestRecord, so a simulated run is
 summarised (and compared) exactly as a measured one.
+
+One shortcut, exact: a replica whose every request is decoding steps the same plan again and
+again (each request one token, no block to allocate, cache or free, no request finishing)
+until a request arrives for it. Those steps are planned at once and applied as the
+scheduler would apply them, without planning each (SimReplica.plan_ahead); a request routed
+to the replica meanwhile cuts them where it arrives, and the step then running is planned
+by the scheduler. Nothing the gateway reads changes during them, so routing is unchanged.
+FleetSim(decode_ahead=False) plans every step, and a test holds the two runs equal. Most of
+a long run's steps are such steps.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ember.bench.metrics import RequestRecord
 from ember.config import SchedulerConfig
+from ember.kv.block_pool import BlockPool, KVEvent
 from ember.kv.kv_manager import KVCacheManager
-from ember.plan.stepmodel import StepModel, step_shape
+from ember.plan.stepmodel import StepModel, StepShape, step_shape
 from ember.request import Request, SamplingParams
 from ember.router.config import PrefixConfig
 from ember.router.kv_index import BlockIndex
@@ -113,10 +124,13 @@ class SimReplica:
         self.batch_s = 0.0      # requests in the step, integrated over busy time
         self.peak_kv_usage = 0.0
         self.num_steps = 0
+        self.num_steps_ahead = 0   # of them, those apply_ahead applied
+        self.ahead: list[tuple[float, float]] = []   # planned steps' (end, duration)
+        self.ahead_start = 0.0
 
     @property
     def busy(self) -> bool:
-        return self.plan is not None
+        return self.plan is not None or bool(self.ahead)
 
     def start_step(self) -> float | None:
         """Plan and 'run' the next step; its duration, or None when there is nothing to do."""
@@ -137,6 +151,72 @@ class SimReplica:
         """Apply the running step's tokens; the requests that advanced."""
         plan, result, self.plan, self.result = self.plan, self.result, None, None
         return self.scheduler.update(plan, result)
+
+    def plan_ahead(self, now: float) -> float | None:
+        """Plan the steps from `now` on that are plain decodes of every running request which
+        the scheduler would plan and apply alike: no request waits or drafts, and each one's
+        next tokens fit the blocks it holds (nothing to allocate; nor to cache, as the
+        engine caches no generated block) and end nothing. Priced by the step model;
+        applied by apply_ahead. When the last of them ends, or None if the next step is not
+        one."""
+        room = self._decode_room()
+        if room <= 0:
+            return None
+        running = self.scheduler.running
+        num_rows = len(running)
+        keys = sum(r.num_computed_tokens for r in running)
+        predict = self.runner.model.predict
+        self.ahead_start, end = now, now
+        for _ in range(room):
+            keys += num_rows   # each row at position p reads p + 1 keys
+            duration = predict(StepShape(decode_rows=num_rows, decode_keys=keys))
+            end += duration
+            self.ahead.append((end, duration))
+        return end
+
+    def apply_ahead(self, until: float, inclusive: bool) -> list[float]:
+        """Apply the planned steps that end before `until` (or at it, if `inclusive`) as
+        update() would: a drawn token each, one more computed token; forget the rest.
+        Returns the applied steps' end times."""
+        running, draw = self.scheduler.running, self.runner.tokens.next
+        usage = self.scheduler.kv.usage()
+        ends = []
+        for end, duration in self.ahead:
+            if end > until or (end == until and not inclusive):
+                break
+            for request in running:
+                request.append_output(draw())
+                request.num_computed_tokens += 1
+            self.busy_s += duration
+            self.kv_usage_s += usage * duration
+            self.batch_s += len(running) * duration
+            ends.append(end)
+        self.ahead.clear()
+        self.num_steps += len(ends)
+        self.num_steps_ahead += len(ends)
+        return ends
+
+    def _decode_room(self) -> int:
+        """How many next steps are plain decodes of all running requests (plan_ahead)."""
+        sched, bs = self.scheduler, self.config.block_size
+        if not sched.running or sched.waiting or sched.held or sched.loading or \
+                sched.spec.drafts_with_a_model or \
+                len(sched.running) > sched.config.max_num_batched_tokens:
+            return 0
+        room = math.inf
+        for r in sched.running:
+            computed, params = r.num_computed_tokens, r.params
+            if r.num_tokens - computed != 1 or computed < r.num_prompt_tokens or \
+                    r.draft_token_ids or r.grammar is not None or not params.ignore_eos or \
+                    params.stop_token_ids:
+                return 0
+            covered = len(sched.kv.block_table(r.request_id)) * bs
+            if sched.kv.share_generated:   # (a generated block is cached once it fills)
+                covered = min(covered, (computed // bs + 1) * bs - 1)
+            room = min(room, covered - computed,
+                       r.max_tokens - len(r.output_token_ids) - 1,
+                       sched.max_model_len - computed - 2)
+        return int(room)
 
 
 @dataclass
@@ -210,11 +290,22 @@ def poll_events(index: BlockIndex, kv: KVCacheManager) -> None:
     if kv.pool.next_event_seq - 1 == index.cursor:
         return   # nothing new (an empty answer changes nothing)
     for _ in range(2):
-        events, dropped = kv.pool.events_after(index.cursor)
+        events, dropped = _events_after(kv.pool, index.cursor)
         payload = {"dropped": dropped, "events": [
             {"seq": e.seq, "type": e.kind, "block_hash": e.block_key} for e in events]}
         if index.apply(payload):
             return
+
+
+def _events_after(pool: BlockPool, seq: int) -> tuple[list[KVEvent], bool]:
+    """pool.events_after(seq), reading only the log's new tail: that one copies the whole
+    log (up to 10,000 events) to be safe from the engine thread, and a simulation, one
+    thread, polls it thousands of times."""
+    log = pool.events
+    if not log:
+        return [], False
+    num_new = min(pool.next_event_seq - 1 - seq, len(log))
+    return [log[k] for k in range(len(log) - num_new, len(log))], log[0].seq > seq + 1
 
 
 @dataclass(frozen=True)
@@ -257,10 +348,12 @@ class FleetSim:
     the replicas keep what the run left in their caches)."""
 
     ARRIVAL, STEP_END = 0, 1   # event kinds
+    SENT, CLIENT = -1, -2      # an arrival's payload: set at the start, or a client's next
 
     def __init__(self, config: ReplicaConfig, num_replicas: int, policy: str,
                  token_ids: Sequence[int], seed: int = 0,
-                 prefix: PrefixConfig = PrefixConfig(), max_tries: int = 3) -> None:
+                 prefix: PrefixConfig = PrefixConfig(), max_tries: int = 3,
+                 decode_ahead: bool = True) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas} must be at least 1")
         self.config = config
@@ -268,6 +361,7 @@ class FleetSim:
                          for i in range(num_replicas)]
         self.gateway = SimGateway(self.replicas, policy, prefix)
         self.max_tries = max_tries
+        self.decode_ahead = decode_ahead
         self._params: dict[int, SamplingParams] = {}
         self._events: list[tuple[float, int, int, int]] = []   # (time, seq, kind, payload)
         self._seq = 0
@@ -278,6 +372,7 @@ class FleetSim:
         self._requests: list[SimRequest] = []
         self._load = Load()
         self._next = 0   # the next request to send
+        self._step_seq = [0] * num_replicas   # each replica's pending step-end event
 
     def run(self, requests: Sequence[SimRequest], load: Load) -> list[RequestRecord]:
         """Every request's record, ordered by start time (as `ember bench` orders them)."""
@@ -286,17 +381,17 @@ class FleetSim:
         self._requests, self._load = list(requests), load
         if load.concurrency is None:
             for t in load.arrival_times[:len(self._requests)]:
-                self._push(t, self.ARRIVAL, -1)
+                self._push(t, self.ARRIVAL, self.SENT)
         else:
             width = min(load.concurrency, len(self._requests)) or 1
             for k in range(width):
-                self._push(load.ramp_up_s * k / width, self.ARRIVAL, -1)
+                self._push(load.ramp_up_s * k / width, self.ARRIVAL, self.SENT)
         now = 0.0
         while self._events:
-            now, _, kind, payload = heapq.heappop(self._events)
+            now, seq, kind, payload = heapq.heappop(self._events)
             if kind == self.ARRIVAL:
-                self._arrive(now)
-            else:
+                self._arrive(now, payload == self.CLIENT)
+            elif seq == self._step_seq[payload]:   # (else a cut plan_ahead's end)
                 self._step_end(now, payload)
         for flight in self._flights.values():   # a request the engine could never finish
             flight.record.error, flight.record.error_message = "timeout", "never finished"
@@ -325,9 +420,13 @@ class FleetSim:
 
     def _push(self, t: float, kind: int, payload: int) -> None:
         self._seq += 1
+        if kind == self.STEP_END:
+            self._step_seq[payload] = self._seq
         heapq.heappush(self._events, (t, self._seq, kind, payload))
 
-    def _arrive(self, now: float) -> None:
+    def _arrive(self, now: float, late: bool) -> None:
+        """A request is sent at `now`; `late`: by a client whose last request ended then (its
+        event comes after the step ends due then, as the heap orders them: see _cut_ahead)."""
         if self._next >= len(self._requests) or \
                 (self._load.duration_s is not None and now >= self._load.duration_s):
             return
@@ -336,13 +435,13 @@ class FleetSim:
         record = RequestRecord(index=sim.index, start=now,
                                target_prompt_tokens=len(sim.prompt_ids),
                                target_output_tokens=sim.max_tokens)
-        error = self._admit(sim, now, record)
+        error = self._admit(sim, now, record, late)
         if error is not None:
             record.error, record.error_message, record.e2e = error[0], error[1], 0.0
             self.records.append(record)
             self._next_client(now)
 
-    def _admit(self, sim: SimRequest, now: float, record: RequestRecord
+    def _admit(self, sim: SimRequest, now: float, record: RequestRecord, late: bool
                ) -> tuple[str, str] | None:
         """Route and queue the request (a full replica's 429 is retried on another, as the
         gateway does); the error a client would get, or None."""
@@ -360,6 +459,7 @@ class FleetSim:
                 self.gateway.release(i)
                 tried.add(i)
                 continue
+            self._cut_ahead(i, now, late)
             self._num_admitted += 1
             request_id = f"{sim.index}-{self._num_admitted}"
             replica.scheduler.add(Request(request_id, sim.prompt_ids, self._sampling(max_tokens),
@@ -381,21 +481,52 @@ class FleetSim:
         return params
 
     def _start(self, i: int, now: float) -> None:
-        duration = self.replicas[i].start_step()
-        if duration is not None:
-            self._push(now + duration, self.STEP_END, i)
+        replica = self.replicas[i]
+        end = replica.plan_ahead(now) if self.decode_ahead else None
+        if end is None:
+            duration = replica.start_step()
+            end = None if duration is None else now + duration
+        if end is not None:
+            self._push(end, self.STEP_END, i)
 
     def _step_end(self, now: float, i: int) -> None:
-        for request in self.replicas[i].end_step():
-            flight = self._flights[request.request_id]
-            record = flight.record
-            since = now - flight.arrival
-            record.chunk_times.append(since)
-            if record.ttft is None:
-                record.ttft = since
-            if request.is_finished:
-                self._finish(request, flight, now)
+        replica = self.replicas[i]
+        if replica.ahead:
+            self._note_ahead(i, replica.apply_ahead(now, inclusive=True))
+        else:
+            for request in replica.end_step():
+                flight = self._flights[request.request_id]
+                record = flight.record
+                since = now - flight.arrival
+                record.chunk_times.append(since)
+                if record.ttft is None:
+                    record.ttft = since
+                if request.is_finished:
+                    self._finish(request, flight, now)
         self._start(i, now)
+
+    def _cut_ahead(self, i: int, now: float, late: bool) -> None:
+        """A request routed to replica i at `now` joins its queue: of the steps planned
+        ahead, those that ended first are applied, and the step running at `now` is planned
+        by the scheduler (as it was when it began: nothing changed on the replica since).
+        A step ending exactly at `now` ended first if its event was queued first: always,
+        for a `late` request, never for one sent at the start."""
+        replica = self.replicas[i]
+        if not replica.ahead:
+            return
+        ends = replica.apply_ahead(now, inclusive=late)
+        self._note_ahead(i, ends)
+        began = ends[-1] if ends else replica.ahead_start
+        self._step_seq[i] = -1   # the planned steps' end event no longer stands
+        duration = replica.start_step()
+        if duration is not None:
+            self._push(began + duration, self.STEP_END, i)
+
+    def _note_ahead(self, i: int, ends: list[float]) -> None:
+        """The tokens of steps applied ahead, in their requests' records."""
+        for request in self.replicas[i].scheduler.running:
+            flight = self._flights[request.request_id]
+            flight.record.chunk_times.extend(end - flight.arrival for end in ends)
 
     def _finish(self, request: Request, flight: _Flight, now: float) -> None:
         record = flight.record
@@ -412,4 +543,4 @@ class FleetSim:
     def _next_client(self, now: float) -> None:
         """A closed-loop client sends its next request when its last one ends."""
         if self._load.concurrency is not None and self._next < len(self._requests):
-            self._push(now, self.ARRIVAL, -1)
+            self._push(now, self.ARRIVAL, self.CLIENT)

@@ -66,7 +66,14 @@ def sim_requests(requests: list[BenchRequest], tokenizer: Tokenizer, block_size:
     rendered = [template.render(requests[i].messages, True) for i in chats]
     ids |= dict(zip(chats, tokenizer.encode_many(rendered, add_special_tokens=False)))
     ids |= dict(zip(plain, tokenizer.encode_many([requests[i].prompt for i in plain])))
-    return [SimRequest(req.index, ids[i], req.max_tokens, extend_keys([], ids[i], block_size))
+    keys: dict[tuple[int, ...], list[int]] = {}   # a workload repeats prompts: hash each once
+
+    def block_keys(token_ids: list[int]) -> list[int]:
+        found = keys.get(tuple(token_ids))
+        if found is None:
+            found = keys[tuple(token_ids)] = extend_keys([], token_ids, block_size)
+        return found
+    return [SimRequest(req.index, ids[i], req.max_tokens, block_keys(ids[i]))
             for i, req in enumerate(requests)]
 
 

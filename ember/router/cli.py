@@ -73,8 +73,12 @@ def add_route_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         for bound in ("min", "max"):
             a.add_argument(f"--{bound}-{role}-replicas", type=int, default=None,
                            help=f"default: --{role}-replicas")
-    a.add_argument("--target-ongoing", type=float, default=AutoscaleConfig.target_ongoing,
-                   help="in-flight + queued requests per replica to aim for")
+    a.add_argument("--target-ongoing", type=float, default=None,
+                   help="in-flight + queued requests per replica to aim for (default: the "
+                        f"--plan profile's knee, else {AutoscaleConfig.target_ongoing:g})")
+    a.add_argument("--plan", default=None, metavar="PROFILE",
+                   help="an `ember plan profile` of the replicas: --target-ongoing defaults "
+                        "to its knee (docs/plan.md)")
     a.add_argument("--scale-up-delay", type=float, default=AutoscaleConfig.scale_up_delay_s)
     a.add_argument("--scale-down-delay", type=float,
                    default=AutoscaleConfig.scale_down_delay_s)
@@ -123,7 +127,7 @@ ROLE_FLEET_OPTIONS = ("--prefill-replicas", "--decode-replicas", "--min-prefill-
                       "--max-prefill-replicas", "--min-decode-replicas",
                       "--max-decode-replicas")
 LOCAL_FLEET_OPTIONS = ("--replicas", "--ray", "--min-replicas", "--max-replicas",
-                       "--target-ongoing", "--scale-up-delay", "--scale-down-delay",
+                       "--target-ongoing", "--plan", "--scale-up-delay", "--scale-down-delay",
                        "--look-back", "--scale-to-zero-after", "--ttft-slo",
                        *ROLE_FLEET_OPTIONS)
 
@@ -199,12 +203,27 @@ def route_only_options(actions: list[argparse.Action]) -> dict[str, int | str]:
     return out
 
 
-def router_config(args: argparse.Namespace, server: ServerConfig) -> RouterConfig:
+def target_ongoing(args: argparse.Namespace) -> tuple[float, str]:
+    """The autoscaler's --target-ongoing and where it came from: as given, else the --plan
+    profile's knee, else the default."""
+    if args.target_ongoing is not None:
+        return args.target_ongoing, "--target-ongoing"
+    if args.plan is not None:
+        from ember.plan.knee import profile_knee   # (only --plan reads a profile)
+        from ember.plan.profile import load_profile
+        return float(profile_knee(load_profile(args.plan))), f"the knee of {args.plan}"
+    return AutoscaleConfig.target_ongoing, "the default"
+
+
+def router_config(args: argparse.Namespace, server: ServerConfig,
+                  target: float | None = None) -> RouterConfig:
+    """`target`: the autoscaler's target_ongoing (default: target_ongoing(args)'s)."""
     n = args.replicas
     low = n if args.min_replicas is None else args.min_replicas
     high = max(n, low) if args.max_replicas is None else args.max_replicas
     scale = AutoscaleConfig(min_replicas=low, max_replicas=high,
-                            target_ongoing=args.target_ongoing, look_back_s=args.look_back,
+                            target_ongoing=target_ongoing(args)[0] if target is None
+                            else target, look_back_s=args.look_back,
                             scale_up_delay_s=args.scale_up_delay,
                             scale_down_delay_s=args.scale_down_delay,
                             scale_to_zero_after_s=args.scale_to_zero_after,

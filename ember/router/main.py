@@ -13,7 +13,7 @@ from ember.config import ApiKey, ServerConfig
 from ember.errors import ConfigError
 from ember.router.autoscale import Autoscaler
 from ember.router.cli import (check_remote_fleet, check_roles, role_urls, router_config,
-                              serve_argv, with_model)
+                              serve_argv, target_ongoing, with_model)
 from ember.router.config import RouterConfig
 from ember.router.fleet import Fleet, launcher_name
 from ember.router.gateway import Gateway, create_gateway
@@ -114,7 +114,8 @@ def cmd_route(args: argparse.Namespace, server: ServerConfig, tokens: list[str])
     if args.replicas < 0 or (args.replicas == 0 and not args.scale_to_zero_after):
         raise ConfigError("--replicas must be at least 1 (0 needs --scale-to-zero-after)")
     argv = serve_argv(tokens, args.route_only)
-    config = router_config(args, server)
+    target, source = target_ongoing(args)
+    config = router_config(args, server, target)
     fleet, rollout = build_fleet(args, argv, config)
     if args.disagg_min_tokens and not fleet.disaggregated:
         raise ConfigError("--disagg-min-tokens needs a disaggregated fleet: --prefill-replicas "
@@ -140,6 +141,11 @@ def cmd_route(args: argparse.Namespace, server: ServerConfig, tokens: list[str])
     print(f"ember: routing on http://{server.host}:{server.port} over "
           f"{len(fleet.replicas)} replicas ({config.policy}); see /fleet", file=sys.stderr,
           flush=True)
+    if config.autoscale.enabled or args.plan:
+        aim = f"{target:g} ongoing requests per replica ({source})"
+        print("ember: autoscaling to " + aim if config.autoscale.enabled else
+              "ember: not autoscaling (--min-replicas = --max-replicas); the target is " + aim,
+              file=sys.stderr, flush=True)
     uv_config = uvicorn.Config(app, host=server.host, port=server.port, log_level="warning",
                                timeout_graceful_shutdown=server.drain_timeout_s,
                                access_log=False)

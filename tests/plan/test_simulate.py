@@ -167,3 +167,58 @@ def test_refusals_are_the_replicas_own():
     records, _ = run(random_requests(6, 32, 50), Load((0.0,) * 6), replicas=2, cfg=cfg)
     errors = [r.error for r in records]
     assert errors.count("http_429") == 2 and errors.count(None) == 4
+
+
+def _outcome(records, sim):
+    """Everything a run reports: each request's times and counts, and the fleet's stats."""
+    return ([(r.index, r.start, r.ttft, r.e2e, r.chunk_times, r.output_tokens, r.cached_tokens,
+              r.error) for r in records], sim.stats(),
+            [r.scheduler.kv.pool.next_event_seq for r in sim.replicas])
+
+
+@pytest.mark.parametrize("case", ["light", "busy", "preempting", "shared-prefix", "clients",
+                                  "clients-ramp"])
+def test_decoding_ahead_changes_nothing(case):
+    """The shortcut over plain decode steps against planning every step: the same records
+    (to the float), stats and KV events, light load to past capacity, with preemption, with
+    prefix hits, and with closed-loop clients (started together, their steps end at the same
+    instants on both replicas: the order of events that tie must hold too)."""
+    rng = random.Random(7)
+    prefixes = [own_prompt(g, 200) for g in range(4)]
+    reqs, load, cfg = {
+        "light": (random_requests(80, 100, 40), poisson(80, rate=4.0), config()),
+        "busy": (random_requests(150, 60, 50), poisson(150, rate=60.0), config()),
+        "preempting": (random_requests(40, 64, 120), poisson(40, rate=30.0),
+                       config(num_blocks=60)),
+        "shared-prefix": ([request(i, prefixes[rng.randrange(4)] + own_prompt(50 + i, 23), 37)
+                           for i in range(120)], poisson(120, rate=25.0), config(num_blocks=200)),
+        "clients": (random_requests(60, 48, 30), Load(concurrency=6), config()),
+        "clients-ramp": (random_requests(60, 80, 45), Load(concurrency=5, ramp_up_s=0.3),
+                         config(num_blocks=80)),
+    }[case]
+    outcomes, ahead_steps = [], []
+    for ahead in (False, True):
+        sim = FleetSim(cfg, 2, "prefix", TOKENS, decode_ahead=ahead)
+        outcomes.append(_outcome(sim.run(reqs, load), sim))
+        ahead_steps.append(sum(r.num_steps_ahead for r in sim.replicas))
+    assert outcomes[0] == outcomes[1]
+    assert ahead_steps[0] == 0 and ahead_steps[1] > 0
+
+
+def test_a_request_sent_as_a_step_ends_joins_the_queue_before_that_end():
+    """A tie: the second request is sent at the very instant one of the first's decode steps
+    ends (a step the shortcut applies at once). The event queue handles a send before a step
+    end at the same instant, so the step planned then computes the new prompt beside the
+    first request's next token; the shortcut keeps that order."""
+    first = request(0, own_prompt(0, 64), 40)
+    alone, _ = run([first], Load((0.0,)))
+    tie = alone[0].chunk_times[5]   # past the prompt and the step that took a new block
+    reqs, load = [first, request(1, own_prompt(1, 64), 8)], Load((0.0, tie))
+    outcomes = []
+    for ahead in (False, True):
+        sim = FleetSim(config(), 1, "prefix", TOKENS, decode_ahead=ahead)
+        outcomes.append(_outcome(sim.run(reqs, load), sim))
+    assert outcomes[0] == outcomes[1]
+    ttft = outcomes[1][0][1][2]
+    # the first request has computed 64 + 5 tokens: its next row reads 70 keys
+    assert ttft == pytest.approx(STEP_MODEL.predict(StepShape(64, 64 * 65 // 2, 1, 70)))
