@@ -22,6 +22,7 @@ from ember.control.state import State
 from ember.router.prompts import load_tokenizer
 from tests.plan.conftest import SimulatedServer, make_profile
 from tests.server.conftest import ThreadedServer
+from tests.waiting import wait_for
 
 PLANES = [  # name, region, cost per hour, spot
     ("eu-1", "eu", 1.0, False), ("eu-2", "eu", 1.2, False), ("us-1", "us", 0.3, True)]
@@ -81,13 +82,6 @@ def control(smollm_path, tmp_path_factory):
 def snapshot(control) -> dict:
     return httpx.get(control.url + "/control", timeout=10).json()
 
-
-def wait_for(predicate, what: str, timeout_s: float = 30):
-    deadline = time.monotonic() + timeout_s
-    while not (got := predicate()):
-        assert time.monotonic() < deadline, f"never {what}"
-        time.sleep(0.2)
-    return got
 
 
 def drawn(page) -> dict[str, dict]:

@@ -19,6 +19,7 @@ import pytest
 
 from tests.plan.conftest import make_profile
 from tests.server.conftest import TEST_KV_GIB, free_port
+from tests.waiting import wait_for
 
 ACME = {"Authorization": "Bearer sk-acme"}       # eu only
 GLOBEX = {"Authorization": "Bearer sk-globex"}   # anywhere
@@ -99,17 +100,15 @@ class Cluster:
         return httpx.get(self.url + "/control", timeout=10).json()
 
     def wait(self, predicate, what: str, timeout_s: float = 240) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
+        """/control once `predicate` holds of it; the control plane must stay up meanwhile."""
+        def snapshot_if_holds() -> dict | None:
             assert self.control.proc.poll() is None, self.control.output()
             try:
                 snap = self.snapshot()
-                if predicate(snap):
-                    return snap
             except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"never {what}"
-            time.sleep(0.3)
+                return None
+            return snap if predicate(snap) else None
+        return wait_for(snapshot_if_holds, what, timeout_s, every_s=0.3)
 
     def ask(self, headers: dict, stream: bool = False) -> httpx.Response:
         return httpx.post(self.url + "/v1/completions", headers=headers, timeout=60,

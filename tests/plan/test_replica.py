@@ -20,6 +20,7 @@ from ember.tokenizer.chat import ChatTemplate
 from tests.plan.conftest import STEP_MODEL, SimulatedServer
 from tests.plan.test_stepmodel import _request, _scheduler
 from tests.server.conftest import LiveServer
+from tests.waiting import wait_for
 
 PROMPT = ("The quick brown fox jumps over the lazy dog, and then it runs far away into the "
           "deep green forest where nobody can find it again, not even the hunters. ") * 2
@@ -116,12 +117,6 @@ def test_a_full_queue_answers_429_and_metrics_show_the_load(profile):
     finally:
         server.close()
 
-
-def wait_for(condition, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the condition never held"
-        time.sleep(0.02)
 
 
 def test_what_it_cannot_simulate_is_refused(client, sim):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 
 import httpx
 import pytest
@@ -17,6 +16,7 @@ from ember.server.protocol import CompletionRequest
 from tests.router.conftest import LiveGateway
 from tests.router.fakes import FakeReplica
 from tests.server.conftest import LiveServer
+from tests.waiting import wait_for
 
 KEY = "k3y-of-the-fleet"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -31,12 +31,6 @@ def keyed(tiny_llama_dir):
     yield live
     live.close()
 
-
-def wait_for(predicate, what: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"never {what}"
-        time.sleep(0.05)
 
 
 def test_a_keyed_replicas_events_reach_the_gateway_and_drive_routing(keyed, replicas,
@@ -181,10 +175,10 @@ def test_a_client_that_leaves_aborts_its_request_on_the_replica(slow, path, body
         else:
             with pytest.raises(httpx.ReadTimeout):   # the client gives up and hangs up
                 httpx.post(gw.url + path, json=ask, timeout=httpx.Timeout(5, read=1))
-        wait_for(lambda: slow.metric(aborts) >= before + 1, "aborted on the replica", 10)
+        wait_for(lambda: slow.metric(aborts) >= before + 1, "aborted on the replica")
         slow.wait_idle()
         wait_for(lambda: gw.fleet.replicas["r1"].in_flight == 0 and gw.gateway.in_flight == 0,
-                 "released at the gateway", 5)
+                 "released at the gateway")
     finally:
         gw.close()
 
@@ -245,6 +239,6 @@ def test_a_shadow_mirror_is_held_until_it_is_done(replicas, slow):
         assert answer.status_code == 200
         assert len(gw.gateway.background) == 1     # the slow shadow still answers
         wait_for(lambda: gw.metric("ember_router_shadow_requests_total") == 1, "compared")
-        wait_for(lambda: not gw.gateway.background, "let go of the mirror", 5)
+        wait_for(lambda: not gw.gateway.background, "let go of the mirror")
     finally:
         gw.close()

@@ -29,6 +29,7 @@ from tests.router.test_route_processes import Route, ready_count
 from tests.server.test_errors import assert_error
 from tests.server.test_fuzz import DEFAULT_EXAMPLES, ENDPOINTS, FUZZ_EXAMPLES, run_property
 from tests.server.test_validation import CHAT, COMPLETIONS, post
+from tests.waiting import wait_for
 
 MAX_NUM_SEQS, MAX_WAITING = 4, 16
 LONG = 500   # tokens to generate: the context's room (512), so a request outlives any check
@@ -82,14 +83,6 @@ def wait_all_free(route: Route, timeout_s: float = 180) -> None:
         assert time.monotonic() < deadline, f"not idle: replicas {busy}, gateway {in_flight}"
         time.sleep(0.2)
 
-
-def wait_for(condition, what: str, timeout_s: float = 120):
-    """Poll until `condition` holds; the timeout only stops a hung test, it measures nothing."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def assert_unharmed(route: Route) -> None:

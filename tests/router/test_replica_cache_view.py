@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import aiohttp
 import httpx
@@ -25,6 +24,7 @@ from ember.server.protocol import CompletionRequest
 from tests.conftest import save_tiny_model, tiny_hf_model
 from tests.router.conftest import LiveGateway
 from tests.server.conftest import LiveServer
+from tests.waiting import wait_for
 
 TINY = {"max_model_len": 512, "kernels": "torch"}
 WINDOW = 4            # KV events the small-window replica keeps
@@ -55,12 +55,6 @@ def wordpiece(wordpiece_dir):
     yield live
     live.close()
 
-
-def wait_for(predicate, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"never {what}"
-        time.sleep(0.05)
 
 
 def replica_keys(live: LiveServer, prompt: str) -> list[int]:

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 
 from ember.router.fleet import PORT_TAKEN
 from tests.server.conftest import TEST_KV_GIB, free_port
+from tests.waiting import wait_for
 
 REPLICA_OPTIONS = ["--dtype", "float32", "--kernels", "torch", "--max-model-len", "512", "-q",
                    "--kv-cache-gib", str(TEST_KV_GIB)]
@@ -49,19 +49,17 @@ class Route:
         return httpx.get(self.url + "/fleet", headers=self.headers, timeout=30).json()
 
     def wait(self, predicate, what: str, timeout_s: float = 180) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
+        """/fleet once `predicate` holds of it; the gateway must stay up meanwhile."""
+        def fleet_if_holds() -> dict | None:
             if self.proc.poll() is not None and PORT_TAKEN in self.output().lower():
                 self.launch(*self.argv)     # its free port was taken before it bound it
             assert self.proc.poll() is None, self.output()[-8000:]
             try:
                 fleet = self.fleet()
-                if predicate(fleet):
-                    return fleet
             except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"never {what}"
-            time.sleep(0.2)
+                return None
+            return fleet if predicate(fleet) else None
+        return wait_for(fleet_if_holds, what, timeout_s, every_s=0.2)
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=30).text

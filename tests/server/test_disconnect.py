@@ -9,9 +9,9 @@ prompt part computed, fewer tokens than asked for, the blocker still running).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import socket
-import time
 
 import pytest
 from starlette.requests import Request
@@ -19,7 +19,10 @@ from starlette.requests import Request
 from ember.request import FinishReason, RequestStatus
 from ember.server.errors import ClientDisconnected, read_body
 from tests.server.conftest import LiveServer
+from tests.waiting import wait_for as poll
 
+# a request passes through a phase in milliseconds: poll often enough to catch it there
+wait_for = functools.partial(poll, every_s=0.005)
 LONG_PROMPT = list(range(1000, 1400))  # 400 tokens = 50 chunks of 8
 
 
@@ -46,16 +49,6 @@ def find_request(server: LiveServer, prompt_len: int):
             return request
     return None
 
-
-def wait_for(condition, what: str, timeout_s: float = 60.0):
-    """Poll until `condition` holds; the timeout only stops a hung test, it measures nothing."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def assert_aborted(server: LiveServer, request, aborts_before: float) -> None:
