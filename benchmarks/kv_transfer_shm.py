@@ -5,7 +5,8 @@
 A "prefill" process allocates SmolLM2-135M's KV cache (30 layers, 3 KV heads of 64, blocks
 of 16 tokens) in shared memory as a `--role prefill` replica does (ember/kv_transfer/shm.py),
 fills it, and a "decode" process maps it and copies one prompt's blocks into its own cache
-with the connector's own copy (blocks.copy_blocks), as a decode replica's pull does. The
+with the connector's own copy (blocks.copy_blocks), as a decode replica's pull does: the
+compiled one (ember/kernels/cpu/kv_copy.cpp), and torch's (`torch_*`, --kernels torch). The
 baseline is torch's copy of one contiguous buffer of the same bytes into another, in the
 decode process. Caches in bfloat16 and int8 (with its float16 scales); blocks adjacent on
 both sides (a prompt's blocks usually are), in runs of 16 and 4, and scattered. Each
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ember.kernels import CpuKernels, build_cpu_ops
 from ember.kv_transfer.blocks import block_nbytes, copy_blocks
 from ember.kv_transfer.shm import Mappings, SharedKV
 
@@ -74,17 +76,19 @@ def decode_side(where: dict, kind: str, num_blocks: int, repeats: int) -> dict:
     layouts = {"adjacent": list(zip(src_ids, range(2000, 2000 + num_blocks)))} | {
         f"runs_of_{run}": runs_of(rng, run, num_blocks) for run in (16, 4, 1)}
     nbytes = num_blocks * block_nbytes(local)
+    kernels = CpuKernels(build_cpu_ops())   # built by the parent: imported as it is
     start = time.perf_counter()
     src = Mappings().tensors(where)
-    first = copy_blocks(src, local, layouts["adjacent"])
+    first = copy_blocks(src, local, layouts["adjacent"], kernels)
     first_s = time.perf_counter() - start
     assert first == nbytes
     check = layouts["adjacent"][3]
     assert all(torch.equal(s[:, :, check[0]], d[:, :, check[1]]) for s, d in zip(src, local))
     a, b = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-    fns = {"memcpy": lambda: b.copy_(a)} | {
-        name: (lambda pairs=pairs: copy_blocks(src, local, pairs))
-        for name, pairs in layouts.items()}
+    fns = {"memcpy": lambda: b.copy_(a)}
+    for name, pairs in layouts.items():
+        fns[name] = lambda pairs=pairs: copy_blocks(src, local, pairs, kernels)
+        fns[f"torch_{name}"] = lambda pairs=pairs: copy_blocks(src, local, pairs)
     seconds = timed(fns, repeats)
     out = {"bytes": nbytes, "first_pull_gbps": nbytes / first_s / 1e9}
     for name, s in seconds.items():
@@ -95,6 +99,7 @@ def decode_side(where: dict, kind: str, num_blocks: int, repeats: int) -> dict:
 
 
 def run(kind: str, tokens: int, repeats: int) -> dict:
+    build_cpu_ops()
     shared = SharedKV(shapes(kind, CACHE_BLOCKS))
     for t in shared.tensors:   # the prefill replica's computed prompt
         t.copy_(torch.randint(-100, 100, t.shape).to(t.dtype))

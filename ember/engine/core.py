@@ -292,7 +292,8 @@ class EngineCore:
         fmt = KVFormat(self.model_path.name, self.cache_info.dtype, self.cache_info.block_size,
                        self.model_config.num_layers, self.model_config.num_kv_heads,
                        self.model_config.head_dim)
-        self.kv_connector = KVConnector(transfer, cache_tensors(kv_caches), fmt, shared)
+        self.kv_connector = KVConnector(transfer, cache_tensors(kv_caches), fmt, shared,
+                                        self.kernels)
 
     def advise_kv_huge_pages(self) -> None:
         """Ask for huge pages under the KV cache (engine/memory.py); called after the

@@ -9,7 +9,8 @@ over their paged contexts, a prefix that several chunks share packed once),
 activations), `brgemm_matmul.cpp` (bfloat16 linears on torch's own brgemm: AMX's tile unit
 where the CPU has one), `lora.cpp` (the LoRA adapters of a mixed batch, each adapter's
 rows at once), `decode_stack.cpp` (every decoder layer of a step in one call),
-`shm_allreduce.cpp` (the tensor-parallel all-reduce through shared memory), the
+`shm_allreduce.cpp` (the tensor-parallel all-reduce through shared memory), `kv_copy.cpp`
+(KV blocks from one cache into another, for disaggregated serving's pulls), the
 inline helpers they share (`vec.h` SIMD, `kv_cache.h` the cache's rows, `common.h` what one
 file calls in another) and `bindings.cpp` (the Python bindings only). Most need a CPU with
 AVX-512 BF16 (and VNNI, for the int8 activations); the rest run anywhere. They are built as
@@ -194,6 +195,13 @@ class CpuKernels:
     def shm_unlink(self, name: str) -> None:
         """Remove a shared-memory segment's name (its memory lives on while mapped)."""
         self.ops.ShmAllReduce.unlink(name)
+
+    def copy_kv_blocks(self, src: list[Tensor], dst: list[Tensor], runs: Tensor) -> int:
+        """dst[t][:, :, d:d + n] = src[t][:, :, s:s + n] for every tensor pair and every run
+        (s, d, n) of runs [r, 3] int64, one memcpy per run and (dim 0, dim 1) index; two
+        caches of one layout, [2, kv_heads, blocks, ...] with the block dim and those after
+        it packed. Returns the bytes copied (ember/kernels/cpu/kv_copy.cpp)."""
+        return self.ops.copy_kv_blocks(src, dst, runs)
 
     def int8_rows(self, ids: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
         """Rows `ids` [t] of that weight -> [t, k] bfloat16 (an embedding lookup)."""

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor
 
+from ember.kernels import CpuKernels
 from ember.models.attention import PagedKV
 
 GROUP = 16   # blocks read or written per torch op on the streamed path
@@ -50,14 +51,20 @@ def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
 
 
 @torch.inference_mode()
-def copy_blocks(src: list[Tensor], dst: list[Tensor], pairs: list[tuple[int, int]]) -> int:
+def copy_blocks(src: list[Tensor], dst: list[Tensor], pairs: list[tuple[int, int]],
+                kernels: CpuKernels | None = None) -> int:
     """Copy blocks src[s] -> dst[d] for each (s, d) pair, between two caches of the same
     layout but for their block counts. Returns the bytes copied.
 
-    Runs of adjacent blocks copy in one pass, a run per torch op; blocks scattered on
-    either side go through a gathered copy (two passes, but two ops per tensor instead of
-    one per block: a block's pieces are small, and per-op overhead would dominate)."""
+    With `kernels`, one call does every piece of every run (kv_copy.cpp), the GIL
+    released. On the torch path, runs of adjacent blocks copy in one pass, a run per torch
+    op; blocks scattered on either side go through a gathered copy (two passes, but two ops
+    per tensor instead of one per block: a block's pieces are small, and per-op overhead
+    would dominate)."""
     spans = runs(pairs)
+    if kernels is not None:
+        return kernels.copy_kv_blocks(src, dst, torch.tensor(spans, dtype=torch.long)
+                                      .view(-1, 3))
     if len(spans) * MIN_MEAN_RUN <= len(pairs):
         for s, d, n in spans:
             for a, b in zip(src, dst):

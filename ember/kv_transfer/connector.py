@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 from torch import Tensor
 
 from ember.config import KVTransferConfig
+from ember.kernels import CpuKernels
 from ember.kv.prefix_cache import prompt_block_keys
 from ember.kv_transfer.blocks import BlockWriter, block_nbytes, copy_blocks, read_blocks
 from ember.kv_transfer.params import Export, KVFormat, RemotePrefill, TransferFailed
@@ -62,8 +63,9 @@ class KVTransport(Protocol):
 class ShmTransport:
     name = "shm"
 
-    def __init__(self, tensors: list[Tensor]) -> None:
+    def __init__(self, tensors: list[Tensor], kernels: CpuKernels | None) -> None:
         self.tensors = tensors
+        self.kernels = kernels   # the compiled copy, or None for torch's
         self.mappings = Mappings()
 
     def pull(self, client: PrefillClient, claim: dict, pairs: list[tuple[int, int]],
@@ -72,7 +74,7 @@ class ShmTransport:
         src = self.mappings.tensors(where) if where else None
         if src is None or not _same_blocks(src, self.tensors):
             return None
-        return copy_blocks(src, self.tensors, pairs)
+        return copy_blocks(src, self.tensors, pairs, self.kernels)
 
 
 class HttpTransport:
@@ -131,7 +133,7 @@ class _Pin:
 
 class KVConnector:
     def __init__(self, config: KVTransferConfig, tensors: list[Tensor], kv_format: KVFormat,
-                 shared: SharedKV | None = None) -> None:
+                 shared: SharedKV | None = None, kernels: CpuKernels | None = None) -> None:
         self.config = config
         self.tensors = tensors
         self.kv_format = kv_format
@@ -145,7 +147,7 @@ class KVConnector:
         self._finished: list[tuple[str, bool]] = []
         self._transports: list[KVTransport] = [HttpTransport(tensors)]
         if config.kv_transport == "auto":
-            self._transports.insert(0, ShmTransport(tensors))
+            self._transports.insert(0, ShmTransport(tensors, kernels))
         self._workers = self._http = None
         if config.imports:
             from ember.kv_transfer import http

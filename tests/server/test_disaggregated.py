@@ -282,6 +282,25 @@ def test_http_transport_matches_too(tiny_llama_dir):
         servers.close()
 
 
+@pytest.mark.slow
+def test_compiled_copy_pulls_the_same_answer(tiny_llama_dir):
+    """With the compiled kernels (every replica alike) the decode replica pulls over shared
+    memory with kv_copy.cpp's copy: the same answer as one replica."""
+    folder, _ = tiny_llama_dir
+    servers = Trio(folder, CACHES["bfloat16"] | {"kernels": "auto"})
+    try:
+        assert servers.decode.engine.core.kernels is not None   # built, not the torch path
+        for prompt in PROMPTS[:2]:
+            _, text, _ = disaggregated(servers, prompt)
+            assert text == complete(servers.single.url, prompt)["choices"][0]["text"]
+        name = servers.decode.state.model_name
+        assert servers.decode.metric(
+            f'ember_kv_transfer_bytes_total{{model_name="{name}",transport="shm"}}') > 0
+        assert_all_free(servers.prefill, servers.decode)
+    finally:
+        servers.close()
+
+
 def test_client_gone_mid_pull_frees_both_sides(tiny_llama_dir):
     """The decode replica's client leaves while its blocks are being pulled: the request
     ends at once, but its blocks stay held until the pull stops writing them; then both

@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "decode_stack.h"
+#include "kv_copy.h"
 #include "shm_allreduce.h"
 
 using namespace ember;
@@ -54,6 +55,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add", &lora_add, "each adapter's low-rank update added to its rows of y",
         py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("starts"), py::arg("a"),
         py::arg("a_scales"), py::arg("b"), py::arg("b_scales"), py::arg("ranges"), no_gil);
+  m.def("copy_kv_blocks", &copy_kv_blocks, "runs of KV blocks from one cache into another",
+        py::arg("src"), py::arg("dst"), py::arg("runs"), no_gil);
   // module_local: two builds may share a process (an A/B of two sources loads both)
   py::class_<ShmAllReduce>(m, "ShmAllReduce", py::module_local())
       .def(py::init<const std::string&, int64_t, int64_t, int64_t, bool>(), py::arg("name"),
