@@ -6,7 +6,9 @@
     GET  /control                 planes, deployments with their placement, recent events
     POST /v1/chat/completions,    the tenant's key -> its regions -> routing.candidates ->
          /v1/completions          forwarded to that plane's fleet; retried on the next
-                                  candidate before the first byte, never outside the list
+                                  candidate before the first byte, never outside the list.
+                                  Only the model is read here: the fleet's gateway validates
+                                  the rest and its 4xx reaches the client as it is
     GET  /v1/models[/ID]          the models of the deployments the key's tenant may use
     GET  /health
 """
@@ -35,7 +37,6 @@ from ember.router.proxy import (HOP_HEADERS, SSE_HEADERS, Attempt, kept_headers,
                                 relay_stream)
 from ember.server.errors import (NotFound, Unauthorized, Unavailable, error_body,
                                  install_error_handlers, read_body)
-from ember.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from ember.server.tenants import match_key
 
 REGION_HEADER = "x-ember-region"
@@ -50,7 +51,11 @@ def create_control_app(ctl: Controller, check_every_s: float = 0.5,
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        session["s"] = aiohttp.ClientSession()
+        # no total timeout (a stream lasts as long as it generates) and no cap on pooled
+        # connections: the fleets' gateways queue and refuse, not this hop
+        session["s"] = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            connector=aiohttp.TCPConnector(limit=0))
         monitor = asyncio.create_task(_monitor(ctl, check_every_s))
         yield
         monitor.cancel()
@@ -92,13 +97,11 @@ def create_control_app(ctl: Controller, check_every_s: float = 0.5,
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await forward(ctl, session["s"], server, request, CompletionRequest,
-                             "/v1/completions")
+        return await forward(ctl, session["s"], server, request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await forward(ctl, session["s"], server, request, ChatCompletionRequest,
-                             "/v1/chat/completions")
+        return await forward(ctl, session["s"], server, request, "/v1/chat/completions")
 
     return app
 
@@ -170,15 +173,32 @@ def choose(ctl: Controller, model: str, tenant: Tenant | None, client_region: st
     return planes
 
 
-async def forward(ctl: Controller, session: aiohttp.ClientSession, server: ServerConfig,
-                  request: Request, body_type: type, path: str) -> Response:
-    tenant = _tenant(ctl, request)
-    raw = await read_body(request, server.max_body_bytes)
-    body = parse_body(raw, body_type, server.max_json_depth, server.max_n)
-    models = sorted({d.model for d in ctl.config.deployments})
-    model = body.model or (models[0] if len(models) == 1 else None)
+def requested_model(raw: bytes, deployments: tuple[Deployment, ...]) -> str:
+    """The model a request body names (the only deployment's when it names none), or an
+    InvalidRequest. The rest of the body is the fleet gateway's to validate."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise InvalidRequest("the JSON body nests too deeply") from None
+    except ValueError as e:  # bad JSON, bad UTF-8, or an integer of over 4300 digits
+        raise InvalidRequest(f"the body is not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest(f"model must be a string naming a model, not {model!r:.100}")
+    models = sorted({d.model for d in deployments})
+    model = model or (models[0] if len(models) == 1 else None)
     if model is None:
         raise InvalidRequest(f"give a model: one of {', '.join(models)}")
+    return model
+
+
+async def forward(ctl: Controller, session: aiohttp.ClientSession, server: ServerConfig,
+                  request: Request, path: str) -> Response:
+    tenant = _tenant(ctl, request)
+    raw = await read_body(request, server.max_body_bytes)
+    model = requested_model(raw, ctl.config.deployments)
     planes = choose(ctl, model, tenant, request.headers.get(REGION_HEADER))
     headers = {k: v for k, v in request.headers.items() if k.lower() in HOP_HEADERS}
     last: Attempt | None = None
@@ -189,8 +209,7 @@ async def forward(ctl: Controller, session: aiohttp.ClientSession, server: Serve
         live = ctl.live[view.name]
         live.in_flight += 1
         try:
-            resp = await session.post(url + path, data=raw, headers=headers,
-                                      timeout=aiohttp.ClientTimeout(sock_connect=5))
+            resp = await session.post(url + path, data=raw, headers=headers)
             first = await read_first(resp)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, Attempt) as e:
             live.in_flight -= 1
