@@ -26,10 +26,11 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from ember.config import ServerConfig
 from ember.control.config import Tenant
-from ember.control.controller import Controller, FleetReport
+from ember.control.controller import Controller, FleetReport, PlaneLive
 from ember.control.placement import Deployment, Plane
 from ember.control.routing import PlaneView, candidates
 from ember.errors import ConfigError, InvalidRequest
@@ -228,19 +229,31 @@ async def forward(ctl: Controller, session: aiohttp.ClientSession, server: Serve
         media_type="application/json", headers={"Retry-After": "1"})
 
 
-def _answer(resp: aiohttp.ClientResponse, first: bytes, live) -> Response:
+def _answer(resp: aiohttp.ClientResponse, first: bytes, live: PlaneLive) -> Response:
     if resp.content_type != "text/event-stream":
         live.in_flight -= 1
         return Response(first, status_code=resp.status, media_type=resp.content_type,
                         headers=kept_headers(resp))
+    return _Relay(resp, first, live)
 
-    async def chunks() -> AsyncIterator[bytes]:
+
+class _Relay(StreamingResponse):
+    """A fleet's stream relayed to the client. The fleet's response is closed and the
+    plane's in-flight count dropped once, however the stream ends: also when the client
+    left before it began, when the body's iterator never runs."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, first: bytes, live: PlaneLive) -> None:
+        super().__init__(relay_stream(resp, first, None, _nothing), status_code=resp.status,
+                         media_type="text/event-stream", headers=SSE_HEADERS)
+        self.resp, self.live = resp, live
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async for chunk in relay_stream(resp, first, None, lambda: None):
-                yield chunk
+            await super().__call__(scope, receive, send)
         finally:
-            resp.close()
-            live.in_flight -= 1
-    return StreamingResponse(chunks(), status_code=resp.status,
-                             media_type="text/event-stream", headers=SSE_HEADERS)
+            self.resp.close()
+            self.live.in_flight -= 1
 
+
+def _nothing() -> None:
+    pass
