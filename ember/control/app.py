@@ -8,7 +8,9 @@
                                   and traffic), polled every second
     POST /v1/chat/completions,    the tenant's key -> its regions -> routing.candidates ->
          /v1/completions          forwarded to that plane's fleet; retried on the next
-                                  candidate before the first byte, never outside the list
+                                  candidate before the first byte, never outside the list.
+                                  Only the model is read here: the fleet's gateway validates
+                                  the rest and its 4xx reaches the client as it is
     GET  /v1/models[/ID]          the models of the deployments the key's tenant may use
     GET  /health
 """
@@ -27,10 +29,11 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from ember.config import ServerConfig
 from ember.control.config import Tenant
-from ember.control.controller import Controller, FleetReport
+from ember.control.controller import Controller, FleetReport, PlaneLive
 from ember.control.placement import Deployment, Plane
 from ember.control.routing import PlaneView, candidates
 from ember.errors import ConfigError, InvalidRequest
@@ -38,7 +41,6 @@ from ember.router.proxy import (HOP_HEADERS, SSE_HEADERS, Attempt, kept_headers,
                                 relay_stream)
 from ember.server.errors import (NotFound, Unauthorized, Unavailable, error_body,
                                  install_error_handlers, read_body)
-from ember.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from ember.server.tenants import match_key
 
 REGION_HEADER = "x-ember-region"
@@ -53,7 +55,11 @@ def create_control_app(ctl: Controller, check_every_s: float = 0.5,
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        session["s"] = aiohttp.ClientSession()
+        # no total timeout (a stream lasts as long as it generates) and no cap on pooled
+        # connections: the fleets' gateways queue and refuse, not this hop
+        session["s"] = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            connector=aiohttp.TCPConnector(limit=0))
         monitor = asyncio.create_task(_monitor(ctl, check_every_s))
         yield
         monitor.cancel()
@@ -101,13 +107,11 @@ def create_control_app(ctl: Controller, check_every_s: float = 0.5,
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await forward(ctl, session["s"], server, request, CompletionRequest,
-                             "/v1/completions")
+        return await forward(ctl, session["s"], server, request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await forward(ctl, session["s"], server, request, ChatCompletionRequest,
-                             "/v1/chat/completions")
+        return await forward(ctl, session["s"], server, request, "/v1/chat/completions")
 
     return app
 
@@ -179,15 +183,32 @@ def choose(ctl: Controller, model: str, tenant: Tenant | None, client_region: st
     return planes
 
 
-async def forward(ctl: Controller, session: aiohttp.ClientSession, server: ServerConfig,
-                  request: Request, body_type: type, path: str) -> Response:
-    tenant = _tenant(ctl, request)
-    raw = await read_body(request, server.max_body_bytes)
-    body = parse_body(raw, body_type, server.max_json_depth, server.max_n)
-    models = sorted({d.model for d in ctl.config.deployments})
-    model = body.model or (models[0] if len(models) == 1 else None)
+def requested_model(raw: bytes, deployments: tuple[Deployment, ...]) -> str:
+    """The model a request body names (the only deployment's when it names none), or an
+    InvalidRequest. The rest of the body is the fleet gateway's to validate."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise InvalidRequest("the JSON body nests too deeply") from None
+    except ValueError as e:  # bad JSON, bad UTF-8, or an integer of over 4300 digits
+        raise InvalidRequest(f"the body is not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest(f"model must be a string naming a model, not {model!r:.100}")
+    models = sorted({d.model for d in deployments})
+    model = model or (models[0] if len(models) == 1 else None)
     if model is None:
         raise InvalidRequest(f"give a model: one of {', '.join(models)}")
+    return model
+
+
+async def forward(ctl: Controller, session: aiohttp.ClientSession, server: ServerConfig,
+                  request: Request, path: str) -> Response:
+    tenant = _tenant(ctl, request)
+    raw = await read_body(request, server.max_body_bytes)
+    model = requested_model(raw, ctl.config.deployments)
     planes = choose(ctl, model, tenant, request.headers.get(REGION_HEADER))
     headers = {k: v for k, v in request.headers.items() if k.lower() in HOP_HEADERS}
     last: Attempt | None = None
@@ -198,8 +219,7 @@ async def forward(ctl: Controller, session: aiohttp.ClientSession, server: Serve
         live = ctl.live[view.name]
         live.in_flight += 1
         try:
-            resp = await session.post(url + path, data=raw, headers=headers,
-                                      timeout=aiohttp.ClientTimeout(sock_connect=5))
+            resp = await session.post(url + path, data=raw, headers=headers)
             first = await read_first(resp)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, Attempt) as e:
             live.in_flight -= 1
@@ -218,19 +238,31 @@ async def forward(ctl: Controller, session: aiohttp.ClientSession, server: Serve
         media_type="application/json", headers={"Retry-After": "1"})
 
 
-def _answer(resp: aiohttp.ClientResponse, first: bytes, live) -> Response:
+def _answer(resp: aiohttp.ClientResponse, first: bytes, live: PlaneLive) -> Response:
     if resp.content_type != "text/event-stream":
         live.in_flight -= 1
         return Response(first, status_code=resp.status, media_type=resp.content_type,
                         headers=kept_headers(resp))
+    return _Relay(resp, first, live)
 
-    async def chunks() -> AsyncIterator[bytes]:
+
+class _Relay(StreamingResponse):
+    """A fleet's stream relayed to the client. The fleet's response is closed and the
+    plane's in-flight count dropped once, however the stream ends: also when the client
+    left before it began, when the body's iterator never runs."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, first: bytes, live: PlaneLive) -> None:
+        super().__init__(relay_stream(resp, first, None, _nothing), status_code=resp.status,
+                         media_type="text/event-stream", headers=SSE_HEADERS)
+        self.resp, self.live = resp, live
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async for chunk in relay_stream(resp, first, None, lambda: None):
-                yield chunk
+            await super().__call__(scope, receive, send)
         finally:
-            resp.close()
-            live.in_flight -= 1
-    return StreamingResponse(chunks(), status_code=resp.status,
-                             media_type="text/event-stream", headers=SSE_HEADERS)
+            self.resp.close()
+            self.live.in_flight -= 1
 
+
+def _nothing() -> None:
+    pass

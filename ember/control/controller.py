@@ -6,6 +6,10 @@ request.
     check() every tick: a plane silent for `down_after_s` -> down, event; re-solve if due
     views(): planes as routing.py sees them, from what the planes report running
 
+The Controller is the State's only writer, so it keeps what it stored (planes, placement) in
+memory, and the routing table built from them and the planes' ready fleets is rebuilt only
+when one of those changes: a request reads no SQLite.
+
 Planes pull their work: the heartbeat's reply is the plane's desired fleets. A restarted
 control plane reads the same placement back, so its replies ask for what already runs, and
 no healthy fleet restarts; with no placement stored it places from what the planes report
@@ -50,8 +54,13 @@ class Controller:
         self.config, self.state = config, state
         self.down_after_s, self.solve_time_limit_s = down_after_s, solve_time_limit_s
         now = time.monotonic()
+        self.planes = state.planes()         # what is stored, kept in step by each write
+        self.placement = state.placement()
+        self.version = 0                     # bumped by every change the routes depend on
+        self.routes: dict[str, list[PlaneView]] = {}
+        self.routes_version = -1
         # a restart gives every known plane a full `down_after_s` to be heard from again
-        self.live = {name: PlaneLive(last_seen=now) for name in state.planes()}
+        self.live = {name: PlaneLive(last_seen=now) for name in self.planes}
         self.served: dict[tuple[str, str], int] = {}   # (tenant, plane) -> requests sent
         self.pending = ""            # why a re-solve is due ("": none)
         self.first_heard = 0.0       # monotonic: the first heartbeat since start
@@ -62,13 +71,16 @@ class Controller:
 
     def heard(self, plane: Plane, fleets: list[FleetReport], load: float) -> list[dict]:
         """A plane's heartbeat (its first one registers it); returns its desired fleets."""
-        known = self.state.planes().get(plane.name)
+        known = self.planes.get(plane.name)
         live = self.live.setdefault(plane.name, PlaneLive())
-        live.fleets = {f.deployment: f for f in fleets}
+        reported = {f.deployment: f for f in fleets}
+        if reported != live.fleets:
+            live.fleets = reported
+            self.version += 1
         live.load, live.last_seen = load, time.monotonic()
         plane = replace(plane, up=True)
         if known is None or known[0] != plane:
-            self.state.save_plane(plane, "", time.time())
+            self.save_plane(plane, "", time.time())
             if known is None:
                 self.state.event("plane_joined", f"{plane.name} joined ({plane.region}, "
                                  f"{plane.cores} cores, {plane.memory_mib} MiB)")
@@ -84,11 +96,11 @@ class Controller:
         """Mark down every up plane not heard from for `down_after_s`, and re-solve."""
         now = time.monotonic()
         lost = []
-        for name, (plane, url, _) in self.state.planes().items():
+        for name, (plane, url, _) in list(self.planes.items()):
             live = self.live.setdefault(name, PlaneLive(last_seen=now))
             if plane.up and now - live.last_seen > self.down_after_s:
-                self.state.save_plane(replace(plane, up=False), url, time.time())
                 live.fleets = {}
+                self.save_plane(replace(plane, up=False), url, time.time())
                 self.state.event("plane_down", f"{name}: no heartbeat for "
                                  f"{now - live.last_seen:.1f} s; marked down")
                 lost.append(name)
@@ -96,17 +108,19 @@ class Controller:
             self.pending = f"plane(s) {', '.join(lost)} went down"
         # with nothing placed yet, planes starting together get `down_after_s` to join, so
         # the first placement is not undone as each one registers
-        settling = not self.state.placement() and now - self.first_heard < self.down_after_s
+        settling = not self.placement and now - self.first_heard < self.down_after_s
         if self.pending and not settling:
             why, self.pending = self.pending, ""
             self.resolve(why)
 
     def resolve(self, why: str) -> None:
-        planes = tuple(p for p, _, _ in self.state.planes().values())
-        previous = self.state.placement() or self.reported()
+        planes = tuple(p for p, _, _ in self.planes.values())
+        previous = self.placement or self.reported()
         result = place(Problem(planes, self.config.deployments, previous),
                        time_limit_s=self.solve_time_limit_s)
         self.state.save_placement(result.assignments)
+        self.placement = self.state.placement()
+        self.version += 1
         where = "; ".join(f"{d}: " + ", ".join(f"{p}x{n}" for p, n in a.active.items())
                           + (f" (standby {a.standby})" if a.standby else "")
                           for d, a in result.assignments.items())
@@ -116,6 +130,11 @@ class Controller:
                  and (n := sum(a.active.values())) < d.replicas]
         short_text = f"; short of replicas: {', '.join(short)}" if short else ""
         self.state.event("placed", f"{why}: {where or 'nothing placed'}{unplaced}{short_text}")
+
+    def save_plane(self, plane: Plane, url: str, last_seen: float) -> None:
+        self.state.save_plane(plane, url, last_seen)
+        self.planes = self.state.planes()
+        self.version += 1
 
     def reported(self) -> dict[str, Assignment]:
         """The placement the planes' reported fleets amount to (for re-adoption)."""
@@ -128,9 +147,9 @@ class Controller:
     def desired(self, plane_name: str) -> list[dict]:
         """The fleets `plane_name` should run: one per deployment placed on it."""
         deployments = {d.name: d for d in self.config.deployments}
-        region = self.state.planes()[plane_name][0].region
+        region = self.planes[plane_name][0].region
         out = []
-        for name, a in self.state.placement().items():
+        for name, a in self.placement.items():
             n = a.active.get(plane_name, 0) or int(a.standby == plane_name)
             if not n or name not in deployments:
                 continue
@@ -149,14 +168,21 @@ class Controller:
 
     def views(self, role: str) -> list[PlaneView]:
         """Planes for routing.candidates, each serving the models of its ready fleets whose
-        deployment places `role` ("active" or "standby") there."""
-        placement = self.state.placement()
+        deployment places `role` ("active" or "standby") there, with its requests now."""
+        if self.routes_version != self.version:
+            self.routes = {r: self._route_table(r) for r in ("active", "standby")}
+            self.routes_version = self.version
+        return [PlaneView(v.name, v.region, v.up, v.models,
+                          self.live.get(v.name, PlaneLive()).in_flight)
+                for v in self.routes[role]]
+
+    def _route_table(self, role: str) -> list[PlaneView]:
         out = []
-        for name, (plane, _, _) in self.state.planes().items():
+        for name, (plane, _, _) in self.planes.items():
             live = self.live.get(name, PlaneLive())
-            models = frozenset(f.model for f in live.fleets.values()
-                               if f.ready and _role(placement.get(f.deployment), name) == role)
-            out.append(PlaneView(name, plane.region, plane.up, models, live.in_flight))
+            models = frozenset(f.model for f in live.fleets.values() if f.ready and
+                               _role(self.placement.get(f.deployment), name) == role)
+            out.append(PlaneView(name, plane.region, plane.up, models, 0))
         return out
 
     def fleet_url(self, plane_name: str, model: str) -> str | None:
@@ -167,7 +193,7 @@ class Controller:
 
     def snapshot(self) -> dict:
         """GET /control."""
-        placement = self.state.placement()
+        placement = self.placement
         deployments = [{"name": d.name, "model": d.model, "replicas": d.replicas,
                         "mode": d.mode, "regions": list(d.regions),
                         "placement": ({"active": a.active, "standby": a.standby}
@@ -178,7 +204,7 @@ class Controller:
         for (tenant, plane), n in sorted(self.served.items()):
             served.setdefault(tenant, {})[plane] = n
         return {"planes": [self._plane_view(p, placement) for p, _, _ in
-                           self.state.planes().values()],
+                           self.planes.values()],
                 "deployments": deployments, "served": served, "events": self.state.events()}
 
     def _plane_view(self, plane: Plane, placement: dict[str, Assignment]) -> dict:

@@ -1,7 +1,9 @@
 """The control endpoint's /v1/models, read with the OpenAI client: each tenant sees the
-models of the deployments allowed in one of its regions, and only with its key."""
+models of the deployments allowed in one of its regions, and only with its key. A completion
+it cannot route gets a 4xx naming what is wrong with the body, or a 503 naming why."""
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -79,3 +81,21 @@ def test_a_model_outside_the_tenants_regions_is_not_found(control):
 def test_models_need_a_key(control):
     with pytest.raises(openai.AuthenticationError):
         client(control, "sk-nobody").models.list()
+
+
+@pytest.mark.parametrize("body,status,says", [
+    (b"{", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "must be a JSON object"),
+    (b'{"model": 3, "messages": []}', 400, "model must be a string"),
+    (b'{"messages": [{"role": "user", "content": "hi"}]}', 400,
+     "give a model: one of big, small, tiny"),
+    (b'{"model": "small", "messages": [{"role": "user", "content": "hi"}]}', 503,
+     "no plane in regions eu"),
+])
+def test_a_completion_that_cannot_be_routed_says_why(control, body, status, says):
+    r = httpx.post(control.url + "/v1/chat/completions", content=body,
+                   headers={"Authorization": "Bearer sk-acme",
+                            "Content-Type": "application/json"})
+    assert r.status_code == status
+    assert says in r.json()["error"]["message"]
+    assert (r.headers.get("Retry-After") is not None) == (status == 503)

@@ -207,6 +207,12 @@ def test_an_eu_tenant_stays_in_eu_through_a_plane_failure(cluster):
     urls = fleets(c.snapshot())
     assert tenant_count(urls["us-1"][0], "acme") == 0
     assert sum(tenant_count(urls[p][0], "acme") for p in ("eu-1", "eu-2")) == 6
+    with httpx.stream("POST", c.url + "/v1/completions", headers=ACME, timeout=60,
+                      json={"model": c.model, "prompt": "Hello", "max_tokens": 64,
+                            "stream": True}) as r:
+        next(r.iter_bytes())                 # the client leaves after the first chunk
+    c.wait(lambda s: all(p["in_flight"] == 0 for p in s["planes"]),
+           "every request's in-flight count dropped", timeout_s=60)
 
     on_eu2 = c.snapshot()["served"]["acme"].get("eu-2", 0)
     c.planes["eu-1"].end(signal.SIGKILL)      # its fleets die with it
