@@ -34,7 +34,7 @@ from starlette.types import Receive, Scope, Send
 from ember.config import ServerConfig
 from ember.control.config import Tenant
 from ember.control.controller import Controller, FleetReport, PlaneLive
-from ember.control.placement import Deployment, Plane
+from ember.control.placement import Deployment, Plane, place
 from ember.control.routing import PlaneView, candidates
 from ember.errors import ConfigError, InvalidRequest
 from ember.router.proxy import (HOP_HEADERS, SSE_HEADERS, Attempt, kept_headers, read_first,
@@ -119,7 +119,11 @@ def create_control_app(ctl: Controller, check_every_s: float = 0.5,
 async def _monitor(ctl: Controller, every_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
-        ctl.check()
+        why = ctl.due()
+        if why:   # the solver takes up to its time limit: requests keep flowing meanwhile
+            result = await asyncio.to_thread(place, ctl.problem(),
+                                             time_limit_s=ctl.solve_time_limit_s)
+            ctl.apply(result, why)
 
 
 def _check_plane_token(request: Request, token: str | None) -> None:

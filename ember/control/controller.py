@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ember.control.config import ControlConfig
-from ember.control.placement import Assignment, Plane, Problem, place
+from ember.control.placement import Assignment, Placement, Plane, Problem, place
 from ember.control.routing import PlaneView
 from ember.control.state import State
 
@@ -94,6 +94,13 @@ class Controller:
 
     def check(self) -> None:
         """Mark down every up plane not heard from for `down_after_s`, and re-solve."""
+        why = self.due()
+        if why:
+            self.resolve(why)
+
+    def due(self) -> str:
+        """Mark down every up plane not heard from for `down_after_s`; return why a re-solve
+        is due ("": none), which the caller then owes."""
         now = time.monotonic()
         lost = []
         for name, (plane, url, _) in list(self.planes.items()):
@@ -109,15 +116,21 @@ class Controller:
         # with nothing placed yet, planes starting together get `down_after_s` to join, so
         # the first placement is not undone as each one registers
         settling = not self.placement and now - self.first_heard < self.down_after_s
-        if self.pending and not settling:
-            why, self.pending = self.pending, ""
-            self.resolve(why)
+        if not self.pending or settling:
+            return ""
+        why, self.pending = self.pending, ""
+        return why
+
+    def problem(self) -> Problem:
+        """What a re-solve places: the stored planes, the deployments, and what runs now."""
+        planes = tuple(p for p, _, _ in self.planes.values())
+        return Problem(planes, self.config.deployments, self.placement or self.reported())
 
     def resolve(self, why: str) -> None:
-        planes = tuple(p for p, _, _ in self.planes.values())
-        previous = self.placement or self.reported()
-        result = place(Problem(planes, self.config.deployments, previous),
-                       time_limit_s=self.solve_time_limit_s)
+        self.apply(place(self.problem(), time_limit_s=self.solve_time_limit_s), why)
+
+    def apply(self, result: Placement, why: str) -> None:
+        """Store a solved placement (planes learn it from their next heartbeat's reply)."""
         self.state.save_placement(result.assignments)
         self.placement = self.state.placement()
         self.version += 1
