@@ -317,9 +317,10 @@ class EngineCore:
         return [t for kv in caches for t in (kv.data, kv.scale) if t is not None]
 
     def _init_encoder(self, config: EngineConfig, files: SafetensorsFolder) -> None:
-        if config.parallel.tensor_parallel_size > 1:
+        if config.parallel.world_size > 1:
             raise ConfigError(f"{self.model_path.name} is an encoder, which runs in one "
-                              "process; use tensor_parallel_size=1")
+                              "process; use tensor_parallel_size=1 and "
+                              "pipeline_parallel_size=1")
         encoder = build_encoder(config, files)
         self.tokenizer = load_tokenizer(files)
         self.model_config, self.dtype = encoder.model_config, encoder.dtype
@@ -488,6 +489,11 @@ class EngineCore:
                         ) -> PoolingParams:
         """Raise if the prompt cannot be embedded; else the pooling, its method resolved.
         Reads only what never changes after start-up, so any thread may call it."""
+        stages = self.config.parallel.pipeline_parallel_size
+        if stages > 1:   # the pooled hidden states are the last stage's, not the driver's
+            raise InvalidRequest(f"this server runs the model in {stages} pipeline stages, "
+                                 "which do not serve embeddings yet; send them to a server "
+                                 "started with --pipeline-parallel-size 1", param="input")
         limit = min(self.max_model_len, self.cache_info.num_tokens)
         check_embedding_input(prompt_token_ids, pooling, limit, self.model_config.hidden_size)
         self._check_token_ids(prompt_token_ids, EMBED_PARAMS)

@@ -15,7 +15,8 @@ import torch
 
 from ember import LLM, EngineConfig, SamplingParams
 from ember.engine.core import EngineCore
-from ember.errors import ConfigError
+from ember.errors import ConfigError, InvalidRequest
+from ember.request import PoolingParams
 from tests.conftest import first_mismatch, save_tiny_model, tiny_hf_model
 from tests.reference.test_llama_vs_hf import PROMPTS, ember_greedy_logits
 from tests.reference.test_variants_vs_hf import tiny_variant
@@ -69,9 +70,10 @@ def test_two_stages_match_one_process_step_by_step(tiny_folder):
     staged = EngineCore(EngineConfig.from_options(model=str(tiny_folder),
                                                   pipeline_parallel_size=2, **OPTIONS))
     try:
-        assert [len(c.data) for c in staged.runner.kv_caches] and \
-            len(staged.runner.kv_caches) == 2   # stage 0 caches layers 0-1 only
+        assert len(staged.runner.kv_caches) == 2   # the driver's stage caches layers 0-1
         assert_same_steps(one, staged)
+        with pytest.raises(InvalidRequest, match="2 pipeline stages"):
+            staged.check_embedding([1, 2, 3], PoolingParams())
     finally:
         staged.close()
 
