@@ -129,6 +129,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="P",
                    help="split the layers into P stages of consecutive layers, each of T "
                         "processes (T x P in all); each stage loads and caches only its layers")
+    p.add_argument("--pipeline-micro-batches", type=int, default=None, metavar="M",
+                   help="cut each step's requests into up to M micro-batches, which the "
+                        "stages work on at once (default: P)")
     p.add_argument("--oversubscribe-cpus", action="store_true",
                    help="let ranks share CPU cores where T x P exceeds them (slow; for "
                         "trying a layout on a small machine)")
@@ -227,6 +230,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 pipeline_parallel_size=args.pipeline_parallel_size,
                                 oversubscribe=args.oversubscribe_cpus,
+                                pipeline_micro_batches=args.pipeline_micro_batches,
                                 distributed_executor=args.distributed_executor,
                                 cpu_bind=args.cpu_bind,
                                 collective_timeout_s=args.collective_timeout_s,

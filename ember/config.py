@@ -238,6 +238,16 @@ class ParallelConfig:
     # let ranks share CPU cores where there are more ranks than cores (slow: for tests and
     # trying a layout out on a small machine)
     oversubscribe: bool = False
+    # a step's requests are cut into up to this many micro-batches, which the stages work on
+    # at once (None: pipeline_parallel_size of them)
+    pipeline_micro_batches: int | None = None
+
+    @property
+    def num_micro_batches(self) -> int:
+        """The micro-batches a step is cut into: 1 without pipeline parallel."""
+        if self.pipeline_parallel_size == 1:
+            return 1
+        return self.pipeline_micro_batches or self.pipeline_parallel_size
 
     @property
     def world_size(self) -> int:
@@ -253,6 +263,9 @@ class ParallelConfig:
         if not 1 <= self.pipeline_parallel_size <= 64:
             raise ConfigError(f"pipeline_parallel_size={self.pipeline_parallel_size} must be "
                               "in [1, 64]; 1 keeps every layer in each rank")
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise ConfigError(f"pipeline_micro_batches={self.pipeline_micro_batches} must be "
+                              "at least 1; try pipeline_parallel_size (the default)")
         if self.collective_timeout_s <= 0:
             raise ConfigError(f"collective_timeout_s={self.collective_timeout_s} must be "
                               "positive; try 60")

@@ -140,9 +140,14 @@ class StagePipe:
                  num_stages: int) -> None:
         self.group, self.rank, self.stage_size = group, rank, stage_size
         self.last_stage_rank = (num_stages - 1) * stage_size
+        # sends not yet taken, each with its tensor (which must live until then): a stage
+        # goes on to its next micro-batch while the next stage still receives this one
+        self.pending: list[tuple[dist.Work, Tensor]] = []
 
     def send_next(self, x: Tensor) -> None:
-        self.group.send([x.contiguous()], self.rank + self.stage_size, ACTIVATIONS_TAG).wait()
+        x = x.contiguous()
+        self.pending.append((self.group.send([x], self.rank + self.stage_size,
+                                             ACTIVATIONS_TAG), x))
 
     def receive_previous(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         buffer = torch.empty(shape, dtype=dtype)
@@ -150,7 +155,13 @@ class StagePipe:
         return buffer
 
     def send_logits(self, logits: Tensor) -> None:
-        self.group.send([logits], 0, LOGITS_TAG).wait()
+        self.pending.append((self.group.send([logits], 0, LOGITS_TAG), logits))
+
+    def finish(self) -> None:
+        """Wait for every send so far to be taken (at the end of each step)."""
+        pending, self.pending = self.pending, []
+        for work, _ in pending:
+            work.wait()
 
     def receive_logits(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         buffer = torch.empty(shape, dtype=dtype)
@@ -186,6 +197,9 @@ class RankCollectives:
 
     def send_logits(self, logits: Tensor) -> None:
         self._stage_pipe().send_logits(logits)
+
+    def finish_sends(self) -> None:
+        self._stage_pipe().finish()
 
     def receive_logits(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return self._stage_pipe().receive_logits(shape, dtype)

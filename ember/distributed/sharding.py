@@ -41,7 +41,7 @@ def link_stage(model: LlamaForCausalLM, stage: PipelineStage, collectives: RankC
     last stage sends its logits to the driver, which receives them as its output
     projection's; the other ranks compute none."""
     model.stage_link = StageLink(stage.is_first, stage.is_last, collectives.receive_previous,
-                                 collectives.send_next)
+                                 collectives.send_next, collectives.finish_sends)
     if stage.is_last:
         model.lm_head = LogitsToDriver(model.lm_head, collectives.send_logits)
     elif driver:

@@ -199,7 +199,9 @@ class EngineCore:
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
                                   kernels, self.loras, config.spec, drafter, huge_page_copies,
                                   batch_invariant=config.deterministic, peers=peers,
-                                  vocab_size=self.model_config.vocab_size)
+                                  vocab_size=self.model_config.vocab_size,
+                                  micro_batches=config.parallel.num_micro_batches,
+                                  num_stages=config.parallel.pipeline_parallel_size)
         for name, path in config.loras:
             self.loras.add(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)

@@ -99,9 +99,13 @@ def plan_ranks(config: EngineConfig, model: ModelConfig, quantization: str) -> R
     if size > 1:
         log.info("tensor parallel over %d ranks: %s", size, describe_shards(shards))
     if num_stages > 1:
-        log.info("pipeline parallel over %d stages of %d rank(s): %s; one micro-batch in "
-                 "flight, so each stage idles (P-1)/P = %.0f%% of a step", num_stages, size,
-                 describe_stages(stages), 100 * (num_stages - 1) / num_stages)
+        micro = config.parallel.num_micro_batches
+        log.info("pipeline parallel over %d stages of %d rank(s): %s; steps cut into up to "
+                 "%d micro-batches, so a stage idles %.0f%% of a step of %d or more requests "
+                 "((P-1)/(M+P-1)), %.0f%% of one request's ((P-1)/P); "
+                 "ember_pipeline_bubble_ratio reports it as served", num_stages, size,
+                 describe_stages(stages), micro, 100 * (num_stages - 1) / (micro + num_stages - 1),
+                 micro, 100 * (num_stages - 1) / num_stages)
     return RankPlan(shards, stages, cpus)
 
 
@@ -169,7 +173,8 @@ def build_worker_runner(setup: RankSetup, rank: int,
                                    config.cache.block_size, setup.torch_dtype, config.device,
                                    setup.kv_cache_dtype, zeros=lazy_zeros)
     return ModelRunner(model, kv_caches, config.cache.block_size, config.device, config.seed,
-                       kernels, batch_invariant=config.deterministic, vocab_size=0)
+                       kernels, batch_invariant=config.deterministic, vocab_size=0,
+                       micro_batches=config.parallel.num_micro_batches)
 
 
 def describe_kv_gain(model: ModelConfig, plan: RankPlan, dtype: torch.dtype,

@@ -86,7 +86,8 @@ class StageLink:
     is_first: bool
     is_last: bool
     receive: Receive
-    send: Send
+    send: Send        # returns at once; the tensor must not change until finish()
+    finish: Callable[[], None]   # wait for this step's sends to be taken
 
 
 class LogitsFromLastStage(nn.Module):

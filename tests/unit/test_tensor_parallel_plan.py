@@ -15,8 +15,8 @@ from ember.distributed.parallel import (even_ranges, plan_shards, plan_stages, r
                                         split_heads)
 from ember.errors import ConfigError
 from ember.request import Request, SamplingParams
-from ember.runner.inputs import prepare_inputs
-from ember.runner.runner import ForwardStep
+from ember.runner.inputs import micro_batches, prepare_inputs
+from ember.runner.runner import ForwardStep, PipelineBubble
 from ember.scheduler.output import ScheduledRequest, SchedulerOutput
 
 SMOLLM = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
@@ -197,3 +197,25 @@ def test_what_stages_cannot_run_yet_fails_before_anything_starts(options, flag):
         EngineConfig.from_options(pipeline_parallel_size=2, **options)
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=0 must be in \[1, 64\]"):
         ParallelConfig(pipeline_parallel_size=0)
+
+
+def test_micro_batches_are_runs_of_whole_requests_of_about_equal_tokens():
+    requests = [Request(name, list(range(40)), SamplingParams(), frozenset(), max_tokens=4)
+                for name in "abcde"]
+    sizes = [30, 2, 2, 26, 4]     # new tokens of each request this step
+    plan = SchedulerOutput([ScheduledRequest(r, 0, n, [0, 1], True)
+                            for r, n in zip(requests, sizes)], frozenset({"z"}))
+    runs = micro_batches(plan, 2)
+    assert [[i.request.request_id for i in run.scheduled] for run in runs] == \
+        [["a", "b"], ["c", "d", "e"]]
+    assert all(run.finished_request_ids == {"z"} for run in runs)
+    assert len(micro_batches(plan, 8)) == 5 and len(micro_batches(plan, 1)) == 1
+
+
+def test_the_bubble_is_the_schedules_idle_slots():
+    bubble = PipelineBubble(num_stages=2)
+    assert bubble.share == 0.0
+    bubble.add(1)                 # one micro-batch: (P-1)/P
+    assert bubble.share == 1 / 2
+    bubble.add(3)                 # 1 + 1 idle slots of 2 + 4
+    assert bubble.share == 2 / 6
