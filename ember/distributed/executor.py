@@ -123,7 +123,7 @@ class LocalProcesses:
                         for rank in range(1, self.world_size)]
         # a driver that fails to start, or is dropped without shutdown(), kills its workers
         self._release = weakref.finalize(self, _release, self.workers, self._saved_binding)
-        log.info("tensor parallel: %d ranks; rank 0 (this process) on CPUs %s, %s",
+        log.info("model parallel: %d ranks; rank 0 (this process) on CPUs %s, %s",
                  self.world_size, format_cpus(cpus[0]),
                  ", ".join(f"rank {r} (pid {p.pid}) on CPUs {format_cpus(cpus[r])}"
                            for r, p in enumerate(self.workers, start=1)))

@@ -263,7 +263,7 @@ class EngineCore:
             self.executor.shutdown()
             raise
         if self.quantization == "int4" and kernels is not None:
-            log.info("tensor parallel: the whole-model decode stack runs in one process "
+            log.info("model parallel: the whole-model decode stack runs in one process "
                      "only; steps run layer by layer")
         self.load_phases.mark("weights")
         return model
