@@ -168,13 +168,13 @@ def load_model(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
     rope_freqs = None
     experts: dict[str, torch.Tensor] = {}
     # quantized GGUF tensors come out in the dtype the model runs in (not float32 first)
-    for name, tensor in files.tensors(full_config, dtype):  # (GGUF's q/k rows: every head)
+    keep = None if stage is None else \
+        (lambda name: stage.local_name(name, config.tie_word_embeddings) is not None)
+    for name, tensor in files.tensors(full_config, dtype, keep):  # (GGUF's q/k: every head)
         for pattern, replacement in _MIXTRAL_NAMES if config.num_experts else ():
             name = pattern.sub(replacement, name)
-        if stage is not None:
+        if stage is not None:   # (kept: the stage's; renumbered from its first layer)
             name = stage.local_name(name, config.tie_word_embeddings)
-            if name is None:
-                continue
         if shard is not None:
             tensor = shard.take(name, tensor)
         tensor = tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor

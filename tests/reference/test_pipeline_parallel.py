@@ -70,7 +70,10 @@ def test_two_stages_match_one_process_step_by_step(tiny_folder):
     staged = EngineCore(EngineConfig.from_options(model=str(tiny_folder),
                                                   pipeline_parallel_size=2, **OPTIONS))
     try:
-        assert len(staged.runner.kv_caches) == 2   # the driver's stage caches layers 0-1
+        # the driver's stage holds and caches layers 0-1, and no output projection
+        assert len(staged.runner.model.model.layers) == len(staged.runner.kv_caches) == 2
+        assert not any(name.startswith("lm_head.")
+                       for name, _ in staged.runner.model.named_parameters())
         assert_same_steps(one, staged)
         with pytest.raises(InvalidRequest, match="2 pipeline stages"):
             staged.check_embedding([1, 2, 3], PoolingParams())
