@@ -126,6 +126,15 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    help="split every layer's heads and MLP columns over T processes on this "
                         "host, each on its own CPU cores (see --all-reduce); each "
                         "process caches only its KV heads")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="P",
+                   help="split the layers into P stages of consecutive layers, each of T "
+                        "processes (T x P in all); each stage loads and caches only its layers")
+    p.add_argument("--pipeline-micro-batches", type=int, default=None, metavar="M",
+                   help="cut each step's requests into up to M micro-batches, which the "
+                        "stages work on at once (default: P)")
+    p.add_argument("--oversubscribe-cpus", action="store_true",
+                   help="let ranks share CPU cores where T x P exceeds them (slow; for "
+                        "trying a layout on a small machine)")
     p.add_argument("--distributed-executor", default=ParallelConfig.distributed_executor,
                    choices=list(DISTRIBUTED_EXECUTORS),
                    help="how the ranks start: mp, local processes (ray: not built yet)")
@@ -228,6 +237,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         num_speculative_tokens=args.num_speculative_tokens,
                         self_draft_layers=args.self_draft_layers),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                pipeline_parallel_size=args.pipeline_parallel_size,
+                                oversubscribe=args.oversubscribe_cpus,
+                                pipeline_micro_batches=args.pipeline_micro_batches,
                                 distributed_executor=args.distributed_executor,
                                 cpu_bind=args.cpu_bind,
                                 collective_timeout_s=args.collective_timeout_s,

@@ -220,10 +220,13 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     """One model over several processes (ember/distributed/): tensor parallel splits every
-    layer's heads and MLP columns over `tensor_parallel_size` ranks, each a process with its
-    own CPU cores; rank 0 is the engine's own process and runs the scheduler and sampler."""
+    layer's heads and MLP columns over `tensor_parallel_size` ranks, pipeline parallel its
+    layers over `pipeline_parallel_size` stages of consecutive layers, each stage made of
+    tensor_parallel_size ranks; each rank is a process with its own CPU cores; rank 0 is the
+    engine's own process and runs the scheduler and sampler."""
 
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     distributed_executor: str = "mp"   # mp: local processes; ray: not built yet
     # each rank's CPUs, ranks split by "|", e.g. "0-3|4-7" or "0|1"; None: this process's
     # CPUs split evenly among the ranks
@@ -232,6 +235,24 @@ class ParallelConfig:
     # sockets) ends the engine
     collective_timeout_s: float = 60.0
     all_reduce: str = "auto"   # both kinds add in rank order: the same bits either way
+    # let ranks share CPU cores where there are more ranks than cores (slow: for tests and
+    # trying a layout out on a small machine)
+    oversubscribe: bool = False
+    # a step's requests are cut into up to this many micro-batches, which the stages work on
+    # at once (None: pipeline_parallel_size of them)
+    pipeline_micro_batches: int | None = None
+
+    @property
+    def num_micro_batches(self) -> int:
+        """The micro-batches a step is cut into: 1 without pipeline parallel."""
+        if self.pipeline_parallel_size == 1:
+            return 1
+        return self.pipeline_micro_batches or self.pipeline_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the model: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         check_choice("distributed_executor", self.distributed_executor, DISTRIBUTED_EXECUTORS)
@@ -239,15 +260,23 @@ class ParallelConfig:
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be in "
                               "[1, 64]; 1 runs the model in one process")
+        if not 1 <= self.pipeline_parallel_size <= 64:
+            raise ConfigError(f"pipeline_parallel_size={self.pipeline_parallel_size} must be "
+                              "in [1, 64]; 1 keeps every layer in each rank")
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise ConfigError(f"pipeline_micro_batches={self.pipeline_micro_batches} must be "
+                              "at least 1; try pipeline_parallel_size (the default)")
         if self.collective_timeout_s <= 0:
             raise ConfigError(f"collective_timeout_s={self.collective_timeout_s} must be "
                               "positive; try 60")
         if self.cpu_bind is not None:
             ranks = parse_cpu_bind(self.cpu_bind)
-            if len(ranks) != self.tensor_parallel_size:
+            if len(ranks) != self.world_size:
                 raise ConfigError(f"cpu_bind={self.cpu_bind!r} gives CPUs for {len(ranks)} "
-                                  f"ranks, tensor_parallel_size={self.tensor_parallel_size}; "
-                                  "give one CPU list per rank, split by '|'")
+                                  f"ranks, tensor_parallel_size={self.tensor_parallel_size} x "
+                                  f"pipeline_parallel_size={self.pipeline_parallel_size} = "
+                                  f"{self.world_size}; give one CPU list per rank, split by "
+                                  "'|' (stage by stage)")
 
 
 def parse_cpu_bind(spec: str) -> list[tuple[int, ...]]:
@@ -426,6 +455,8 @@ class EngineConfig:
                               f"{self.spec.speculative} (ngram drafts need no KV)")
         if self.parallel.tensor_parallel_size > 1:
             self._check_tensor_parallel()
+        if self.parallel.pipeline_parallel_size > 1:
+            self._check_pipeline_parallel()
 
     def _check_tensor_parallel(self) -> None:
         """What tensor parallel does not run yet, refused before anything starts."""
@@ -446,6 +477,29 @@ class EngineConfig:
         if named:
             raise ConfigError(f"tensor_parallel_size={size} does not run with "
                               f"{', '.join(named)} yet; drop them or use tensor_parallel_size=1")
+
+    def _check_pipeline_parallel(self) -> None:
+        """What pipeline parallel does not run yet, refused before anything starts: whatever
+        needs the last stage's hidden states on the driver, or every layer in one rank."""
+        size = self.parallel.pipeline_parallel_size
+        unsupported = [(self.parallel.distributed_executor == "ray",
+                        "--distributed-executor ray (not built yet; use mp)"),
+                       (not self.device.startswith("cpu"), f"--device {self.device} (ranks "
+                        "talk over gloo on the CPU)"),
+                       (bool(self.loras), "--lora adapters"),
+                       (self.spec.speculative is not None,
+                        f"--speculative {self.spec.speculative}"),
+                       (self.task == "embed", "--task embed (the pooled hidden states are on "
+                        "the last stage)"),
+                       (self.prefill_matmul == "int8", "--prefill-matmul int8 (its "
+                        "calibration runs in one process; use bfloat16)"),
+                       (self.kv_transfer.role != "both", f"--role {self.kv_transfer.role} "
+                        "(each stage holds only its layers' KV)")]
+        named = [what for bad, what in unsupported if bad]
+        if named:
+            raise ConfigError(f"--pipeline-parallel-size {size} does not run with "
+                              f"{', '.join(named)} yet; drop them or use "
+                              "--pipeline-parallel-size 1")
 
     @classmethod
     def from_options(cls, **options: object) -> "EngineConfig":

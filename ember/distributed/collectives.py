@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ember.distributed.allreduce import AllReduceFn
+from ember.distributed.allreduce import AllReduceFn, make_all_reduce
 
 HOST = "127.0.0.1"   # mp ranks share a host
 # a worker waits this long for the next step: an idle engine is not a failed one
@@ -36,14 +36,38 @@ def join_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(HOST, port, world_size, False, timeout=timedelta(seconds=timeout_s))
 
 
-def connect(store: dist.Store, rank: int, world_size: int, timeout: timedelta
-            ) -> dist.ProcessGroup:
+def connect(store: dist.Store, rank: int, world_size: int, timeout: timedelta,
+            prefix: str = "tp") -> dist.ProcessGroup:
     """The ranks' gloo group over loopback (every rank calls it; it returns once all have).
-    A collective that waits on a rank longer than `timeout` raises."""
+    A collective that waits on a rank longer than `timeout` raises. `prefix` names the
+    group in the store: every member passes the same one (one per pipeline stage)."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
-    return dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, world_size, options)
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, options)
+
+
+def join_groups(store: dist.Store, rank: int, stage_size: int, num_stages: int,
+                timeout: timedelta, all_reduce: str, all_reduce_timeout_s: float,
+                vocab_widths: list[int], collectives: RankCollectives
+                ) -> tuple[dist.ProcessGroup, Any]:
+    """Every rank calls it, once its part of the model is built: the group of all ranks
+    (stage by stage, `stage_size` ranks each), then, with tensor parallel, its stage's group
+    for the all-reduce and the logits gather (the group of all ranks itself where there is
+    one stage), bound into `collectives` with the pipeline's sends. Returns the group of all
+    ranks (the steps' broadcast) and the all-reduce (to close), or None."""
+    world = connect(store, rank, stage_size * num_stages, timeout)
+    reduce = None
+    if stage_size > 1:
+        stage, local = divmod(rank, stage_size)
+        group = world if num_stages == 1 else \
+            connect(store, local, stage_size, timeout, prefix=f"stage{stage}")
+        reduce = make_all_reduce(group, local, stage_size, all_reduce,
+                                 timeout_s=all_reduce_timeout_s)
+        collectives.bind(reduce, gather_logits(group, local, vocab_widths))
+    if num_stages > 1:
+        collectives.bind_pipeline(StagePipe(world, rank, stage_size, num_stages))
+    return world, reduce
 
 
 def gather_logits(group: dist.ProcessGroup, rank: int, widths: list[int]
@@ -102,6 +126,49 @@ def receive_object(group: dist.ProcessGroup, timeout: timedelta = IDLE_WAIT) -> 
     return pickle.loads(data)
 
 
+ACTIVATIONS_TAG = 1   # stage -> next stage
+LOGITS_TAG = 2        # last stage -> driver
+
+
+class StagePipe:
+    """Point-to-point sends between pipeline stages over the group of all ranks (ranks
+    numbered stage by stage, `stage_size` per stage): a rank talks to the rank of the same
+    place in the next stage, and the last stage's first rank sends logits to rank 0. Every
+    shape is known to both ends from the step, so only the data travels."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, stage_size: int,
+                 num_stages: int) -> None:
+        self.group, self.rank, self.stage_size = group, rank, stage_size
+        self.last_stage_rank = (num_stages - 1) * stage_size
+        # sends not yet taken, each with its tensor (which must live until then): a stage
+        # goes on to its next micro-batch while the next stage still receives this one
+        self.pending: list[tuple[dist.Work, Tensor]] = []
+
+    def send_next(self, x: Tensor) -> None:
+        x = x.contiguous()
+        self.pending.append((self.group.send([x], self.rank + self.stage_size,
+                                             ACTIVATIONS_TAG), x))
+
+    def receive_previous(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        buffer = torch.empty(shape, dtype=dtype)
+        self.group.recv([buffer], self.rank - self.stage_size, ACTIVATIONS_TAG).wait()
+        return buffer
+
+    def send_logits(self, logits: Tensor) -> None:
+        self.pending.append((self.group.send([logits], 0, LOGITS_TAG), logits))
+
+    def finish(self) -> None:
+        """Wait for every send so far to be taken (at the end of each step)."""
+        pending, self.pending = self.pending, []
+        for work, _ in pending:
+            work.wait()
+
+    def receive_logits(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        buffer = torch.empty(shape, dtype=dtype)
+        self.group.recv([buffer], self.last_stage_rank, LOGITS_TAG).wait()
+        return buffer
+
+
 class RankCollectives:
     """A rank's collectives, bound once its group exists (the model is built before): the
     model holds these methods, which call whatever `bind` gave."""
@@ -109,9 +176,33 @@ class RankCollectives:
     def __init__(self) -> None:
         self._all_reduce: AllReduceFn | None = None
         self._gather: Callable[[Tensor], Tensor] | None = None
+        self._pipe: StagePipe | None = None
 
     def bind(self, all_reduce: AllReduceFn, gather: Callable[[Tensor], Tensor]) -> None:
         self._all_reduce, self._gather = all_reduce, gather
+
+    def bind_pipeline(self, pipe: StagePipe) -> None:
+        self._pipe = pipe
+
+    def _stage_pipe(self) -> StagePipe:
+        if self._pipe is None:
+            raise RuntimeError("a pipeline stage ran its model before joining its group")
+        return self._pipe
+
+    def send_next(self, x: Tensor) -> None:
+        self._stage_pipe().send_next(x)
+
+    def receive_previous(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        return self._stage_pipe().receive_previous(shape, dtype)
+
+    def send_logits(self, logits: Tensor) -> None:
+        self._stage_pipe().send_logits(logits)
+
+    def finish_sends(self) -> None:
+        self._stage_pipe().finish()
+
+    def receive_logits(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        return self._stage_pipe().receive_logits(shape, dtype)
 
     def all_reduce(self, x: Tensor) -> None:
         if self._all_reduce is None:

@@ -36,9 +36,8 @@ from typing import Any, Protocol
 import torch
 
 import ember
-from ember.distributed.allreduce import make_all_reduce
-from ember.distributed.collectives import (RankCollectives, broadcast_object, connect,
-                                           gather_logits, open_store)
+from ember.distributed.collectives import (RankCollectives, broadcast_object, join_groups,
+                                           open_store)
 from ember.distributed.parallel import format_cpus
 from ember.errors import ConfigError, EngineDead
 from ember.request import PoolingParams
@@ -84,6 +83,7 @@ class WorkerPayload:
 
     rank: int
     world_size: int
+    stage_size: int          # ranks per pipeline stage (tensor_parallel_size)
     port: int
     cpus: tuple[int, ...]
     vocab_widths: tuple[int, ...]
@@ -101,8 +101,11 @@ class LocalProcesses:
     connect() once it has."""
 
     def __init__(self, cpus: list[tuple[int, ...]], vocab_widths: list[int], timeout_s: float,
-                 build: BuildRunner, setup: Any, all_reduce: str = "auto") -> None:
+                 build: BuildRunner, setup: Any, all_reduce: str = "auto",
+                 stage_size: int | None = None) -> None:
         self.world_size = len(cpus)
+        # ranks per pipeline stage (None: one stage of them all)
+        self.stage_size = self.world_size if stage_size is None else stage_size
         self.timeout_s = timeout_s
         self.all_reduce_kind = all_reduce
         self.all_reduce: Any = None   # the bound one, closed at shutdown
@@ -113,13 +116,14 @@ class LocalProcesses:
         self.store = open_store(self.world_size, timeout_s)
         self._saved_binding = pin_process(cpus[0])
         level = logging.getLogger().getEffectiveLevel()
-        self.workers = [_spawn(WorkerPayload(rank, self.world_size, self.store.port,
+        self.workers = [_spawn(WorkerPayload(rank, self.world_size, self.stage_size,
+                                             self.store.port,
                                              cpus[rank], tuple(vocab_widths), build, setup,
                                              level, all_reduce, timeout_s))
                         for rank in range(1, self.world_size)]
         # a driver that fails to start, or is dropped without shutdown(), kills its workers
         self._release = weakref.finalize(self, _release, self.workers, self._saved_binding)
-        log.info("tensor parallel: %d ranks; rank 0 (this process) on CPUs %s, %s",
+        log.info("model parallel: %d ranks; rank 0 (this process) on CPUs %s, %s",
                  self.world_size, format_cpus(cpus[0]),
                  ", ".join(f"rank {r} (pid {p.pid}) on CPUs {format_cpus(cpus[r])}"
                            for r, p in enumerate(self.workers, start=1)))
@@ -144,11 +148,12 @@ class LocalProcesses:
                 raise ConfigError(f"tensor-parallel ranks {sorted(pending)} did not load in "
                                   f"{LOAD_TIMEOUT_S:.0f} s")
             time.sleep(0.02)
-        self.group = connect(self.store, 0, self.world_size, timedelta(seconds=self.timeout_s))
-        self.all_reduce = make_all_reduce(self.group, 0, self.world_size, self.all_reduce_kind,
-                                          timeout_s=self.timeout_s)
-        log.info("tensor parallel: all-reduce over %s", self.all_reduce.kind)
-        self.collectives.bind(self.all_reduce, gather_logits(self.group, 0, self.vocab_widths))
+        self.group, self.all_reduce = join_groups(
+            self.store, 0, self.stage_size, self.world_size // self.stage_size,
+            timedelta(seconds=self.timeout_s), self.all_reduce_kind, self.timeout_s,
+            self.vocab_widths, self.collectives)
+        if self.all_reduce is not None:
+            log.info("tensor parallel: all-reduce over %s", self.all_reduce.kind)
 
     def send(self, step: ForwardStep) -> None:
         if self.broken is not None:

@@ -193,9 +193,10 @@ def describe_shards(shards: list[TensorShard]) -> str:
 
 
 def rank_cpus(parallel: ParallelConfig, available: list[int]) -> list[tuple[int, ...]]:
-    """Each rank's CPUs: cpu_bind's, which must be among `available` (the CPUs this process
-    may run on), or `available` split evenly in order. A rank needs a CPU of its own."""
-    size = parallel.tensor_parallel_size
+    """Each rank's CPUs (ranks stage by stage): cpu_bind's, which must be among `available`
+    (the CPUs this process may run on), or `available` split evenly in order. A rank needs
+    a CPU of its own, unless oversubscribe lets ranks take turns on them."""
+    size = parallel.world_size
     if parallel.cpu_bind is not None:
         ranks = parse_cpu_bind(parallel.cpu_bind)
         outside = sorted({c for r in ranks for c in r} - set(available))
@@ -204,10 +205,90 @@ def rank_cpus(parallel: ParallelConfig, available: list[int]) -> list[tuple[int,
                               f"process may not run on (it may use {format_cpus(available)})")
         return ranks
     if size > len(available):
-        raise ConfigError(f"tensor_parallel_size={size} needs a CPU core per rank, and this "
-                          f"process may run on {len(available)} ({format_cpus(available)}); "
-                          f"use tensor_parallel_size={len(available)} or less")
+        if parallel.oversubscribe:
+            return [(available[rank % len(available)],) for rank in range(size)]
+        layout = f"tensor_parallel_size={parallel.tensor_parallel_size}" \
+            if parallel.pipeline_parallel_size == 1 else \
+            (f"tensor_parallel_size={parallel.tensor_parallel_size} x pipeline_parallel_size="
+             f"{parallel.pipeline_parallel_size} = {size} ranks")
+        raise ConfigError(f"{layout} needs a CPU core per rank, and this process may run on "
+                          f"{len(available)} ({format_cpus(available)}); use at most "
+                          f"{len(available)} ranks, or --oversubscribe-cpus to let ranks "
+                          "share cores (slow)")
     return [tuple(available[a:b]) for a, b in even_ranges(len(available), size)]
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """Stage `stage` of `num_stages`: layers [first_layer, end_layer) of the model, in
+    tensor_parallel_size ranks; the first stage embeds the tokens, the last one applies the
+    final norm and the output projection."""
+
+    stage: int
+    num_stages: int
+    first_layer: int
+    end_layer: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.end_layer - self.first_layer
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """`config` with this stage's layers only (what sizes its KV cache)."""
+        layers = range(self.first_layer, self.end_layer)
+        sliding = None if config.sliding_layers is None else \
+            config.sliding_layers[self.first_layer:self.end_layer]
+        dense = tuple(i - self.first_layer for i in config.dense_mlp_layers if i in layers)
+        return replace(config, num_layers=self.num_layers, sliding_layers=sliding,
+                       dense_mlp_layers=dense)
+
+    def local_name(self, name: str, tied: bool) -> str | None:
+        """A loaded tensor's name in this stage's model (its layers renumbered from 0), or
+        None where the stage does not hold it. The final norm is kept everywhere (a vector;
+        its dtype is the activations'); a tied embedding also on the last stage, whose
+        output projection reads it."""
+        match = _LAYER.match(name)
+        if match:
+            layer = int(match.group(1))
+            if not self.first_layer <= layer < self.end_layer:
+                return None
+            return f"model.layers.{layer - self.first_layer}{name[match.end():]}"
+        if name == "model.embed_tokens.weight":
+            return name if self.is_first or (self.is_last and tied) else None
+        if name == "lm_head.weight":
+            return name if self.is_last else None
+        return name
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)")
+
+
+def plan_stages(num_layers: int, num_stages: int) -> list[PipelineStage]:
+    """Consecutive layers per stage, as even as they go (the first stages one more where
+    they do not divide); a ConfigError naming the numbers where there are too few layers."""
+    if num_stages > num_layers:
+        raise ConfigError(f"pipeline_parallel_size={num_stages} exceeds the model's "
+                          f"{num_layers} layers: each stage needs a layer; use at most "
+                          f"{num_layers}")
+    return [PipelineStage(stage, num_stages, a, b)
+            for stage, (a, b) in enumerate(even_ranges(num_layers, num_stages))]
+
+
+def describe_stages(stages: list[PipelineStage]) -> str:
+    """E.g. 'stage 0: layers 0-14 and the embedding; stage 1: layers 15-29 and the head'."""
+    def what(s: PipelineStage) -> str:
+        ends = [e for e, on in (("the embedding", s.is_first), ("the head", s.is_last)) if on]
+        return f"layers {s.first_layer}-{s.end_layer - 1}" + \
+            (f" and {' and '.join(ends)}" if ends else "")
+    return "; ".join(f"stage {s.stage}: {what(s)}" for s in stages)
 
 
 def format_cpus(cpus: list[int] | tuple[int, ...]) -> str:

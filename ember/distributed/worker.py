@@ -1,4 +1,5 @@
-"""A tensor-parallel worker process: ranks 1..T-1 (ember/distributed/executor.py starts it).
+"""A worker process of a model split over ranks: ranks 1..T*P-1
+(ember/distributed/executor.py starts it).
 
 It binds to its CPUs, builds its part of the model, says it is ready, joins the ranks'
 group and then runs each step the driver broadcasts, until the driver says stop (None) or
@@ -11,9 +12,8 @@ import pickle
 import sys
 import traceback
 
-from ember.distributed.allreduce import make_all_reduce
-from ember.distributed.collectives import (IDLE_WAIT, RankCollectives, connect, gather_logits,
-                                           join_store, receive_object)
+from ember.distributed.collectives import (IDLE_WAIT, RankCollectives, join_groups, join_store,
+                                           receive_object)
 from ember.distributed.executor import WorkerPayload, pin_process
 from ember.runner.runner import ModelRunner
 
@@ -36,10 +36,10 @@ def main() -> None:
         sys.exit(1)
     store.set(f"ready/{rank}", "1")
     # waits as long as the driver may idle: the driver's own timeout bounds a step
-    group = connect(store, rank, payload.world_size, IDLE_WAIT)
-    collectives.bind(make_all_reduce(group, rank, payload.world_size, payload.all_reduce,
-                                     timeout_s=payload.timeout_s),
-                     gather_logits(group, rank, list(payload.vocab_widths)))
+    group, _ = join_groups(store, rank, payload.stage_size,
+                           payload.world_size // payload.stage_size, IDLE_WAIT,
+                           payload.all_reduce, payload.timeout_s, list(payload.vocab_widths),
+                           collectives)
     try:
         serve_steps(group, runner)
     except Exception as e:  # noqa: BLE001 - the driver went away or a step failed

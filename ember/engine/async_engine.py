@@ -74,6 +74,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0      # drafted tokens verified
     spec_num_accepted_tokens: int = 0   # of those, accepted
     kv_transfer: TransferStats | None = None   # a prefill or decode replica's (--role)
+    # the share of a pipeline stage's time idle by the schedule (ModelRunner's bubble);
+    # None without pipeline parallel
+    pipeline_bubble: float | None = None
 
 
 @dataclass(frozen=True)
@@ -547,7 +550,12 @@ class AsyncEngine:
                                  spec_num_draft_tokens=scheduler.spec_stats.num_draft_tokens,
                                  spec_num_accepted_tokens=scheduler.spec_stats.num_accepted_tokens,
                                  kv_transfer=self.core.kv_connector.snapshot()
-                                 if self.core.kv_connector is not None else None)
+                                 if self.core.kv_connector is not None else None,
+                                 pipeline_bubble=self._pipeline_bubble())
+
+    def _pipeline_bubble(self) -> float | None:
+        bubble = getattr(self.core.runner, "bubble", None)   # (an encoder's runner has none)
+        return None if bubble is None or bubble.num_stages == 1 else bubble.share
 
     def kv_events_after(self, seq: int) -> tuple[list, bool]:
         """The prefix cache's stored/removed events after `seq` (any thread may ask)."""

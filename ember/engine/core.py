@@ -23,9 +23,9 @@ from ember.engine.memory import (advise_huge_pages, fault_in, huge_page_copies,
                                  large_blocks_mapped_alone, lazy_zeros, move_to_huge_pages,
                                  return_free_memory, temporaries_from_the_heaps)
 from ember.distributed.executor import Executor, LocalProcesses, SingleProcess
-from ember.distributed.parallel import TensorShard
-from ember.engine.tensor_parallel import (RankSetup, describe_kv_gain, load_rank_model,
-                                          plan_ranks, start_ranks, tensor_parallel_prefill)
+from ember.engine.tensor_parallel import (RankPlan, RankSetup, describe_kv_gain,
+                                          load_rank_model, plan_ranks, start_ranks,
+                                          tensor_parallel_prefill)
 from ember.errors import ConfigError, ContextTooLong, EngineDead, InvalidRequest
 from ember.kernels import CpuKernels, load_kernels
 from ember.kv.kv_manager import KVCacheManager
@@ -145,9 +145,10 @@ class EngineCore:
         block_size = config.cache.block_size
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.quantization,
                                           self.dtype, self.model_config.head_dim, kernels)
-        # a rank's cache holds its KV heads, rank 0 the most of any: blocks are planned for it
+        # a rank's cache holds its KV heads of its stage's layers, rank 0 the most of any:
+        # blocks are planned for it
         rank_config = self.model_config if ranks is None else \
-            ranks[0][0].local_config(self.model_config)
+            ranks.driver_config(self.model_config)
         num_blocks = plan_num_blocks(rank_config, config.cache, self.dtype, kv_dtype)
         if ranks is None:
             model = self._load_model(files, kernels)
@@ -170,8 +171,8 @@ class EngineCore:
                  "compiled CPU" if kernels is not None else "torch",
                  config.device, self.cache_info.describe())
         if ranks is not None:
-            log.info("tensor parallel: the KV cache above is each rank's; %s",
-                     describe_kv_gain(self.model_config, ranks[0], self.dtype, kv_dtype))
+            log.info("parallel: the KV cache above is each rank's; %s",
+                     describe_kv_gain(self.model_config, ranks, self.dtype, kv_dtype))
         shared = None
         if config.kv_transfer.exports and torch.device(config.device).type == "cpu":
             # decode replicas on this host map it (kv_transfer/shm.py)
@@ -198,7 +199,9 @@ class EngineCore:
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
                                   kernels, self.loras, config.spec, drafter, huge_page_copies,
                                   batch_invariant=config.deterministic, peers=peers,
-                                  vocab_size=self.model_config.vocab_size)
+                                  vocab_size=self.model_config.vocab_size,
+                                  micro_batches=config.parallel.num_micro_batches,
+                                  num_stages=config.parallel.pipeline_parallel_size)
         for name, path in config.loras:
             self.loras.add(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
@@ -243,18 +246,16 @@ class EngineCore:
         return model
 
     def _start_ranks(self, files: ModelFiles, kernels: CpuKernels | None,
-                     ranks: tuple[list[TensorShard], list[tuple[int, ...]]], kv_dtype: str,
-                     num_blocks: int) -> LlamaForCausalLM:
+                     ranks: RankPlan, kv_dtype: str, num_blocks: int) -> LlamaForCausalLM:
         """Start the other ranks loading their parts (engine/tensor_parallel.py), then load
         rank 0's here; connected to them once the KV cache is allocated. No weight cache:
         each rank's part is loaded afresh."""
-        shards, cpus = ranks
         setup = RankSetup(self.config, str(self.dtype).removeprefix("torch."),
                           self.quantization, self.prefill_matmul, kv_dtype, num_blocks,
-                          self.max_model_len, tuple(shards))
+                          self.max_model_len, tuple(ranks.shards), tuple(ranks.stages))
         self.weight_cache, self.weights_cached = None, False
         self.rank_setup = setup   # what every rank built from
-        self.executor = start_ranks(setup, cpus)
+        self.executor = start_ranks(setup, ranks.cpus)
         try:
             model = load_rank_model(files, self.model_config, setup, 0, kernels,
                                     self.executor.collectives)
@@ -262,7 +263,7 @@ class EngineCore:
             self.executor.shutdown()
             raise
         if self.quantization == "int4" and kernels is not None:
-            log.info("tensor parallel: the whole-model decode stack runs in one process "
+            log.info("model parallel: the whole-model decode stack runs in one process "
                      "only; steps run layer by layer")
         self.load_phases.mark("weights")
         return model
@@ -319,9 +320,10 @@ class EngineCore:
         return [t for kv in caches for t in (kv.data, kv.scale) if t is not None]
 
     def _init_encoder(self, config: EngineConfig, files: SafetensorsFolder) -> None:
-        if config.parallel.tensor_parallel_size > 1:
+        if config.parallel.world_size > 1:
             raise ConfigError(f"{self.model_path.name} is an encoder, which runs in one "
-                              "process; use tensor_parallel_size=1")
+                              "process; use tensor_parallel_size=1 and "
+                              "pipeline_parallel_size=1")
         encoder = build_encoder(config, files)
         self.tokenizer = load_tokenizer(files)
         self.model_config, self.dtype = encoder.model_config, encoder.dtype
@@ -490,6 +492,11 @@ class EngineCore:
                         ) -> PoolingParams:
         """Raise if the prompt cannot be embedded; else the pooling, its method resolved.
         Reads only what never changes after start-up, so any thread may call it."""
+        stages = self.config.parallel.pipeline_parallel_size
+        if stages > 1:   # the pooled hidden states are the last stage's, not the driver's
+            raise InvalidRequest(f"this server runs the model in {stages} pipeline stages, "
+                                 "which do not serve embeddings yet; send them to a server "
+                                 "started with --pipeline-parallel-size 1", param="input")
         limit = min(self.max_model_len, self.cache_info.num_tokens)
         check_embedding_input(prompt_token_ids, pooling, limit, self.model_config.hidden_size)
         self._check_token_ids(prompt_token_ids, EMBED_PARAMS)

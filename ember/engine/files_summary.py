@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +49,12 @@ class FilesSummary:
     def linear_packing(self) -> str | None:
         return self.packing
 
-    def tensors(self, config: ModelConfig, dtype: torch.dtype = torch.float32
+    def tensors(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                keep: Callable[[str], bool] | None = None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         if self._files is None:
             self._files = open_model_files(self.path)
-        return self._files.tensors(config, dtype)
+        return self._files.tensors(config, dtype, keep)
 
 
 def open_summarized(model: str | Path | None, root: Path) -> ModelFiles | FilesSummary:

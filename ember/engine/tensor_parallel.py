@@ -1,5 +1,8 @@
-"""The engine's side of tensor parallel: what every rank must agree on (RankSetup, decided once
-by the driver), and how a rank builds its part of the model and its runner.
+"""The engine's side of tensor and pipeline parallel: what every rank must agree on (RankSetup,
+decided once by the driver), and how a rank builds its part of the model and its runner.
+
+Ranks go stage by stage: rank r is tensor-parallel rank r % T of pipeline stage r // T, and
+holds that stage's layers (plan_stages) cut to that rank's heads and columns (plan_shards).
 
 Every rank builds the same way: the rank's tensors cut as they load (each rank then holds
 about 1/T of the weights, plus one whole tensor while it loads), packed as in one process
@@ -19,8 +22,9 @@ import torch
 from ember.config import EngineConfig, ModelConfig
 from ember.distributed.collectives import RankCollectives
 from ember.distributed.executor import LocalProcesses
-from ember.distributed.parallel import TensorShard, describe_shards, plan_shards, rank_cpus
-from ember.distributed.sharding import parallelize
+from ember.distributed.parallel import (PipelineStage, TensorShard, describe_shards,
+                                        describe_stages, plan_shards, plan_stages, rank_cpus)
+from ember.distributed.sharding import link_stage, parallelize
 from ember.engine.memory import (large_blocks_mapped_alone, lazy_zeros, move_to_huge_pages,
                                  temporaries_from_the_heaps)
 from ember.engine.prefill_choice import PrefillChoice
@@ -47,21 +51,44 @@ class RankSetup:
     kv_cache_dtype: str      # resolved: "model" or "int8"
     num_blocks: int
     max_model_len: int
-    shards: tuple[TensorShard, ...]
+    shards: tuple[TensorShard, ...]       # one per rank of a stage
+    stages: tuple[PipelineStage, ...]     # (one, of every layer, without pipeline parallel)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
+    def rank_config(self, model: ModelConfig, rank: int) -> ModelConfig:
+        """The model as rank `rank` holds it: its stage's layers, its heads and columns."""
+        shard = self.shards[rank % len(self.shards)]
+        return self.stages[rank // len(self.shards)].local_config(shard.local_config(model))
 
-def plan_ranks(config: EngineConfig, model: ModelConfig, quantization: str
-               ) -> tuple[list[TensorShard], list[tuple[int, ...]]] | None:
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Each rank's part of the model (shard within its stage) and CPUs, stage by stage."""
+
+    shards: list[TensorShard]
+    stages: list[PipelineStage]
+    cpus: list[tuple[int, ...]]
+
+    def driver_config(self, model: ModelConfig) -> ModelConfig:
+        """The model as rank 0 holds it, whose KV cache needs the most bytes per token of
+        any rank's (ranges split unevenly are larger first: the most KV heads, in the stage
+        with the most layers): blocks are planned for it."""
+        return self.stages[0].local_config(self.shards[0].local_config(model))
+
+
+def plan_ranks(config: EngineConfig, model: ModelConfig, quantization: str) -> RankPlan | None:
     """Each rank's part of the model and its CPUs, or None in one process; a ConfigError
-    naming the numbers where the model or this machine cannot take tensor_parallel_size."""
+    naming the numbers where the model or this machine cannot take tensor_parallel_size and
+    pipeline_parallel_size."""
     size = config.parallel.tensor_parallel_size
-    if size == 1:
+    num_stages = config.parallel.pipeline_parallel_size
+    if size * num_stages == 1:
         return None
     shards = plan_shards(model, size)
+    stages = plan_stages(model.num_layers, num_stages)
     cpus = rank_cpus(config.parallel, sorted(os.sched_getaffinity(0)))
     if quantization == "int4":
         odd = sorted({n for s in shards for n in _input_sizes(s.local_config(model)) if n % GROUP})
@@ -69,8 +96,17 @@ def plan_ranks(config: EngineConfig, model: ModelConfig, quantization: str
             raise ConfigError(f"int4 at tensor_parallel_size={size} gives a rank projections "
                               f"of {odd} inputs, not multiples of {GROUP}; use --quantization "
                               "int8 or another tensor_parallel_size")
-    log.info("tensor parallel over %d ranks: %s", size, describe_shards(shards))
-    return shards, cpus
+    if size > 1:
+        log.info("tensor parallel over %d ranks: %s", size, describe_shards(shards))
+    if num_stages > 1:
+        micro = config.parallel.num_micro_batches
+        log.info("pipeline parallel over %d stages of %d rank(s): %s; steps cut into up to "
+                 "%d micro-batches, so a stage idles %.0f%% of a step of %d or more requests "
+                 "((P-1)/(M+P-1)), %.0f%% of one request's ((P-1)/P); "
+                 "ember_pipeline_bubble_ratio reports it as served", num_stages, size,
+                 describe_stages(stages), micro, 100 * (num_stages - 1) / (micro + num_stages - 1),
+                 micro, 100 * (num_stages - 1) / num_stages)
+    return RankPlan(shards, stages, cpus)
 
 
 def _input_sizes(local: ModelConfig) -> tuple[int, ...]:
@@ -89,24 +125,30 @@ def tensor_parallel_prefill(asked: str) -> PrefillChoice:
 
 
 def start_ranks(setup: RankSetup, cpus: list[tuple[int, ...]]) -> LocalProcesses:
-    """Start ranks 1..T-1 loading their parts (this process is rank 0)."""
+    """Start ranks 1..T*P-1 loading their parts (this process is rank 0)."""
     widths = [s.vocab[1] - s.vocab[0] for s in setup.shards]
     parallel = setup.config.parallel
     return LocalProcesses(cpus, widths, parallel.collective_timeout_s, build_worker_runner,
-                          setup, parallel.all_reduce)
+                          setup, parallel.all_reduce, stage_size=len(setup.shards))
 
 
 def load_rank_model(files: ModelFiles, model_config: ModelConfig, setup: RankSetup,
                     rank: int, kernels: CpuKernels | None,
                     collectives: RankCollectives) -> LlamaForCausalLM:
-    """Rank `rank`'s part of the model, packed, tensor-parallel and ready to step."""
-    shard = setup.shards[rank]
+    """Rank `rank`'s part of the model, packed, tensor-parallel, linked to the stages beside
+    its own, and ready to step."""
+    num_shards = len(setup.shards)
+    shard = setup.shards[rank % num_shards] if num_shards > 1 else None
+    stage = setup.stages[rank // num_shards] if len(setup.stages) > 1 else None
     config = setup.config
     with large_blocks_mapped_alone():
-        model = load_model(files, model_config, setup.torch_dtype, config.device, shard)
+        model = load_model(files, model_config, setup.torch_dtype, config.device, shard, stage)
         with temporaries_from_the_heaps():
             model = apply_quantization(model, setup.quantization, kernels)
-        parallelize(model, shard, collectives)
+        if shard is not None:
+            parallelize(model, shard, collectives)
+        if stage is not None:
+            link_stage(model, stage, collectives, rank == 0, model_config.vocab_size)
         move_to_huge_pages(step_weights(model))
     model.use_kernels(kernels)   # (no whole-model decode stack: see _build_decode_stack)
     model.rows_by_kind = True
@@ -127,21 +169,23 @@ def build_worker_runner(setup: RankSetup, rank: int,
     model = load_rank_model(files, model_config, setup, rank, kernels, collectives)
     del files
     gc.collect()
-    kv_caches = allocate_kv_caches(setup.shards[rank].local_config(model_config),
-                                   setup.num_blocks, config.cache.block_size, setup.torch_dtype,
-                                   config.device, setup.kv_cache_dtype, zeros=lazy_zeros)
+    kv_caches = allocate_kv_caches(setup.rank_config(model_config, rank), setup.num_blocks,
+                                   config.cache.block_size, setup.torch_dtype, config.device,
+                                   setup.kv_cache_dtype, zeros=lazy_zeros)
     return ModelRunner(model, kv_caches, config.cache.block_size, config.device, config.seed,
-                       kernels, batch_invariant=config.deterministic, vocab_size=0)
+                       kernels, batch_invariant=config.deterministic, vocab_size=0,
+                       micro_batches=config.parallel.num_micro_batches)
 
 
-def describe_kv_gain(model: ModelConfig, shards: list[TensorShard], dtype: torch.dtype,
+def describe_kv_gain(model: ModelConfig, plan: RankPlan, dtype: torch.dtype,
                      kv_cache_dtype: str) -> str:
     """How many more tokens the ranks' KV caches hold than one process's in the same memory
-    per rank: the widest rank's KV heads set the blocks every rank allocates."""
+    per rank: the widest rank's KV heads and layers set the blocks every rank allocates."""
     whole = kv_bytes_per_token(model, dtype, kv_cache_dtype)
-    widest = max(kv_bytes_per_token(s.local_config(model), dtype, kv_cache_dtype)
-                 for s in shards)
-    heads = [s.kv_heads[1] - s.kv_heads[0] for s in shards]
+    widest = kv_bytes_per_token(plan.driver_config(model), dtype, kv_cache_dtype)
+    heads = [s.kv_heads[1] - s.kv_heads[0] for s in plan.shards]
+    layers = [s.num_layers for s in plan.stages]
     return (f"each rank caches its own KV heads ({'+'.join(map(str, heads))} of "
-            f"{model.num_kv_heads}): {whole / widest:.2f}x the tokens of one process in the "
+            f"{model.num_kv_heads}) of its stage's layers ({'+'.join(map(str, layers))} of "
+            f"{model.num_layers}): {whole / widest:.2f}x the tokens of one process in the "
             "same memory per rank")

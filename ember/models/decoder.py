@@ -166,10 +166,16 @@ class VariantForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[PagedKV],
                 meta: AttentionMetadata, lora: LoraStep | None = None) -> Tensor:
         """input_ids, positions [T] long -> final hidden states [T, hidden]; `lora`: the
-        step's adapters, where a row has one."""
-        x = self.model.embed_tokens(input_ids)
-        if self.config.embedding_scale is not None:  # in x's dtype, as transformers rounds it
-            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        step's adapters, where a row has one. A pipeline stage but the first takes the
+        stream from the stage before; one but the last sends it on and returns it."""
+        link = self.stage_link
+        if link is not None and not link.is_first:
+            x = link.receive((input_ids.shape[0], self.config.hidden_size),
+                             self.model.norm.weight.dtype)
+        else:
+            x = self.model.embed_tokens(input_ids)
+        if self.config.embedding_scale is not None and (link is None or link.is_first):
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)  # as HF rounds it
         if self.rope_tables is not None:
             tables = {kind: (cos[positions], sin[positions])
                       for kind, (cos, sin) in self.rope_tables.items()}
@@ -178,6 +184,9 @@ class VariantForCausalLM(LlamaForCausalLM):
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x = layer(x, *tables[layer.rope], kv_cache, meta,
                       None if lora is None else lora.layer(i))
+        if link is not None and not link.is_last:
+            link.send(x.contiguous())
+            return x
         return self.model.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

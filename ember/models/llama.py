@@ -16,7 +16,7 @@ from ember.models.attention import (AttentionMetadata, DecodeBatch, PagedKV, Pro
                                     prefill_in_kernel)
 from ember.models.layers import (KERNEL_DTYPES, RMSNorm, SwiGLU, apply_rope, rope_cos_sin,
                                  rope_inv_freq)
-from ember.models.parallel import AllReduce, reduce_
+from ember.models.parallel import AllReduce, StageLink, reduce_
 from ember.quant.packed import PackedLinear
 
 
@@ -131,6 +131,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta,
                                                        config.rope_scaling), persistent=False)
         self.rope_cache: tuple[Tensor, Tensor] | None = None   # set by cache_rope
+        # a pipeline stage's neighbours (None: every layer here); its layers are the stage's
+        self.stage_link: StageLink | None = None
 
     def cache_rope(self, max_positions: int, dtype: torch.dtype) -> None:
         """From now on, look each step's RoPE cos and sin up in tables for positions below
@@ -142,13 +144,21 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cache = rope_cos_sin(positions, self.inv_freq, dtype)
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        # (a pipeline stage without the output projection has nothing to tie)
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[PagedKV],
                 meta: AttentionMetadata, lora: LoraStep | None = None) -> Tensor:
         """input_ids, positions [T] long -> final hidden states [T, hidden]. `lora`: the
-        step's adapters, where a row has one (the decode stack adds them as the layers do)."""
+        step's adapters, where a row has one (the decode stack adds them as the layers do).
+        A pipeline stage but the first takes its input from the stage before; one but the
+        last returns its last layer's output, whose row count is all the driver reads."""
+        link = self.stage_link
+        if link is not None and not link.is_first:
+            shape = (2, input_ids.shape[0], self.config.hidden_size)
+            x, residual = link.receive(shape, self.model.norm.weight.dtype)
+            return self._layers(x, residual, positions, kv_caches, meta, lora)
         x = self.model.embed_tokens(input_ids)
         step = self._stack_step(kv_caches, meta)
         if step is not None:  # every layer in one compiled call (with the rows' adapters)
@@ -168,11 +178,20 @@ class LlamaForCausalLM(nn.Module):
                                                    step.block_tables, step.seq_lens,
                                                    step.chunk_info, step.chunk_tables, rows,
                                                    adapters)
+        return self._layers(x, None, positions, kv_caches, meta, lora)
+
+    def _layers(self, x: Tensor, residual: Tensor | None, positions: Tensor,
+                kv_caches: list[PagedKV], meta: AttentionMetadata,
+                lora: LoraStep | None) -> Tensor:
+        """The layers one by one from (x, residual) [T, hidden] each, then the final norm,
+        or, on a pipeline stage but the last, the stream sent on to the next stage."""
         cos, sin = self._rope_rows(positions, x.dtype)
-        residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta,
                                 None if lora is None else lora.layer(i))
+        if self.stage_link is not None and not self.stage_link.is_last:
+            self.stage_link.send(torch.stack((x, residual)))
+            return x
         return self.model.norm(x, residual)[0]
 
     def _rope_rows(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -287,7 +306,7 @@ def _build_decode_stack(model: LlamaForCausalLM, kernels: CpuKernels | None):
     config = model.config
     if kernels is None or not kernels.has_bf16_dot or config.head_dim not in (64, 128):
         return None
-    if model.model.layers[0].self_attn.all_reduce is not None:
+    if model.model.layers[0].self_attn.all_reduce is not None or model.stage_link is not None:
         return None   # one rank of several: the layers run one by one, with their all-reduces
     weights: list[Tensor] = []
     for layer in model.model.layers:

@@ -10,7 +10,9 @@ The collectives arrive as plain functions, so the model never knows how ranks ta
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 AllReduce = Callable[[Tensor], None]
@@ -60,3 +62,66 @@ def reduce_(all_reduce: AllReduce | None, x: Tensor) -> Tensor:
     all_reduce(x)
     return x
 
+
+
+# -- pipeline stages ------------------------------------------------------------------------
+#
+# A stage hands the next one its residual stream (Llama's as two tensors, x and the residual,
+# which the next norm adds, so that the sum rounds as in one process); the last stage's
+# logits go to the driver (rank 0, on the first stage), which samples:
+#
+#   stage 0 (driver)            stage 1                 ...   stage P-1
+#   embed, layers -> send  -->  receive, layers -> send  -->  receive, layers, norm, head
+#   head: receive logits  <----------------------------------  send logits
+
+Receive = Callable[[tuple[int, ...], torch.dtype], Tensor]   # (shape, dtype) -> tensor
+Send = Callable[[Tensor], None]
+
+
+@dataclass(frozen=True)
+class StageLink:
+    """How a pipeline stage's model gets its input (the stage before's output, unless it is
+    the first) and hands its output on (unless it is the last)."""
+
+    is_first: bool
+    is_last: bool
+    receive: Receive
+    send: Send        # returns at once; the tensor must not change until finish()
+    finish: Callable[[], None]   # wait for this step's sends to be taken
+
+
+class LogitsFromLastStage(nn.Module):
+    """The driver's output projection when the last stage holds the real one: the logits it
+    sends, in float32 (exact for the model's dtypes), back in the model's dtype."""
+
+    def __init__(self, receive: Receive, vocab_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.receive, self.vocab_size, self.dtype = receive, vocab_size, dtype
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """hidden [N, hidden] (its row count only) -> logits [N, vocab]."""
+        return self.receive((hidden.shape[0], self.vocab_size), torch.float32).to(self.dtype)
+
+
+class LogitsToDriver(nn.Module):
+    """The last stage's output projection (`inner`, gathered over the stage's tensor-parallel
+    ranks where there are several): the rank that holds the whole logits sends them to the
+    driver; every rank of the stage returns none."""
+
+    def __init__(self, inner: nn.Module, send: Send) -> None:
+        super().__init__()
+        self.inner, self.send = inner, send
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """hidden [N, hidden] -> [N, 0]."""
+        logits = self.inner(hidden)
+        if logits.shape[1]:
+            self.send(logits.float().contiguous())
+        return logits[:, :0]
+
+
+class NoLogits(nn.Module):
+    """A rank that neither computes nor samples logits: [N, 0]."""
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return hidden.new_empty((hidden.shape[0], 0))

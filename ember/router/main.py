@@ -20,7 +20,7 @@ from ember.router.gateway import Gateway, create_gateway
 from ember.router.prompts import PromptKeys, load_tokenizer
 from ember.router.proxy import Proxy
 from ember.router.replicas import (Launcher, LocalLauncher, RemoteHandle, Replica,
-                                  replica_environment)
+                                  replica_cpu_binds, replica_environment)
 from ember.router.rollout import Rollout, parse_spec
 from ember.server.exit import GracefulServer
 from ember.tokenizer.tokenizer import Tokenizer
@@ -100,11 +100,25 @@ def build_fleet(args: argparse.Namespace, argv: list[str], config: RouterConfig
     most = max(args.replicas, config.autoscale.max_replicas) if not split else \
         max(args.prefill_replicas, config.prefill_autoscale.max_replicas) + \
         max(args.decode_replicas, config.decode_autoscale.max_replicas)
-    env = replica_environment(os.environ, local_replicas(launchers, most))
+    num_local = local_replicas(launchers, most)
+    env = replica_environment(os.environ, num_local)
+    # a role's replicas already run on that role's cores (their ranks share them)
+    binds = None if split else rank_cpu_binds(args, argv, num_local)
     for launcher in launchers.values():
         if isinstance(launcher, LocalLauncher):
-            launcher.env = env
+            launcher.env, launcher.cpu_binds = env, binds
     return fleet, rollout
+
+
+def rank_cpu_binds(args: argparse.Namespace, argv: list[str], num_local: int
+                   ) -> list[str] | None:
+    """The local replicas' slots of cores where each is several ranks (T x P), unless the
+    user bound them (--cpu-bind) or let them share cores (--oversubscribe-cpus)."""
+    if "--cpu-bind" in argv or any(t.startswith("--cpu-bind=") for t in argv) or \
+            args.oversubscribe_cpus:
+        return None
+    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
+    return replica_cpu_binds(sorted(os.sched_getaffinity(0)), num_local, ranks)
 
 
 def cmd_route(args: argparse.Namespace, server: ServerConfig, tokens: list[str]) -> None:

@@ -200,6 +200,26 @@ def replica_environment(environ: Mapping[str, str], local_replicas: int
     return {**environ, "OMP_WAIT_POLICY": "passive"}
 
 
+def replica_cpu_binds(available: list[int], num_replicas: int, num_ranks: int
+                      ) -> list[str] | None:
+    """Each local replica slot's `--cpu-bind` where a replica is `num_ranks` processes
+    (tensor x pipeline parallel): `available` cores split evenly among `num_replicas`
+    replicas, each replica's share among its ranks (e.g. 8 cores, 2 replicas of 2 ranks:
+    '0,1|2,3' and '4,5|6,7'), so that replicas do not pile their ranks onto the same cores;
+    None where there are fewer cores than ranks in all (the ranks' own split then applies)."""
+    if num_replicas < 1 or num_ranks < 2 or len(available) < num_replicas * num_ranks:
+        return None
+    per_replica = len(available) // num_replicas
+    per_rank = per_replica // num_ranks
+    binds = []
+    for replica in range(num_replicas):
+        first = replica * per_replica
+        ranks = [available[first + r * per_rank:first + (r + 1) * per_rank]
+                 for r in range(num_ranks)]
+        binds.append("|".join(",".join(map(str, cores)) for cores in ranks))
+    return binds
+
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -226,7 +246,9 @@ def die_with_parent(parent_pid: int, cpus: tuple[int, ...] | None = None
 class LocalLauncher:
     """`ember serve` subprocesses on free ports of `host`, each with `serve_args` and `env`
     (None: the gateway's environment; the fleet sets it once it knows how many local
-    replicas share the machine). Their output goes to a log file per replica in `log_dir`."""
+    replicas share the machine), and, where a replica is several ranks, the `--cpu-bind` of
+    a slot of cores no running replica holds (`cpu_binds`, set by the fleet too). Their
+    output goes to a log file per replica in `log_dir`."""
 
     def __init__(self, serve_args: list[str], host: str = "127.0.0.1",
                  log_dir: str | None = None, cpus: tuple[int, ...] | None = None) -> None:
@@ -235,6 +257,8 @@ class LocalLauncher:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="ember-fleet-")
         self.env: dict[str, str] | None = None
         self.cpus = cpus        # the cores its replicas run on (None: the gateway's)
+        self.cpu_binds: list[str] | None = None
+        self._slots: dict[int, subprocess.Popen] = {}   # cpu_binds index -> its replica
 
     def command(self, port: int) -> list[str]:
         return [sys.executable, "-m", "ember.cli", "serve", "--host", self.host,
@@ -243,9 +267,22 @@ class LocalLauncher:
     def start(self, replica_id: str) -> ProcessHandle:
         port = free_port(self.host)
         log_path = os.path.join(self.log_dir, f"{replica_id}.log")
+        slot = self._free_slot()
+        bind = [] if slot is None else ["--cpu-bind", self.cpu_binds[slot]]
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env=self.env,
+            proc = subprocess.Popen(self.command(port) + bind, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env=self.env,
                                     preexec_fn=die_with_parent(os.getpid(), self.cpus))
+        if slot is not None:
+            self._slots[slot] = proc
         return ProcessHandle(proc, f"http://{self.host}:{port}", log_path)
+
+    def _free_slot(self) -> int | None:
+        """The first slot of cores whose replica has exited (or that never had one); None
+        without slots, or where every one is held (the ranks then split all cores)."""
+        for slot in range(len(self.cpu_binds or ())):
+            holder = self._slots.get(slot)
+            if holder is None or holder.poll() is not None:
+                return slot
+        return None

@@ -299,6 +299,21 @@ def by_kind_parts(plan: SchedulerOutput) -> list[tuple[bool, SchedulerOutput]]:
             for kind, items in ((True, prompt), (False, decode)) if items]
 
 
+def micro_batches(plan: SchedulerOutput, count: int) -> list[SchedulerOutput]:
+    """The plan's requests in order, cut into at most `count` runs of about equal new
+    tokens (a request is never split), for pipeline stages to work on one run while the next
+    stage works on the one before."""
+    total = sum(item.num_new_tokens for item in plan.scheduled)
+    runs: list[list[ScheduledRequest]] = [[]]
+    done = 0
+    for item in plan.scheduled:
+        if runs[-1] and done >= total * len(runs) / count:
+            runs.append([])
+        runs[-1].append(item)
+        done += item.num_new_tokens
+    return [SchedulerOutput(items, plan.finished_request_ids) for items in runs]
+
+
 def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
                    decode_stack: bool = False, chunks_alone: bool = False,
                    by_kind: bool = False) -> ModelInputs:

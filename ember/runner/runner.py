@@ -26,7 +26,7 @@ from ember.request import Request
 from ember.runner.drafter import Drafter
 from ember.quant.packed import rows_of_kind, share_step_rows
 from ember.runner.inputs import (ModelInputs, by_kind_parts, copy_slot_batches,
-                                 prepare_inputs)
+                                 micro_batches, prepare_inputs)
 from ember.runner.pooling import Pooler
 from ember.sampling.sampler import Sampler
 from ember.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -54,6 +54,26 @@ class StepPeers(Protocol):
         """What a forward that raised means for the engine: its ranks are out of step."""
 
 
+@dataclass
+class PipelineBubble:
+    """How much of its time a pipeline stage idles, by the schedule: a forward of m
+    micro-batches through P stages takes m + P - 1 slots, of which each stage works m (with
+    micro-batches of equal time), so P - 1 idle: one micro-batch idles (P-1)/P."""
+
+    num_stages: int
+    idle_slots: int = 0
+    slots: int = 0
+
+    def add(self, num_micro_batches: int) -> None:
+        self.idle_slots += self.num_stages - 1
+        self.slots += num_micro_batches + self.num_stages - 1
+
+    @property
+    def share(self) -> float:
+        """Idle slots / all slots, over every forward so far (0 before any)."""
+        return self.idle_slots / self.slots if self.slots else 0.0
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKV], block_size: int,
                  device: str, seed: int, kernels: CpuKernels | None = None,
@@ -61,8 +81,13 @@ class ModelRunner:
                  drafter: Drafter | None = None,
                  place_lora: Callable[[list[Tensor]], list[Tensor]] | None = None,
                  batch_invariant: bool = False, peers: StepPeers | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, micro_batches: int = 1,
+                 num_stages: int = 1) -> None:
         self.model = model
+        # a step's forwards are cut into this many runs of requests at most (a pipeline's
+        # micro-batches, which its stages work on at once); 1 without pipeline parallel
+        self.micro_batches = micro_batches
+        self.bubble = PipelineBubble(num_stages)
         self.peers = peers   # the model's other ranks (None: it runs in this process alone)
         # the logits' width: the whole vocabulary where this rank's model holds a part and
         # its logits are gathered here; 0 on the other ranks, which get none
@@ -98,16 +123,37 @@ class ModelRunner:
         """
         with self._on_every_rank(ForwardStep("forward", plan)):
             self._copy_blocks(plan)
+            # every part's forward first, then their logits: on a pipeline the driver's
+            # stage then runs micro-batch i + 1 while the next stage runs micro-batch i
+            parts = self._parts(plan)
+            self.bubble.add(len(parts))   # back to back through the stages
+            forwards = [self._forward_part(part, pooled, prompt) for prompt, part in parts]
             requests: list[Request] = []
             logits: list[Tensor] = []
-            for prompt, part in by_kind_parts(plan):
-                kind = True if prompt else (False if self.batch_invariant else None)
-                part_requests, part_logits = self._forward_part(part, pooled, kind)
+            for inputs, part_hidden in forwards:
+                part_requests, part_logits = self._logits(inputs, part_hidden)
                 requests += part_requests
                 logits.append(part_logits)
+            self._finish_sends()
         if len(logits) == 1:
             return requests, logits[0]
         return requests, torch.cat(logits)
+
+    def _parts(self, plan: SchedulerOutput) -> list[tuple[bool | None, SchedulerOutput]]:
+        """The plan as the forwards that run it: prompt rows, then decode rows (each with
+        the kind its linears take: StepRows' True prompt, False decode, None by their
+        number), each cut into micro-batches on a pipeline."""
+        parts = []
+        for prompt, part in by_kind_parts(plan):
+            kind = True if prompt else (False if self.batch_invariant else None)
+            parts += [(kind, batch) for batch in micro_batches(part, self.micro_batches)]
+        return parts
+
+    def _finish_sends(self) -> None:
+        """Wait for this rank's sends to the next stage (or the driver) to be taken."""
+        link = self.model.stage_link
+        if link is not None:
+            link.finish()
 
     @contextmanager
     def _on_every_rank(self, step: ForwardStep) -> Iterator[None]:
@@ -134,9 +180,10 @@ class ModelRunner:
             raise ValueError(f"unknown step method {step.method!r}")
 
     def _forward_part(self, plan: SchedulerOutput, pooled: dict[str, list[float]] | None,
-                      prompt: bool | None) -> tuple[list[Request], Tensor]:
+                      prompt: bool | None) -> tuple[ModelInputs, Tensor]:
         """forward() of a part of by_kind_parts, whose linears take rows as `prompt` says
-        (StepRows: True prompt rows, False decode rows, None by their number)."""
+        (StepRows: True prompt rows, False decode rows, None by their number): its inputs
+        and final hidden states."""
         inputs = prepare_inputs(plan, self.block_size, self.device,
                                 self.model.stack_runs_decodes(self.kv_caches),
                                 self.model.attends_chunks_alone(self.kv_caches),
@@ -146,7 +193,7 @@ class ModelRunner:
                                 inputs.attn, self._lora_step(plan))
         if pooled is not None:
             pooled.update(self.pooler.pool(plan, hidden))
-        return self._logits(inputs, hidden)
+        return inputs, hidden
 
     def _logits(self, inputs: ModelInputs, hidden: Tensor) -> tuple[list[Request], Tensor]:
         if not inputs.sampling_requests:
@@ -169,7 +216,9 @@ class ModelRunner:
             with rows_of_kind(self.step_rows, True if by_kind else None):
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                     inputs.attn, self._lora_step(plan))
-            return inputs, self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)
+            self._finish_sends()
+            return inputs, logits
 
     def _lora_step(self, plan: SchedulerOutput) -> LoraStep | None:
         """The step's adapters, row by row (rows follow plan.scheduled), or None."""

@@ -59,6 +59,11 @@ class EngineCollector(Collector):
         yield from self._spec_metrics(stats)
         if stats.kv_transfer is not None:
             yield from self._transfer_metrics(stats.kv_transfer)
+        if stats.pipeline_bubble is not None:
+            yield self._gauge("ember_pipeline_bubble_ratio", "Share of a pipeline stage's time "
+                              "idle by the schedule: (P-1)/(M+P-1) per forward of M "
+                              "micro-batches, over every forward so far",
+                              stats.pipeline_bubble)
         if core is not None:
             yield self._load_phases(core.load_phases.seconds)
             info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration",

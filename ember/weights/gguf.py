@@ -164,12 +164,21 @@ class GGUFFile:
                     weights[value] += int(t.n_elements)
         return weights.most_common(1)[0][0] if weights else None
 
-    def tensors(self, config: ModelConfig, dtype: torch.dtype = torch.float32
+    def tensors(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                keep: Callable[[str], bool] | None = None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) pairs, quantized types dequantized to `dtype`; rope_freqs keeps
-        its GGUF name."""
+        its GGUF name. `keep`: which names to read (a pipeline stage's), None: all."""
         permuted = ARCHITECTURES[self.arch][1]
         for t in self._reader.tensors:
+            if t.name in ROPE_FACTORS:  # in the config (_longrope)
+                continue
+            name = ROPE_FREQS if t.name == ROPE_FREQS else hf_name(t.name, self.arch)
+            if name is None:
+                raise UnsupportedModel(f"{self.path} has tensor {t.name!r}, which ember does not "
+                                       f"know for the {self.arch} architecture")
+            if keep is not None and not keep(name):
+                continue
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
             try:
                 tensor = dequantize(t.data, t.tensor_type, shape, dtype)
@@ -179,12 +188,6 @@ class GGUFFile:
             if t.name == ROPE_FREQS:
                 yield ROPE_FREQS, tensor
                 continue
-            if t.name in ROPE_FACTORS:  # in the config (_longrope)
-                continue
-            name = hf_name(t.name, self.arch)
-            if name is None:
-                raise UnsupportedModel(f"{self.path} has tensor {t.name!r}, which ember does not "
-                                       f"know for the {self.arch} architecture")
             if permuted and ".q_proj." in name:
                 tensor = unpermute_rows(tensor, config.num_heads)
             elif permuted and ".k_proj." in name:

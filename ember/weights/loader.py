@@ -138,23 +138,43 @@ class WeightShard(Protocol):
         """The rank's part of one loaded tensor (transformers' name, before fusing)."""
 
 
+class LayerStage(Protocol):
+    """One pipeline stage's layers (ember/distributed/parallel.py's PipelineStage)."""
+
+    first_layer: int
+    end_layer: int
+    is_first: bool
+    is_last: bool
+
+    def local_name(self, name: str, tied: bool) -> str | None:
+        """A tensor's name in the stage's model, or None where the stage does not hold it."""
+
+
 def load_model(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
-               device: str, shard: WeightShard | None = None) -> LlamaForCausalLM:
+               device: str, shard: WeightShard | None = None,
+               stage: LayerStage | None = None) -> LlamaForCausalLM:
     """Build the model on the meta device, then assign the file's tensors to it. With
     `shard`, only a tensor-parallel rank's part: each tensor is cut as it loads, so a rank
-    holds its own part and at most one whole tensor besides."""
+    holds its own part and at most one whole tensor besides. With `stage`, only a pipeline
+    stage's layers (renumbered from 0) and ends."""
     full_config = config
     if shard is not None:
         config = shard.local_config(config)
     with torch.device("meta"):
         model = (LlamaForCausalLM if config.is_llama else VariantForCausalLM)(config)
+    if stage is not None:
+        keep_stage(model, stage)
     state, parts = {}, {}
     rope_freqs = None
     experts: dict[str, torch.Tensor] = {}
     # quantized GGUF tensors come out in the dtype the model runs in (not float32 first)
-    for name, tensor in files.tensors(full_config, dtype):  # (GGUF's q/k rows: every head)
+    keep = None if stage is None else \
+        (lambda name: stage.local_name(name, config.tie_word_embeddings) is not None)
+    for name, tensor in files.tensors(full_config, dtype, keep):  # (GGUF's q/k: every head)
         for pattern, replacement in _MIXTRAL_NAMES if config.num_experts else ():
             name = pattern.sub(replacement, name)
+        if stage is not None:   # (kept: the stage's; renumbered from its first layer)
+            name = stage.local_name(name, config.tie_word_embeddings)
         if shard is not None:
             tensor = shard.take(name, tensor)
         tensor = tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor
@@ -184,6 +204,19 @@ def load_model(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
                  config.architecture, config.num_experts, config.num_experts_per_tok,
                  active / 1e9, total / 1e9)
     return model.eval()
+
+
+def keep_stage(model: LlamaForCausalLM, stage: LayerStage) -> None:
+    """Drop, on the meta device, what a pipeline stage does not hold: the other stages'
+    layers (each layer built with its index in the whole model, which sets its window and
+    MLP kind), the embedding but on the first stage (and the last where the head reads it),
+    the output projection but on the last."""
+    layers = list(model.model.layers)[stage.first_layer:stage.end_layer]
+    model.model.layers = torch.nn.ModuleList(layers)
+    if not (stage.is_first or (stage.is_last and model.config.tie_word_embeddings)):
+        model.model.embed_tokens = torch.nn.Identity()
+    if not stage.is_last:
+        model.lm_head = torch.nn.Identity()
 
 
 def _fuse(parts: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

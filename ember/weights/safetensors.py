@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,15 +74,19 @@ class SafetensorsFolder:
     def linear_packing(self) -> str | None:
         return None
 
-    def tensors(self, config: ModelConfig | None, dtype: torch.dtype = torch.float32
+    def tensors(self, config: ModelConfig | None, dtype: torch.dtype = torch.float32,
+                keep: Callable[[str], bool] | None = None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) pairs, memory-mapped from the files, as stored (`dtype`: the
         loader casts them; `config` None: an encoder's, as stored). Gemma's norms compute
-        x * (1 + weight): their weights come out with the 1 added (as llama.cpp stores them)."""
+        x * (1 + weight): their weights come out with the 1 added (as llama.cpp stores them).
+        `keep`: which names to read (a pipeline stage's), None: all."""
         for file in self.files:
             try:
                 with safe_open(str(file), framework="pt") as f:
                     for name in f.keys():
+                        if keep is not None and not keep(name):
+                            continue
                         tensor = f.get_tensor(name)
                         if config is not None and config.norm_plus_one \
                                 and name.endswith("norm.weight"):

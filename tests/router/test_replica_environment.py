@@ -1,13 +1,18 @@
 """Local replicas that share the machine's cores get passive threads; one alone, or a wait
-policy the user chose, keeps the environment as it is."""
+policy the user chose, keeps the environment as it is. Replicas of several ranks (tensor x
+pipeline parallel) each get a slot of cores of their own, one list per rank."""
 from __future__ import annotations
+
+import sys
+import time
 
 import pytest
 
 from ember.cli import build_parser, server_config
 from ember.router.cli import router_config, serve_argv
 from ember.router.main import build_fleet, local_replicas
-from ember.router.replicas import LocalLauncher, replica_environment
+from ember.router.replicas import (LocalLauncher, log_tail, replica_cpu_binds,
+                                  replica_environment)
 
 
 def route_fleet(*argv: str):
@@ -82,3 +87,45 @@ def test_a_disaggregated_fleet_starts_each_role_on_its_own_cores(monkeypatch):
     fleet, _ = route_fleet("--prefill-replicas", "1", "--decode-replicas", "1",
                            "--cpu-bind", "2")                  # the user's binding is kept
     assert fleet.launchers["prefill"].cpus is None
+
+
+def test_replicas_of_several_ranks_get_slots_of_cores_one_list_per_rank():
+    assert replica_cpu_binds(list(range(8)), 2, 2) == ["0,1|2,3", "4,5|6,7"]
+    assert replica_cpu_binds([0, 1, 2, 3, 4], 1, 4) == ["0|1|2|3"]   # T x P = 4
+    assert replica_cpu_binds([0, 1], 2, 2) is None      # fewer cores than ranks in all
+    assert replica_cpu_binds(list(range(8)), 2, 1) is None   # one process each: no binding
+
+
+@pytest.mark.parametrize("argv, binds", [
+    (("--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"), ["0|1|2|3"]),
+    (("--tensor-parallel-size", "2", "--replicas", "2"), ["0|1", "2|3"]),
+    (("--tensor-parallel-size", "2", "--cpu-bind", "3|2"), None),     # the user's own
+    (("--pipeline-parallel-size", "2", "--oversubscribe-cpus"), None),
+    ((), None),
+])
+def test_the_fleet_binds_each_local_replicas_ranks(argv, binds, monkeypatch):
+    monkeypatch.setattr("ember.router.main.os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    fleet, _ = route_fleet(*argv)
+    assert fleet.launchers["primary"].cpu_binds == binds
+
+
+def test_a_replica_takes_a_slot_no_running_replica_holds(tmp_path):
+    launcher = LocalLauncher([], log_dir=str(tmp_path))
+    launcher.cpu_binds = ["0|1", "2|3"]
+    launcher.command = lambda port: [sys.executable, "-c", "import sys, time; "
+                                     "print(sys.argv[1:], flush=True); time.sleep(60)"]
+    handles = [launcher.start(f"r{i}") for i in range(3)]   # the third finds no free slot
+    handles[0].proc.kill()
+    handles[0].proc.wait()
+    handles.append(launcher.start("r3"))                   # takes the first one's slot
+    try:
+        for handle, args in zip(handles, ([["--cpu-bind", "0|1"], ["--cpu-bind", "2|3"], [],
+                                           ["--cpu-bind", "0|1"]])):
+            deadline = time.monotonic() + 30
+            while not log_tail(handle.log_path, 1) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert log_tail(handle.log_path, 1) == [repr(args)]
+    finally:
+        for handle in handles:
+            handle.proc.kill()
+            handle.proc.wait()

@@ -1,5 +1,6 @@
 """`ember route` as a process over real `ember serve` replica processes (the tiny model):
-failover when a replica is SIGKILLed under load, its restart, and scale from zero."""
+failover when a replica is SIGKILLed under load, its restart, scale from zero, and a
+replica of two tensor-parallel ranks."""
 from __future__ import annotations
 
 import json
@@ -162,3 +163,36 @@ def test_scale_from_zero_answers_every_request_and_scales_back(tiny_llama_dir, r
             os.kill(replica_pid, 0)
     finally:
         cold.close()
+
+
+def greedy_text(url: str) -> str:
+    body = {"prompt": "The tensor-parallel replica says", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    answer = httpx.post(url + "/v1/completions", json=body, timeout=180)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["text"]
+
+
+@pytest.mark.slow
+def test_a_replica_of_two_ranks_answers_as_one_of_one(tiny_llama_dir):
+    """A route's one replica at T=2, its ranks bound to cores of their own, gives the greedy
+    text of a T=1 replica."""
+    folder, _ = tiny_llama_dir
+    texts = []
+    for options in ((), ("--tensor-parallel-size", "2")):
+        live = Route(folder, "--replicas", "1", "--quantization", "none", *options)
+        try:
+            fleet = live.wait(lambda f: ready_count(f) == 1, "one replica ready")
+            texts.append(greedy_text(live.url))
+            if options:   # a core per rank, and rank 0 (the replica's process) on the first
+                pid = fleet["replicas"][0]["pid"]
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                cores = sorted(os.sched_getaffinity(0))
+                half = len(cores) // 2
+                first, second = cores[:half], cores[half:2 * half]
+                assert argv[argv.index(b"--cpu-bind") + 1].decode() == \
+                    f"{','.join(map(str, first))}|{','.join(map(str, second))}"
+                assert os.sched_getaffinity(pid) == set(first)
+        finally:
+            live.close()
+    assert texts[0] == texts[1]

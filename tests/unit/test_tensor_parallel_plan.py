@@ -1,17 +1,22 @@
-"""How tensor parallel splits a model and a machine (ember/distributed/parallel.py), against
-the split written out by hand; and the start-up errors that name the numbers."""
+"""How tensor and pipeline parallel split a model and a machine (ember/distributed/
+parallel.py), against the split written out by hand; and the start-up errors that name the
+numbers."""
 from __future__ import annotations
+
+import re
+from dataclasses import replace
 
 import pytest
 import torch
 
 from ember.config import EngineConfig, ModelConfig, ParallelConfig, parse_cpu_bind
 from ember.distributed.executor import TokenWindow, plain_step
-from ember.distributed.parallel import even_ranges, plan_shards, rank_cpus, split_heads
+from ember.distributed.parallel import (even_ranges, plan_shards, plan_stages, rank_cpus,
+                                        split_heads)
 from ember.errors import ConfigError
 from ember.request import Request, SamplingParams
-from ember.runner.inputs import prepare_inputs
-from ember.runner.runner import ForwardStep
+from ember.runner.inputs import micro_batches, prepare_inputs
+from ember.runner.runner import ForwardStep, PipelineBubble
 from ember.scheduler.output import ScheduledRequest, SchedulerOutput
 
 SMOLLM = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
@@ -129,3 +134,88 @@ def test_a_step_as_plain_data_builds_the_same_inputs():
     assert torch.equal(a.positions, b.positions)
     assert torch.equal(a.attn.slot_mapping, b.attn.slot_mapping)
     assert TokenWindow(5, [1, 2, 3])[6:8] == [2, 3]
+
+
+def test_stages_take_consecutive_layers_the_first_ones_more():
+    stages = plan_stages(30, 4)
+    assert [(s.first_layer, s.end_layer) for s in stages] == [(0, 8), (8, 16), (16, 23),
+                                                             (23, 30)]
+    assert [(s.is_first, s.is_last) for s in stages] == [(True, False), (False, False),
+                                                          (False, False), (False, True)]
+    assert stages[2].local_config(SMOLLM).num_layers == 7
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=31 exceeds the model's 30 "
+                                          "layers"):
+        plan_stages(30, 31)
+
+
+def test_a_stage_holds_its_layers_renumbered_and_only_its_ends():
+    first, middle, last = plan_stages(30, 3)
+    assert first.local_name("model.layers.9.mlp.down_proj.weight", tied=True) == \
+        "model.layers.9.mlp.down_proj.weight"
+    assert middle.local_name("model.layers.9.mlp.down_proj.weight", tied=True) is None
+    assert middle.local_name("model.layers.12.self_attn.q_proj.bias", tied=True) == \
+        "model.layers.2.self_attn.q_proj.bias"
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    assert [s.local_name(embed, tied=False) for s in (first, middle, last)] == \
+        [embed, None, None]
+    assert [s.local_name(embed, tied=True) for s in (first, middle, last)] == \
+        [embed, None, embed]                  # a tied head reads the embedding
+    assert [s.local_name(head, tied=False) for s in (first, middle, last)] == [None, None, head]
+    assert middle.local_name("model.norm.weight", tied=True) == "model.norm.weight"
+
+
+def test_a_stages_layer_kinds_follow_the_whole_models_layers():
+    gemma = replace(SMOLLM, sliding_window=8, sliding_layers=(True, False, True),
+                    num_layers=3, dense_mlp_layers=(2,))
+    last = plan_stages(3, 2)[1].local_config(gemma)
+    assert (last.num_layers, last.sliding_layers, last.dense_mlp_layers) == (1, (True,), (0,))
+
+
+def test_ranks_go_stage_by_stage_one_core_each_unless_oversubscribed():
+    layout = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert rank_cpus(layout, list(range(8))) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 x pipeline_parallel_size=2 "
+                                          r"= 4 ranks needs a CPU core per rank, and this "
+                                          r"process may run on 2 \(0-1\)"):
+        rank_cpus(layout, [0, 1])
+    shared = replace(layout, oversubscribe=True)
+    assert rank_cpus(shared, [0, 1]) == [(0,), (1,), (0,), (1,)]
+    with pytest.raises(ConfigError, match="CPUs for 2 ranks, tensor_parallel_size=2 x "
+                                          "pipeline_parallel_size=2 = 4"):
+        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, cpu_bind="0|1")
+
+
+@pytest.mark.parametrize("options, flag", [
+    (dict(speculative="ngram"), "--speculative ngram"),
+    (dict(loras=(("a", "/x"),)), "--lora adapters"),
+    (dict(task="embed"), "--task embed"),
+    (dict(distributed_executor="ray"), "--distributed-executor ray"),
+])
+def test_what_stages_cannot_run_yet_fails_before_anything_starts(options, flag):
+    with pytest.raises(ConfigError, match=f"--pipeline-parallel-size 2 does not run with "
+                                          f"{re.escape(flag)}"):
+        EngineConfig.from_options(pipeline_parallel_size=2, **options)
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=0 must be in \[1, 64\]"):
+        ParallelConfig(pipeline_parallel_size=0)
+
+
+def test_micro_batches_are_runs_of_whole_requests_of_about_equal_tokens():
+    requests = [Request(name, list(range(40)), SamplingParams(), frozenset(), max_tokens=4)
+                for name in "abcde"]
+    sizes = [30, 2, 2, 26, 4]     # new tokens of each request this step
+    plan = SchedulerOutput([ScheduledRequest(r, 0, n, [0, 1], True)
+                            for r, n in zip(requests, sizes)], frozenset({"z"}))
+    runs = micro_batches(plan, 2)
+    assert [[i.request.request_id for i in run.scheduled] for run in runs] == \
+        [["a", "b"], ["c", "d", "e"]]
+    assert all(run.finished_request_ids == {"z"} for run in runs)
+    assert len(micro_batches(plan, 8)) == 5 and len(micro_batches(plan, 1)) == 1
+
+
+def test_the_bubble_is_the_schedules_idle_slots():
+    bubble = PipelineBubble(num_stages=2)
+    assert bubble.share == 0.0
+    bubble.add(1)                 # one micro-batch: (P-1)/P
+    assert bubble.share == 1 / 2
+    bubble.add(3)                 # 1 + 1 idle slots of 2 + 4
+    assert bubble.share == 2 / 6
