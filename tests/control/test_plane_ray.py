@@ -67,6 +67,7 @@ keys = ["sk-acme"]
 
 
 @pytest.mark.ray
+@pytest.mark.heavy
 @pytest.mark.slow      # a Ray cluster, a plane and a fleet whose replica is an actor
 def test_a_plane_in_front_of_a_ray_cluster(tmp_path, smollm_path):
     ray = pytest.importorskip("ray")

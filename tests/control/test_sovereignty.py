@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.heavy    # the benchmark's short run; a plane failure keeps eu in eu by default
 @pytest.mark.slow     # about 45 s: three planes start, then 14 s of load with kills
 def test_an_eu_only_tenant_is_never_processed_on_us1_through_random_kills(smollm_path):
     out = subprocess.run(

@@ -606,7 +606,7 @@ def test_tiny_llama_float32_greedy_tokens_equal_with_and_without_kernels(tiny_ll
 
 
 @pytest.mark.parametrize(("chunk", "kv_cache_dtype"), [
-    (None, "model"), (32, "model"),   # whole prompts; prompts cut into chunks
+    (None, "model"), pytest.param(32, "model", marks=pytest.mark.heavy),   # chunked prompts
     (32, "int8")])                    # an int8 cache: written, read in the kernels
 def test_smollm_bfloat16_kernels_agree_by_the_closeness_rule(smollm_path, chunk,
                                                              kv_cache_dtype):

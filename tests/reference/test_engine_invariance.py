@@ -57,6 +57,7 @@ def test_preemption_keeps_greedy_tokens(tiny_llama_dir, reference):
     assert llm.engine.scheduler.kv.num_free_blocks == 12
 
 
+@pytest.mark.heavy   # by default test_same_answer.py batches, chunks and preempts SmolLM2
 def test_smollm_batch_chunk_preempt_keep_greedy_tokens(smollm_path, smollm_llm):
     """The real model: all three features at once against each prompt alone."""
     prompts = [smollm_llm.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]

@@ -181,6 +181,7 @@ def test_files_made_below_4_bits_pack_int8_whatever_their_majority(tmp_path, tin
         assert GGUFFile(path).linear_packing() == packing, file_type
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mixed_gguf", ["Q4_K_M"], indirect=True)
 def test_packed_weights_agree_with_bfloat16_by_the_closeness_rule(mixed_gguf):
     """The dequantized weights repacked for decode: int4 (what auto picks for Q4_K_M) and

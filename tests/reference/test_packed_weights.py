@@ -294,6 +294,7 @@ def test_int8_prompt_matmul_perplexity_within_each_formats_budget(formats, bf16_
     assert ppl["int4"] != ppl["int4-bf16"]   # the two paths do differ
 
 
+@pytest.mark.heavy
 def test_calibration_fits_a_small_kv_cache_and_any_step_budget(smollm_path):
     if load_kernels("auto", "cpu") is None or not load_kernels("auto", "cpu").has_bf16_dot:
         pytest.skip("int8 prompt matmuls need the compiled kernels with AVX-512 BF16")

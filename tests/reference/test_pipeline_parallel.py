@@ -93,7 +93,7 @@ def test_tensor_parallel_stages_match_one_process_step_by_step(llama_folder):
         staged.close()
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["P=2", pytest.param("T=2xP=2", marks=pytest.mark.heavy)])
 def test_stages_batched_and_chunked_match_one_process(llama_folder, layout):
     """Every prompt at once in steps of 16 tokens (chunked prompts beside decodes), then
     again from the prefix cache: the same greedy tokens as one process. The steps' requests

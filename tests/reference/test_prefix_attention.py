@@ -113,7 +113,8 @@ def test_chunks_refuse_rows_outside_q_or_in_two_chunks(kernels):
 
 
 @pytest.mark.parametrize(("kv_cache_dtype", "suffix_len"),
-                         [("model", 20), ("int8", 20), ("int8", 6)])
+                         [("model", 20), ("int8", 20),
+                          pytest.param("int8", 6, marks=pytest.mark.heavy)])
 def test_shared_prefix_steps_through_the_stack_equal_the_layers(smollm_path, kv_cache_dtype,
                                                                 suffix_len):
     """Six prompts of one cached 200-token prefix (192 tokens in whole blocks) and 20 tokens

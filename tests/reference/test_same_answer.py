@@ -80,7 +80,7 @@ HEAVY = pytest.mark.heavy   # 7-token chunks and self-drafts take hundreds of st
     pytest.param(dict(max_num_batched_tokens=7, deterministic=True), marks=HEAVY),
     # preemption and recompute (room for the 256-token calibration prompt, not every request)
     dict(num_blocks=33, block_size=8, deterministic=True),
-    dict(speculative="ngram", deterministic=True),
+    pytest.param(dict(speculative="ngram", deterministic=True), marks=HEAVY),
     pytest.param(dict(speculative="self", deterministic=True), marks=HEAVY),
 ], ids=["chunk7-seqs8", "chunk64-seqs3", "ngram-seqs2", "self-seqs1", "chunk7-deterministic",
         "preempt-deterministic", "ngram-deterministic", "self-deterministic"])

@@ -97,6 +97,7 @@ def test_stop_strings_and_stop_tokens_cut_at_the_same_place(tiny_pair):
             assert a.text == b.text and a.finish_reason == b.finish_reason
 
 
+@pytest.mark.heavy   # by default the same-answer matrix runs n-gram drafts on SmolLM2
 def test_default_model_greedy_is_identical(smollm_path):
     """The default model as served (bfloat16, int4 weights, int8 KV, compiled kernels): a
     verified token runs through the same kernels as a decoded one, each row of a step as it

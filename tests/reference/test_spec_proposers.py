@@ -118,6 +118,7 @@ def test_self_draft_layers_must_leave_some_out(models):
         LLM(str(models[0]), speculative="self", self_draft_layers=4, **COMMON)
 
 
+@pytest.mark.heavy   # the tiny models above check both proposers by default
 @pytest.mark.parametrize("spec", ["self", "draft"])
 def test_default_model_greedy_is_identical(smollm_path, spec):
     """The default model as served (bfloat16, int4 weights, int8 KV, compiled kernels) with

@@ -25,6 +25,7 @@ def prompt(smollm_llm):
     return lambda text: smollm_llm.chat_prompt([{"role": "user", "content": text}])
 
 
+@pytest.mark.heavy   # every schema with every sampler: the tests below cover each kind
 def test_every_output_validates_against_its_schema(smollm_llm, prompt):
     prompts, params, cases = [], [], []
     for case in SCHEMAS:

@@ -114,6 +114,7 @@ def test_bad_bodies_get_the_replicas_own_400(route, path, body, words, param):
     assert routed.json() == direct.json()
 
 
+@pytest.mark.heavy  # replicas fuzz the same bodies by default (tests/server/test_fuzz.py)
 @pytest.mark.slow   # about a minute on 2 busy cores: over half of this module
 @pytest.mark.parametrize("path", list(ENDPOINTS))
 def test_generated_bodies_never_get_a_5xx(route, path):
