@@ -6,7 +6,12 @@ One local plane runs the deployment's one replica of the default model (`--simul
 for a simulated one). Prints, as JSON, each path's TTFT p50 over all rounds, each round's,
 and the added p50 in ms.
 
-Not a test: `PYTHONPATH=. python benchmarks/control_hop.py [--rounds 6] [--requests 48]`."""
+With --split-cores the replica runs on core 1 (`--cpu-bind 1`) and the control plane and
+this client on core 0, as where the control plane has a machine of its own: on two cores
+shared by all, its hop's CPU competes with the replica's own step.
+
+Not a test: `PYTHONPATH=. python benchmarks/control_hop.py [--rounds 6] [--requests 48]
+[--split-cores]`."""
 from __future__ import annotations
 
 import argparse
@@ -37,17 +42,22 @@ serve_args = {serve_args}
 
 
 async def ttft(client: httpx.AsyncClient, url: str, model: str, i: int) -> float:
-    """Seconds from sending to the first streamed token."""
+    """Seconds from sending to the first streamed token. The stream is read to its end: a
+    client hanging up early would abort the request, and the abort travels one hop more
+    through the control plane, leaving its steps in the replica's batch a little longer."""
     body = {"model": model, "prompt": f"Request {i}: tell me about the sea.",
             "max_tokens": 4, "stream": True}
     start = time.perf_counter()
+    first = None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: {r.status_code} {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                return time.perf_counter() - start
-    raise RuntimeError(f"{url}: a stream with no token")
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - start
+    if first is None:
+        raise RuntimeError(f"{url}: a stream with no token")
+    return first
 
 
 async def phase(url: str, model: str, requests: int, concurrency: int) -> list[float]:
@@ -103,6 +113,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48, help="per path and round")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--simulate", metavar="PROFILE", help="a simulated replica (no weights)")
+    ap.add_argument("--split-cores", action="store_true",
+                    help="the replica on core 1, the control plane and the client on core 0")
     args = ap.parse_args()
     if args.simulate:      # the profile names the model its replicas serve
         from ember.plan.profile import load_profile
@@ -110,6 +122,8 @@ def main() -> None:
     else:
         model = served_model_name(None)
     serve_args = ["--simulate", args.simulate] if args.simulate else []
+    if args.split_cores:
+        serve_args += ["--cpu-bind", "1"]
     with tempfile.TemporaryDirectory() as folder:
         config = Path(folder) / "deployments.toml"
         config.write_text(CONFIG.format(model=model, serve_args=json.dumps(serve_args)))
@@ -120,6 +134,9 @@ def main() -> None:
         plane = Proc("plane", "--name", "eu-1", "--region", "eu", "--cores", "2",
                      "--memory-gib", "4", "--control", url)
         try:
+            if args.split_cores:
+                for pid in (0, control.proc.pid):
+                    os.sched_setaffinity(pid, {0})
             fleet = wait_fleet(url)
             result = measure({"direct": fleet, "control": url}, model, args.rounds,
                              args.requests, args.concurrency)
@@ -128,7 +145,8 @@ def main() -> None:
             control.end()
     print(json.dumps({"concurrency": args.concurrency, "rounds": args.rounds,
                       "requests_per_round": args.requests, "model": model,
-                      "simulated": bool(args.simulate), **result,
+                      "simulated": bool(args.simulate), "split_cores": args.split_cores,
+                      **result,
                       "load_average": os.getloadavg()}))
 
 
