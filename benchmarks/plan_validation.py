@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/plan_validation.py [--profile profile.json] [--quick]
         [--replicas 1,2] [--num-requests 60] [--slo ttft_p99=1s,itl_p99=100ms] [--seed 100]
+        [--one-core-each]
 
 For the default model (a profile is measured first unless --profile gives one):
 1. At three rates per replica, low, near the knee and past it (0.35x, 1x and 1.5x the rate a
@@ -55,25 +56,40 @@ METRICS = (("TTFT p50 ms", ("ttft_s", "p50"), 0.20), ("TTFT p99 ms", ("ttft_s", 
            ("output tok/s", ("output_tok_per_s",), 0.10))
 
 
-def ember(*argv: str, log: Path) -> None:
+def ember(*argv: str, log: Path, prefix: tuple[str, ...] = ()) -> None:
     """Run one `ember` command to its end, its output to `log`."""
     with open(log, "w") as out:
-        done = subprocess.run([sys.executable, "-m", "ember.cli", *argv], stdout=out,
+        done = subprocess.run([*prefix, sys.executable, "-m", "ember.cli", *argv], stdout=out,
                               stderr=subprocess.STDOUT)
     if done.returncode:
         raise SystemExit(f"`ember {' '.join(argv)}` failed:\n{log.read_text()[-3000:]}")
 
 
 class Route:
-    """`ember route OPTIONS` on a free port, until close()."""
+    """`ember route OPTIONS` on a free port, until close(). With `one_core_each`, its
+    replicas are `ember serve` processes, replica I held to core I (taskset), given to the
+    gateway by URL."""
 
-    def __init__(self, options: list[str], replicas: int, log_dir: Path) -> None:
+    def __init__(self, options: list[str], replicas: int, log_dir: Path,
+                 one_core_each: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"route-{self.port}.log"
+        self.replicas: list[subprocess.Popen] = []
+        fleet = ["--replicas", str(replicas)]
+        if one_core_each:
+            fleet = []
+            for core in range(replicas):
+                port = free_port()
+                self.replicas.append(subprocess.Popen(
+                    ["taskset", "-c", str(core), sys.executable, "-m", "ember.cli", "serve",
+                     "--port", str(port), "-q", *options],
+                    stdout=open(log_dir / f"serve-{port}.log", "w"), stderr=subprocess.STDOUT))
+                fleet += ["--replica-url", f"http://127.0.0.1:{port}"]
+            options = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ember.cli", "route", "--port", str(self.port), "-q",
-             "--replicas", str(replicas), *options],
+             *fleet, *options],
             stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while not self._ready(replicas):
@@ -95,11 +111,12 @@ class Route:
         return sum(r["state"] == "ready" for r in fleet["replicas"]) >= replicas
 
     def close(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        for proc in (self.proc, *self.replicas):
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def bench(route: Route, load: list[str], num: int, seed: int, out: Path,
@@ -167,6 +184,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="a smoke run of the script")
     parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--one-core-each", action="store_true",
+                        help="profile on core 0 and run each real replica on a core of its "
+                             "own, so that a fleet of N does not share the cores the profile "
+                             "measured one replica on")
     args = parser.parse_args()
     out = Path(args.out_dir or tempfile.mkdtemp(prefix="ember-plan-validation-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -178,7 +199,9 @@ def main() -> None:
     if not args.profile:
         print("measuring the profile ...", flush=True)
         ember("plan", "profile", "--out", str(profile_path), "--max-seconds",
-              "10" if args.quick else "90", log=out / "profile.log")
+              "10" if args.quick else "90",
+              log=out / "profile.log", prefix=("taskset", "-c", "0") if args.one_core_each
+              else ())
     profile = load_profile(profile_path)
     knee, rate = knee_rate(profile, num)
     print(f"knee: {knee} requests at once; one replica completes {rate:.2f} req/s there")
@@ -195,7 +218,7 @@ def main() -> None:
     verdicts: dict[int, bool] = {}
     real_c8 = None
     for n in sizes:
-        route = Route([], n, out)
+        route = Route([], n, out, args.one_core_each)
         try:
             for name, factor in RATE_FACTORS:
                 seed += 1
@@ -228,7 +251,7 @@ def main() -> None:
               f"{recommended - 1} in --replicas)")
 
     if real_c8 is not None:
-        route = Route(["--simulate", str(profile_path)], 1, out)
+        route = Route(["--simulate", str(profile_path)], 1, out, args.one_core_each)
         try:
             sim_c8 = bench(route, ["--concurrency", "8"], num, seed, out / "simulated-c8.json")
         finally:

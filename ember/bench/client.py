@@ -208,24 +208,22 @@ class Runner:
                         cancel: set[int]) -> None:
         times = arrival_times(len(requests), self.cfg.rate, self.cfg.burstiness,
                               self.cfg.ramp_up_s, self.rng)
-        tasks = []
-        for position, (req, at) in enumerate(zip(requests, times)):
-            delay = at - (self.clock() - self.t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if self._expired():
-                break
-            tasks.append(asyncio.create_task(self._session(post, req, position in cancel)))
-        await asyncio.gather(*tasks)
+        await self._send_at(post, [(i, req, at) for i, (req, at) in
+                                   enumerate(zip(requests, times))], cancel)
 
     async def _scheduled(self, post: Post, requests: list[BenchRequest],
                          cancel: set[int]) -> None:
-        """Each request at its own `at_s` (a workload's fixed schedule), whatever is still
-        running."""
+        """Each request at its own `at_s` (a workload's fixed schedule)."""
         order = sorted(enumerate(requests), key=lambda pair: (pair[1].at_s, pair[0]))
+        await self._send_at(post, [(i, req, req.at_s) for i, req in order], cancel)
+
+    async def _send_at(self, post: Post, timed: list[tuple[int, BenchRequest, float]],
+                       cancel: set[int]) -> None:
+        """Each (position, request, second) sent that many seconds after the start, whatever
+        is still running."""
         tasks = []
-        for position, req in order:
-            delay = req.at_s - (self.clock() - self.t0)
+        for position, req, at in timed:
+            delay = at - (self.clock() - self.t0)
             if delay > 0:
                 await asyncio.sleep(delay)
             if self._expired():
