@@ -66,15 +66,24 @@ class Executor(Protocol):
 
 
 class SingleProcess:
-    """The whole model in the engine's process: the runner has no peers."""
+    """The whole model in the engine's process: the runner has no peers. `cpus` (a
+    one-rank --cpu-bind) pins the process there until shutdown."""
 
     world_size = 1
+
+    def __init__(self, cpus: tuple[int, ...] | None = None) -> None:
+        self._saved_binding = None if cpus is None else pin_process(cpus)
+        if cpus is not None:
+            log.info("the model's one process runs on CPUs %s, %d torch threads",
+                     format_cpus(cpus), len(cpus))
 
     def check_alive(self) -> None:
         pass
 
     def shutdown(self) -> None:
-        pass
+        if self._saved_binding is not None:
+            restore_binding(self._saved_binding)
+            self._saved_binding = None
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from ember.engine.memory import (advise_huge_pages, fault_in, huge_page_copies,
                                  return_free_memory, temporaries_from_the_heaps)
 from ember.distributed.executor import Executor, LocalProcesses, SingleProcess
 from ember.engine.tensor_parallel import (RankPlan, RankSetup, describe_kv_gain,
-                                          load_rank_model, plan_ranks, start_ranks,
-                                          tensor_parallel_prefill)
+                                          load_rank_model, plan_ranks, single_process_cpus,
+                                          start_ranks, tensor_parallel_prefill)
 from ember.errors import ConfigError, ContextTooLong, EngineDead, InvalidRequest
 from ember.kernels import CpuKernels, load_kernels
 from ember.kv.kv_manager import KVCacheManager
@@ -107,7 +107,7 @@ class EngineCore:
     task = "generate"  # config.task once loaded (the calibration run generates, whatever it is)
     # the ranks the model runs on (engine/tensor_parallel.py); one process unless started
     # with tensor_parallel_size > 1 (a stateless default, for cores built without __init__)
-    executor: Executor = SingleProcess()
+    executor: Executor
     weight_cache: WeightCache | None = None
     kv_connector: KVConnector | None = None   # a prefill or decode replica's (--role)
     idle_step = False  # the last step had nothing to compute (requests wait on copies)
@@ -115,6 +115,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.load_phases = PhaseClock()
+        # a one-process --cpu-bind pins before anything starts threads (kernels, loading)
+        self.executor = SingleProcess(single_process_cpus(config.parallel))
         files = open_model_files(config.model) if config.weight_cache_dir is None else \
             open_summarized(config.model, Path(config.weight_cache_dir) / SUMMARIES)
         self.model_path = files.path

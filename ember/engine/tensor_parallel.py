@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.config import EngineConfig, ModelConfig
+from ember.config import EngineConfig, ModelConfig, ParallelConfig
 from ember.distributed.collectives import RankCollectives
 from ember.distributed.executor import LocalProcesses
 from ember.distributed.parallel import (PipelineStage, TensorShard, describe_shards,
@@ -77,6 +77,14 @@ class RankPlan:
         any rank's (ranges split unevenly are larger first: the most KV heads, in the stage
         with the most layers): blocks are planned for it."""
         return self.stages[0].local_config(self.shards[0].local_config(model))
+
+
+def single_process_cpus(parallel: ParallelConfig) -> tuple[int, ...] | None:
+    """The CPUs a one-process model is bound to (a one-rank cpu_bind, checked against the
+    CPUs this process may use), or None: unbound, or several ranks (plan_ranks binds them)."""
+    if parallel.world_size > 1 or parallel.cpu_bind is None:
+        return None
+    return rank_cpus(parallel, sorted(os.sched_getaffinity(0)))[0]
 
 
 def plan_ranks(config: EngineConfig, model: ModelConfig, quantization: str) -> RankPlan | None:

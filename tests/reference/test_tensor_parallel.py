@@ -161,3 +161,28 @@ def test_more_ranks_than_query_heads_fail_at_start_naming_them(llama_folder):
                                           "query heads"):
         EngineCore(EngineConfig.from_options(model=str(llama_folder), tensor_parallel_size=10,
                                              **OPTIONS))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="the OS binds no threads")
+def test_one_process_cpu_bind_pins_the_engine_until_it_closes(llama_folder):
+    """cpu_bind at one rank binds the engine's own process (there are no workers to bind):
+    every thread on those CPUs, as many torch threads, given back at close."""
+    before = (os.sched_getaffinity(0), torch.get_num_threads())
+    cpu = min(before[0])
+    engine = EngineCore(EngineConfig.from_options(model=str(llama_folder), cpu_bind=str(cpu),
+                                                  **OPTIONS))
+    try:
+        assert os.sched_getaffinity(0) == {cpu}
+        assert torch.get_num_threads() == 1
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+        assert all(os.sched_getaffinity(t) == {cpu} for t in threads)
+    finally:
+        engine.close()
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
+
+
+def test_one_process_cpu_bind_outside_this_process_cpus_fails_naming_them(llama_folder):
+    outside = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ConfigError, match=f"names CPUs \\[{outside}\\]"):
+        EngineCore(EngineConfig.from_options(model=str(llama_folder), cpu_bind=str(outside),
+                                             **OPTIONS))
