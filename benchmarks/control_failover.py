@@ -1,11 +1,12 @@
-"""Failover of `ember control` with three local planes (eu-1, eu-2, us-1; simulated replicas):
+"""Failover of `ember control` with three local planes (eu-1, eu-2, us-1; simulated replicas,
+or with --real the default model, its weight cache and kernels warm):
 kill one plane under streamed load and print how soon traffic moves, how soon its replicas
 are re-placed and ready, and how many requests were lost before their first token.
 
     active-active  chat-eu on eu-1 and eu-2; eu-1 is killed (SIGKILL: agent and fleets)
     active-passive chat on one eu plane, its standby on the other; the primary is killed
 
-Not a test: `PYTHONPATH=. python benchmarks/control_failover.py [--concurrency 8]`."""
+Not a test: `PYTHONPATH=. python benchmarks/control_failover.py [--concurrency 8] [--real]`."""
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,9 @@ from pathlib import Path
 
 import httpx
 
-from ember.weights.paths import default_model_path
-from tests.control.test_control_processes import ACME, CONFIG, PASSIVE, ready, start_cluster
+from ember.weights.paths import default_model_path, served_model_name
+from tests.control.test_control_processes import (ACME, CONFIG, PASSIVE, Cluster, ready,
+                                                  start_cluster)
 
 
 class Load:
@@ -73,8 +75,28 @@ def until(c, predicate, timeout_s: float = 120) -> float:
         time.sleep(0.05)
 
 
-def active_active(folder: Path, concurrency: int) -> dict:
-    c = start_cluster(folder, default_model_path(), CONFIG)
+def cluster(folder: Path, template: str, real: bool) -> Cluster:
+    """Three local planes serving `template`'s deployments: simulated replicas, or the
+    default model itself (the template's serve_args without --simulate)."""
+    if not real:
+        return start_cluster(folder, default_model_path(), template)
+    return Cluster(folder, folder / "no-profile", served_model_name(None),
+                   template.replace('"--simulate", "{profile}", ', ""))
+
+
+def replicas_ready(snap: dict, plane: str, deployment: str) -> int:
+    """How many replicas of the plane's fleet of `deployment` answer (the fleet's own
+    /fleet): a fleet counts as ready once one replica does."""
+    fleets = [f for p in snap["planes"] if p["name"] == plane for f in p["fleets"]
+              if f["deployment"] == deployment]
+    if not fleets:
+        return 0
+    replicas = httpx.get(fleets[0]["url"] + "/fleet", headers=ACME, timeout=10).json()["replicas"]
+    return sum(r["state"] == "ready" for r in replicas)
+
+
+def active_active(folder: Path, concurrency: int, real: bool) -> dict:
+    c = cluster(folder, CONFIG, real)
     try:
         until(c, lambda s: ready(s, "chat-eu") and ready(s, "chat-us"))
         load = Load(c.url, c.model, concurrency)
@@ -84,9 +106,9 @@ def active_active(folder: Path, concurrency: int) -> dict:
         c.planes["eu-1"].end(signal.SIGKILL)
         down = until(c, lambda s: any(p["name"] == "eu-1" and p["health"] == "down"
                                       for p in s["planes"]))
-        replaced = until(c, lambda s: ready(s, "chat-eu") and next(
+        replaced = until(c, lambda s: next(
             d for d in s["deployments"] if d["name"] == "chat-eu")["placement"]["active"]
-            == {"eu-2": 2})
+            == {"eu-2": 2} and replicas_ready(s, "eu-2", "chat-eu") == 2)
         time.sleep(2)
         served = c.snapshot()["served"]["acme"]
         return {"eu1_marked_down_s": round(down - t0, 2),
@@ -96,8 +118,8 @@ def active_active(folder: Path, concurrency: int) -> dict:
         c.close()
 
 
-def active_passive(folder: Path, concurrency: int) -> dict:
-    c = start_cluster(folder, default_model_path(), PASSIVE)
+def active_passive(folder: Path, concurrency: int, real: bool) -> dict:
+    c = cluster(folder, PASSIVE, real)
     try:
         until(c, lambda s: ready(s, "chat") and all(
             p["fleets"] and p["fleets"][0]["ready"] for p in s["planes"]
@@ -121,11 +143,13 @@ def active_passive(folder: Path, concurrency: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--real", action="store_true",
+                    help="replicas of the default model instead of simulated ones")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        result = {"concurrency": args.concurrency,
-                  "active_active": active_active(Path(a), args.concurrency),
-                  "active_passive": active_passive(Path(b), args.concurrency),
+        result = {"concurrency": args.concurrency, "real": args.real,
+                  "active_active": active_active(Path(a), args.concurrency, args.real),
+                  "active_passive": active_passive(Path(b), args.concurrency, args.real),
                   "load_average": os.getloadavg()}
     print(json.dumps(result))
 

@@ -139,9 +139,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    choices=list(DISTRIBUTED_EXECUTORS),
                    help="how the ranks start: mp, local processes (ray: not built yet)")
     p.add_argument("--cpu-bind", default=None, metavar="CPUS|CPUS",
-                   help="each rank's CPUs, ranks split by '|', e.g. '0-3|4-7'; one list binds a one-rank "
-                        "model's process (default: this process's CPUs split evenly; printed "
-                        "at start)")
+                   help="each rank's CPUs, ranks split by '|', e.g. '0-3|4-7'; one list "
+                        "binds a one-rank model's process (default: this process's CPUs split "
+                        "evenly; printed at start)")
     p.add_argument("--collective-timeout-s", type=float,
                    default=ParallelConfig.collective_timeout_s,
                    help="a rank that keeps the others waiting this long ends the engine")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ember.config import EngineConfig
+from ember.distributed.executor import SingleProcess
 from ember.engine.cold_start import PhaseClock
 from ember.engine.core import CacheInfo, EngineCore, resolve_max_model_len
 from ember.errors import ConfigError, InvalidRequest
@@ -90,6 +91,7 @@ class SimulatedCore(EngineCore):
     def __init__(self, config: EngineConfig, profile: Profile) -> None:
         refuse_unsimulated(config)
         self.config = config
+        self.executor = SingleProcess()
         self.load_phases = PhaseClock()
         self.model_path = Path(profile.model_path)
         self.tokenizer = profile.load_tokenizer()
