@@ -11,18 +11,20 @@ says how to install it.
 """
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import pytest
 import torch
 
 from ember import LLM, EngineConfig, SamplingParams
+from ember.engine.async_engine import AsyncEngine, EngineState
 from ember.engine.core import EngineCore
 from ember.errors import ConfigError, EngineDead
 from tests.conftest import first_mismatch, save_tiny_model
 from tests.reference.test_llama_vs_hf import PROMPTS, ember_greedy_logits
 from tests.reference.test_pipeline_parallel import CASES, NUM_STEPS, OPTIONS
-from tests.reference.test_tensor_parallel import _generate_with_deadline
+from tests.reference.test_tensor_parallel import DEADLINE_S, _generate_with_deadline
 from tests.waiting import wait_for
 
 ray = pytest.importorskip("ray")
@@ -81,6 +83,23 @@ def test_a_killed_rank_actor_ends_the_engine(cluster, llama_folder):
             llm.engine.check_alive()
     finally:
         llm.close()
+
+
+def test_an_idle_engine_dies_with_its_rank_actor(cluster, llama_folder):
+    """No request needs to run: the idle engine sees the actor gone, and liveness turns
+    false."""
+    engine = AsyncEngine(EngineConfig.from_options(model=str(llama_folder),
+                                                   tensor_parallel_size=2, **RAY))
+    engine.start()
+    asyncio.run(engine.wait_ready())
+    try:
+        assert engine.ready
+        ray.kill(engine.core.executor.workers[0], no_restart=True)
+        engine._thread.join(DEADLINE_S)   # the engine thread ends once it has noticed
+        assert engine.state is EngineState.DEAD and not engine.ready
+        assert isinstance(engine.error, EngineDead)
+    finally:
+        engine.shutdown()
 
 
 def test_a_group_larger_than_the_cluster_fails_at_start_naming_the_numbers(cluster,
