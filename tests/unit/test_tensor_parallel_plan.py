@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from ember.cli import build_parser, engine_config
 from ember.config import EngineConfig, ModelConfig, ParallelConfig, parse_cpu_bind
 from ember.distributed.executor import TokenWindow, plain_step
 from ember.distributed.parallel import (even_ranges, plan_shards, plan_stages, rank_cpus,
@@ -113,6 +114,16 @@ def test_ray_ranks_take_cpu_counts_not_this_hosts_cpus():
     assert ray_rank_cpus(replace(ray, ray_cpus_per_rank=16), [0, 1]) == [16, 16]
     assert EngineConfig.from_options(tensor_parallel_size=2, pipeline_parallel_size=2,
                                      distributed_executor="ray").parallel.world_size == 4
+
+
+def test_serve_takes_the_ray_executors_options():
+    args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2",
+                                      "--distributed-executor", "ray", "--ray-address",
+                                      "10.0.0.1:6379", "--ray-cpus-per-rank", "16",
+                                      "--ray-placement-timeout-s", "5"])
+    parallel = engine_config(args).parallel
+    assert (parallel.distributed_executor, parallel.ray_address, parallel.ray_cpus_per_rank,
+            parallel.ray_placement_timeout_s) == ("ray", "10.0.0.1:6379", 16, 5.0)
 
 
 @pytest.mark.parametrize("options, message", [
