@@ -123,9 +123,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    help="do not report the model and KV cache on stderr at start")
     p = parser.add_argument_group("parallelism")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="T",
-                   help="split every layer's heads and MLP columns over T processes on this "
-                        "host, each on its own CPU cores (see --all-reduce); each "
-                        "process caches only its KV heads")
+                   help="split every layer's heads and MLP columns over T processes, each "
+                        "on its own CPU cores (on this host, or a Ray cluster's nodes: "
+                        "--distributed-executor ray; see --all-reduce); each process caches "
+                        "only its KV heads")
     p.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="P",
                    help="split the layers into P stages of consecutive layers, each of T "
                         "processes (T x P in all); each stage loads and caches only its layers")
@@ -137,7 +138,18 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "trying a layout on a small machine)")
     p.add_argument("--distributed-executor", default=ParallelConfig.distributed_executor,
                    choices=list(DISTRIBUTED_EXECUTORS),
-                   help="how the ranks start: mp, local processes (ray: not built yet)")
+                   help="how the ranks start: mp, local processes on this host; ray, Ray "
+                        "actors in a placement group on the nodes of a Ray cluster")
+    p.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                   help="with --distributed-executor ray: the Ray cluster to join (default: "
+                        "the one `ray start` set up here, else a new local one)")
+    p.add_argument("--ray-cpus-per-rank", type=int, default=None, metavar="N",
+                   help="with --distributed-executor ray: CPUs each rank's bundle takes "
+                        "(default: this process's CPUs split among the ranks)")
+    p.add_argument("--ray-placement-timeout-s", type=float,
+                   default=ParallelConfig.ray_placement_timeout_s,
+                   help="the start fails if the Ray cluster has no room for the ranks "
+                        "within this long")
     p.add_argument("--cpu-bind", default=None, metavar="CPUS|CPUS",
                    help="each rank's CPUs, ranks split by '|', e.g. '0-3|4-7'; one list "
                         "binds a one-rank model's process (default: this process's CPUs split "
@@ -242,6 +254,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                 oversubscribe=args.oversubscribe_cpus,
                                 pipeline_micro_batches=args.pipeline_micro_batches,
                                 distributed_executor=args.distributed_executor,
+                                ray_address=args.ray_address,
+                                ray_cpus_per_rank=args.ray_cpus_per_rank,
+                                ray_placement_timeout_s=args.ray_placement_timeout_s,
                                 cpu_bind=args.cpu_bind,
                                 collective_timeout_s=args.collective_timeout_s,
                                 all_reduce=args.all_reduce),

@@ -227,7 +227,17 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    distributed_executor: str = "mp"   # mp: local processes; ray: not built yet
+    # mp: local processes on this host; ray: ranks 1.. as Ray actors in a placement group,
+    # on the nodes of a Ray cluster
+    distributed_executor: str = "mp"
+    # the Ray cluster to join (ray): "HOST:PORT" of its head; None: the one `ray start` set
+    # up on this machine, else a new local one
+    ray_address: str | None = None
+    # each rank's CPUs in its placement-group bundle (ray); None: this process's CPUs split
+    # evenly among the ranks, as mp does
+    ray_cpus_per_rank: int | None = None
+    # how long the placement group may wait for room on the cluster before the start fails
+    ray_placement_timeout_s: float = 60.0
     # each rank's CPUs, ranks split by "|", e.g. "0-3|4-7" or "0|1"; None: this process's
     # CPUs split evenly among the ranks
     cpu_bind: str | None = None
@@ -269,6 +279,7 @@ class ParallelConfig:
         if self.collective_timeout_s <= 0:
             raise ConfigError(f"collective_timeout_s={self.collective_timeout_s} must be "
                               "positive; try 60")
+        self._check_ray()
         if self.cpu_bind is not None:
             ranks = parse_cpu_bind(self.cpu_bind)
             if len(ranks) != self.world_size:
@@ -277,6 +288,29 @@ class ParallelConfig:
                                   f"pipeline_parallel_size={self.pipeline_parallel_size} = "
                                   f"{self.world_size}; give one CPU list per rank, split by "
                                   "'|' (stage by stage)")
+
+
+    def _check_ray(self) -> None:
+        """The Ray options go with --distributed-executor ray, which places ranks on nodes
+        by their CPU counts (it binds no CPUs within a node)."""
+        ray = self.distributed_executor == "ray"
+        given = [name for name, value in (("ray_address", self.ray_address),
+                                          ("ray_cpus_per_rank", self.ray_cpus_per_rank))
+                 if value is not None]
+        if given and not ray:
+            raise ConfigError(f"{' and '.join(given)}: only the Ray executor uses them; add "
+                              "distributed_executor='ray' (--distributed-executor ray), or "
+                              "drop them")
+        if ray and self.cpu_bind is not None:
+            raise ConfigError(f"cpu_bind={self.cpu_bind!r} names CPUs of this host, and Ray "
+                              "places ranks on any node; give ray_cpus_per_rank (the CPUs "
+                              "each rank's bundle takes) instead")
+        if self.ray_cpus_per_rank is not None and self.ray_cpus_per_rank < 1:
+            raise ConfigError(f"ray_cpus_per_rank={self.ray_cpus_per_rank} must be at least "
+                              "1, or None for this process's CPUs split among the ranks")
+        if self.ray_placement_timeout_s <= 0:
+            raise ConfigError(f"ray_placement_timeout_s={self.ray_placement_timeout_s} must "
+                              "be positive; try 60")
 
 
 def parse_cpu_bind(spec: str) -> list[tuple[int, ...]]:
@@ -461,9 +495,6 @@ class EngineConfig:
     def _check_tensor_parallel(self) -> None:
         """What tensor parallel does not run yet, refused before anything starts."""
         size = self.parallel.tensor_parallel_size
-        if self.parallel.distributed_executor == "ray":
-            raise ConfigError("--distributed-executor ray is not built yet: ranks start as "
-                              "local processes only; use --distributed-executor mp")
         unsupported = [(not self.device.startswith("cpu"), f"device={self.device!r} (ranks "
                         "talk over gloo on the CPU)"),
                        (bool(self.loras), "LoRA adapters"),
@@ -482,9 +513,7 @@ class EngineConfig:
         """What pipeline parallel does not run yet, refused before anything starts: whatever
         needs the last stage's hidden states on the driver, or every layer in one rank."""
         size = self.parallel.pipeline_parallel_size
-        unsupported = [(self.parallel.distributed_executor == "ray",
-                        "--distributed-executor ray (not built yet; use mp)"),
-                       (not self.device.startswith("cpu"), f"--device {self.device} (ranks "
+        unsupported = [(not self.device.startswith("cpu"), f"--device {self.device} (ranks "
                         "talk over gloo on the CPU)"),
                        (bool(self.loras), "--lora adapters"),
                        (self.spec.speculative is not None,

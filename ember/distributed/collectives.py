@@ -19,49 +19,54 @@ from torch import Tensor
 
 from ember.distributed.allreduce import AllReduceFn, make_all_reduce
 
-HOST = "127.0.0.1"   # mp ranks share a host
+HOST = "127.0.0.1"   # mp ranks share a host; Ray's ranks use their nodes' addresses
 # a worker waits this long for the next step: an idle engine is not a failed one
 IDLE_WAIT = timedelta(days=365)
 HEADER_BYTES = 8
 STEP_BUFFER_BYTES = 1 << 16   # a step's plan fits one broadcast up to this size
 
 
-def open_store(world_size: int, timeout_s: float) -> dist.TCPStore:
-    """The driver's rendezvous store, on a free port (store.port) for the workers to join."""
-    return dist.TCPStore(HOST, 0, world_size, True, timeout=timedelta(seconds=timeout_s),
+def open_store(world_size: int, timeout_s: float, host: str = HOST) -> dist.TCPStore:
+    """The driver's rendezvous store, on a free port (store.port) of `host` (this machine's
+    address the workers reach it at) for the workers to join."""
+    return dist.TCPStore(host, 0, world_size, True, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
 
 
-def join_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-    return dist.TCPStore(HOST, port, world_size, False, timeout=timedelta(seconds=timeout_s))
+def join_store(port: int, world_size: int, timeout_s: float,
+               host: str = HOST) -> dist.TCPStore:
+    """The driver's store, at `host`:`port`."""
+    return dist.TCPStore(host, port, world_size, False, timeout=timedelta(seconds=timeout_s))
 
 
 def connect(store: dist.Store, rank: int, world_size: int, timeout: timedelta,
-            prefix: str = "tp") -> dist.ProcessGroup:
-    """The ranks' gloo group over loopback (every rank calls it; it returns once all have).
-    A collective that waits on a rank longer than `timeout` raises. `prefix` names the
-    group in the store: every member passes the same one (one per pipeline stage)."""
+            prefix: str = "tp", host: str = HOST) -> dist.ProcessGroup:
+    """The ranks' gloo group, this rank listening at `host` (loopback where every rank is on
+    this machine; every rank calls it; it returns once all have). A collective that waits
+    on a rank longer than `timeout` raises. `prefix` names the group in the store: every
+    member passes the same one (one per pipeline stage)."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, options)
 
 
 def join_groups(store: dist.Store, rank: int, stage_size: int, num_stages: int,
                 timeout: timedelta, all_reduce: str, all_reduce_timeout_s: float,
-                vocab_widths: list[int], collectives: RankCollectives
+                vocab_widths: list[int], collectives: RankCollectives, host: str = HOST
                 ) -> tuple[dist.ProcessGroup, Any]:
     """Every rank calls it, once its part of the model is built: the group of all ranks
     (stage by stage, `stage_size` ranks each), then, with tensor parallel, its stage's group
     for the all-reduce and the logits gather (the group of all ranks itself where there is
     one stage), bound into `collectives` with the pipeline's sends. Returns the group of all
-    ranks (the steps' broadcast) and the all-reduce (to close), or None."""
-    world = connect(store, rank, stage_size * num_stages, timeout)
+    ranks (the steps' broadcast) and the all-reduce (to close), or None. `host`: this
+    rank's address the others reach it at."""
+    world = connect(store, rank, stage_size * num_stages, timeout, host=host)
     reduce = None
     if stage_size > 1:
         stage, local = divmod(rank, stage_size)
         group = world if num_stages == 1 else \
-            connect(store, local, stage_size, timeout, prefix=f"stage{stage}")
+            connect(store, local, stage_size, timeout, prefix=f"stage{stage}", host=host)
         reduce = make_all_reduce(group, local, stage_size, all_reduce,
                                  timeout_s=all_reduce_timeout_s)
         collectives.bind(reduce, gather_logits(group, local, vocab_widths))

@@ -10,8 +10,10 @@ The driver alone schedules, keeps the prefix cache and samples. A step reaches t
 as plain data (each request's block table and the token ids the step computes), from which
 every rank builds the same input tensors itself. The engine core only holds an Executor:
 SingleProcess runs today's one-process path; LocalProcesses starts the other ranks as local
-processes (`--distributed-executor mp`), each pinned to its own CPUs. A Ray executor (ranks
-as actors in a placement group) fits the same interface and is not built yet.
+processes (`--distributed-executor mp`), each pinned to its own CPUs; RayActors
+(ember/distributed/ray_executor.py, `--distributed-executor ray`) as Ray actors in a
+placement group, on one node or several. Both share WorkerRanks: the engine sees the same
+connect, send, check_alive and shutdown whichever started the ranks.
 
 Faults: a rank that dies closes its sockets, and the driver's next collective raises at
 once; one that hangs makes it raise after collective_timeout_s. Either way the step raises
@@ -36,8 +38,8 @@ from typing import Any, Protocol
 import torch
 
 import ember
-from ember.distributed.collectives import (RankCollectives, broadcast_object, join_groups,
-                                           open_store)
+from ember.distributed.collectives import (HOST, RankCollectives, broadcast_object,
+                                           join_groups, open_store)
 from ember.distributed.parallel import format_cpus
 from ember.errors import ConfigError, EngineDead
 from ember.request import PoolingParams
@@ -88,13 +90,16 @@ class SingleProcess:
 
 @dataclass(frozen=True)
 class WorkerPayload:
-    """What a worker process is started with (pickled on its stdin)."""
+    """What a worker rank is started with (pickled on a process's stdin, or a Ray actor's
+    call)."""
 
     rank: int
     world_size: int
     stage_size: int          # ranks per pipeline stage (tensor_parallel_size)
+    store_host: str          # the driver's store, at store_host:port
     port: int
-    cpus: tuple[int, ...]
+    cpus: tuple[int, ...]    # the CPUs to bind to; () binds none (Ray chose the node)
+    num_threads: int         # torch threads
     vocab_widths: tuple[int, ...]
     build: BuildRunner
     setup: Any
@@ -103,16 +108,23 @@ class WorkerPayload:
     timeout_s: float         # a collective's wait within a step
 
 
-class LocalProcesses:
-    """Ranks 1..T-1 as local processes (`--distributed-executor mp`); rank 0 is this process,
-    whose runner gets this object as its peers. Start order: __init__ (the workers start
-    loading their parts), the driver loads its own part (collectives bound later), then
-    connect() once it has."""
+class WorkerRanks:
+    """Ranks 1..N-1 started elsewhere, however an executor starts them; rank 0 is this
+    process, whose runner gets this object as its peers. What every such executor does the
+    same way lives here: the driver's rendezvous store, the wait for the workers to load
+    (connect), each step's broadcast (send), and how a rank's failure ends the engine.
+    Start order: __init__ (the subclass starts the workers loading their parts), the driver
+    loads its own part (collectives bound later), then connect() once it has.
 
-    def __init__(self, cpus: list[tuple[int, ...]], vocab_widths: list[int], timeout_s: float,
-                 build: BuildRunner, setup: Any, all_reduce: str = "auto",
-                 stage_size: int | None = None) -> None:
-        self.world_size = len(cpus)
+    A subclass sets `workers` and `_release` (kill what still runs: also a finalizer, so a
+    driver dropped without shutdown() leaves nothing behind) and gives _exited and
+    _wait_stopped."""
+
+    logs = "its log above says why"   # where a worker's own report of a failure is
+
+    def __init__(self, world_size: int, stage_size: int | None, vocab_widths: list[int],
+                 timeout_s: float, all_reduce: str, host: str = HOST) -> None:
+        self.world_size = world_size
         # ranks per pipeline stage (None: one stage of them all)
         self.stage_size = self.world_size if stage_size is None else stage_size
         self.timeout_s = timeout_s
@@ -122,20 +134,25 @@ class LocalProcesses:
         self.collectives = RankCollectives()   # rank 0's, bound by connect()
         self.broken: str | None = None   # why the ranks are out of step, once they are
         self.group = None
-        self.store = open_store(self.world_size, timeout_s)
-        self._saved_binding = pin_process(cpus[0])
-        level = logging.getLogger().getEffectiveLevel()
-        self.workers = [_spawn(WorkerPayload(rank, self.world_size, self.stage_size,
-                                             self.store.port,
-                                             cpus[rank], tuple(vocab_widths), build, setup,
-                                             level, all_reduce, timeout_s))
-                        for rank in range(1, self.world_size)]
-        # a driver that fails to start, or is dropped without shutdown(), kills its workers
-        self._release = weakref.finalize(self, _release, self.workers, self._saved_binding)
-        log.info("model parallel: %d ranks; rank 0 (this process) on CPUs %s, %s",
-                 self.world_size, format_cpus(cpus[0]),
-                 ", ".join(f"rank {r} (pid {p.pid}) on CPUs {format_cpus(cpus[r])}"
-                           for r, p in enumerate(self.workers, start=1)))
+        self.host = host              # where the workers reach this process
+        self.store = open_store(self.world_size, timeout_s, host)
+
+    def payload(self, rank: int, cpus: tuple[int, ...], num_threads: int, build: BuildRunner,
+                setup: Any) -> WorkerPayload:
+        """What worker `rank` starts from."""
+        return WorkerPayload(rank, self.world_size, self.stage_size, self.host,
+                             self.store.port, cpus, num_threads, tuple(self.vocab_widths),
+                             build, setup, logging.getLogger().getEffectiveLevel(),
+                             self.all_reduce_kind, self.timeout_s)
+
+    def _exited(self, rank: int) -> str | None:
+        """Why worker `rank` has ended ("rank 1 (pid 42) exited with code 1"), or None
+        while it runs."""
+        raise NotImplementedError
+
+    def _wait_stopped(self, wait_s: float) -> None:
+        """Give the workers, told to stop, up to `wait_s` to end (_release kills the rest)."""
+        raise NotImplementedError
 
     def connect(self) -> None:
         """Wait for every worker to have loaded its part, then form the ranks' group and bind
@@ -149,10 +166,8 @@ class LocalProcesses:
                     raise ConfigError(f"tensor-parallel rank {rank} failed to start: {error}")
                 if self.store.check([f"ready/{rank}"]):
                     pending.discard(rank)
-                elif self.workers[rank - 1].poll() is not None:
-                    raise ConfigError(f"tensor-parallel rank {rank} exited with code "
-                                      f"{self.workers[rank - 1].returncode} while loading; "
-                                      "its log above says why")
+                elif (gone := self._exited(rank)) is not None:
+                    raise ConfigError(f"tensor-parallel {gone} while loading; {self.logs}")
             if pending and time.monotonic() > deadline:
                 raise ConfigError(f"tensor-parallel ranks {sorted(pending)} did not load in "
                                   f"{LOAD_TIMEOUT_S:.0f} s")
@@ -160,7 +175,7 @@ class LocalProcesses:
         self.group, self.all_reduce = join_groups(
             self.store, 0, self.stage_size, self.world_size // self.stage_size,
             timedelta(seconds=self.timeout_s), self.all_reduce_kind, self.timeout_s,
-            self.vocab_widths, self.collectives)
+            self.vocab_widths, self.collectives, self.host)
         if self.all_reduce is not None:
             log.info("tensor parallel: all-reduce over %s", self.all_reduce.kind)
 
@@ -183,30 +198,58 @@ class LocalProcesses:
             raise EngineDead(f"tensor-parallel {gone}; restart the server")
 
     def _gone(self) -> str | None:
-        for rank, worker in enumerate(self.workers, start=1):
-            if worker.poll() is not None:
-                return f"rank {rank} (pid {worker.pid}) exited with code {worker.returncode}"
+        for rank in range(1, self.world_size):
+            if (gone := self._exited(rank)) is not None:
+                return gone
         return None
 
     def shutdown(self) -> None:
         """Tell the workers to stop (unless the ranks are out of step), wait for them, kill
-        any that stays, and give this process its CPUs back."""
+        any that stays, and release what the executor holds."""
         if self.group is not None and self.broken is None:
             try:
                 broadcast_object(self.group, None)
             except RuntimeError as e:   # a worker already gone: it is killed below
                 log.warning("tensor parallel: stopping the workers: %s", e)
-        deadline = time.monotonic() + (STOP_WAIT_S if self.group is not None else 0)
-        for worker in self.workers:
-            try:
-                worker.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass   # killed by _release
+        self._wait_stopped(STOP_WAIT_S if self.group is not None else 0.0)
         self.broken = self.broken or "shut down"
         self.group = None
         if self.all_reduce is not None:
             self.all_reduce.close()
         self._release()
+
+
+class LocalProcesses(WorkerRanks):
+    """Ranks 1..T-1 as local processes (`--distributed-executor mp`), each bound to its
+    CPUs, as is this process (rank 0)."""
+
+    def __init__(self, cpus: list[tuple[int, ...]], vocab_widths: list[int], timeout_s: float,
+                 build: BuildRunner, setup: Any, all_reduce: str = "auto",
+                 stage_size: int | None = None) -> None:
+        super().__init__(len(cpus), stage_size, vocab_widths, timeout_s, all_reduce)
+        self._saved_binding = pin_process(cpus[0])
+        self.workers = [_spawn(self.payload(rank, cpus[rank], len(cpus[rank]), build, setup))
+                        for rank in range(1, self.world_size)]
+        # a driver that fails to start, or is dropped without shutdown(), kills its workers
+        self._release = weakref.finalize(self, _release, self.workers, self._saved_binding)
+        log.info("model parallel: %d ranks; rank 0 (this process) on CPUs %s, %s",
+                 self.world_size, format_cpus(cpus[0]),
+                 ", ".join(f"rank {r} (pid {p.pid}) on CPUs {format_cpus(cpus[r])}"
+                           for r, p in enumerate(self.workers, start=1)))
+
+    def _exited(self, rank: int) -> str | None:
+        worker = self.workers[rank - 1]
+        if worker.poll() is None:
+            return None
+        return f"rank {rank} (pid {worker.pid}) exited with code {worker.returncode}"
+
+    def _wait_stopped(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        for worker in self.workers:
+            try:
+                worker.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass   # killed by _release
 
 
 def _release(workers: list[subprocess.Popen], saved: tuple[set[int], int] | None) -> None:

@@ -218,6 +218,16 @@ def rank_cpus(parallel: ParallelConfig, available: list[int]) -> list[tuple[int,
     return [tuple(available[a:b]) for a, b in even_ranges(len(available), size)]
 
 
+def ray_rank_cpus(parallel: ParallelConfig, available: list[int]) -> list[int]:
+    """Each rank's CPU count under Ray (its bundle's): ray_cpus_per_rank, or `available` (the
+    CPUs this process may run on) split evenly, at least one each. Ray places the bundles
+    on nodes with that many CPUs free; it picks no CPUs within a node."""
+    size = parallel.world_size
+    if parallel.ray_cpus_per_rank is not None:
+        return [parallel.ray_cpus_per_rank] * size
+    return [max(1, b - a) for a, b in even_ranges(len(available), size)]
+
+
 @dataclass(frozen=True)
 class PipelineStage:
     """Stage `stage` of `num_stages`: layers [first_layer, end_layer) of the model, in

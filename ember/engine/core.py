@@ -22,7 +22,7 @@ from ember.engine.encoder import build_encoder, is_encoder
 from ember.engine.memory import (advise_huge_pages, fault_in, huge_page_copies,
                                  large_blocks_mapped_alone, lazy_zeros, move_to_huge_pages,
                                  return_free_memory, temporaries_from_the_heaps)
-from ember.distributed.executor import Executor, LocalProcesses, SingleProcess
+from ember.distributed.executor import Executor, SingleProcess, WorkerRanks
 from ember.engine.tensor_parallel import (RankPlan, RankSetup, describe_kv_gain,
                                           load_rank_model, plan_ranks, single_process_cpus,
                                           start_ranks, tensor_parallel_prefill)
@@ -194,7 +194,7 @@ class EngineCore:
         drafter = build_drafter(config, model, kv_caches, self.tokenizer, self.dtype, kernels,
                                 num_blocks, kv_dtype, self.max_model_len, self.model_path)
         peers = None
-        if isinstance(self.executor, LocalProcesses):
+        if isinstance(self.executor, WorkerRanks):
             self.executor.connect()   # the other ranks have loaded their parts
             peers = self.executor
         # a step's LoRA factors in huge pages: read every step, a TLB miss per 4 KiB page else

@@ -21,9 +21,10 @@ import torch
 
 from ember.config import EngineConfig, ModelConfig, ParallelConfig
 from ember.distributed.collectives import RankCollectives
-from ember.distributed.executor import LocalProcesses
+from ember.distributed.executor import LocalProcesses, WorkerRanks
 from ember.distributed.parallel import (PipelineStage, TensorShard, describe_shards,
-                                        describe_stages, plan_shards, plan_stages, rank_cpus)
+                                        describe_stages, plan_shards, plan_stages, rank_cpus,
+                                        ray_rank_cpus)
 from ember.distributed.sharding import link_stage, parallelize
 from ember.engine.memory import (large_blocks_mapped_alone, lazy_zeros, move_to_huge_pages,
                                  temporaries_from_the_heaps)
@@ -70,7 +71,7 @@ class RankPlan:
 
     shards: list[TensorShard]
     stages: list[PipelineStage]
-    cpus: list[tuple[int, ...]]
+    cpus: list[tuple[int, ...]] | list[int]   # each rank's CPUs (mp), or CPU count (ray)
 
     def driver_config(self, model: ModelConfig) -> ModelConfig:
         """The model as rank 0 holds it, whose KV cache needs the most bytes per token of
@@ -97,7 +98,9 @@ def plan_ranks(config: EngineConfig, model: ModelConfig, quantization: str) -> R
         return None
     shards = plan_shards(model, size)
     stages = plan_stages(model.num_layers, num_stages)
-    cpus = rank_cpus(config.parallel, sorted(os.sched_getaffinity(0)))
+    available = sorted(os.sched_getaffinity(0))
+    cpus = ray_rank_cpus(config.parallel, available) \
+        if config.parallel.distributed_executor == "ray" else rank_cpus(config.parallel, available)
     if quantization == "int4":
         odd = sorted({n for s in shards for n in _input_sizes(s.local_config(model)) if n % GROUP})
         if odd:
@@ -132,10 +135,16 @@ def tensor_parallel_prefill(asked: str) -> PrefillChoice:
     return PrefillChoice(asked, "asked")
 
 
-def start_ranks(setup: RankSetup, cpus: list[tuple[int, ...]]) -> LocalProcesses:
-    """Start ranks 1..T*P-1 loading their parts (this process is rank 0)."""
+def start_ranks(setup: RankSetup, cpus: list[tuple[int, ...]] | list[int]) -> WorkerRanks:
+    """Start ranks 1..T*P-1 loading their parts (this process is rank 0): local processes on
+    `cpus` (each rank's CPUs), or Ray actors of `cpus` (each rank's CPU count)."""
     widths = [s.vocab[1] - s.vocab[0] for s in setup.shards]
     parallel = setup.config.parallel
+    if parallel.distributed_executor == "ray":
+        from ember.distributed.ray_executor import RayActors   # ray loads only for it
+        return RayActors(cpus, widths, parallel.collective_timeout_s, build_worker_runner,
+                         setup, parallel.all_reduce, len(setup.shards), parallel.ray_address,
+                         parallel.ray_placement_timeout_s)
     return LocalProcesses(cpus, widths, parallel.collective_timeout_s, build_worker_runner,
                           setup, parallel.all_reduce, stage_size=len(setup.shards))
 

@@ -31,7 +31,8 @@ def make_launcher(args: argparse.Namespace, argv: list[str],
                   cpus: tuple[int, ...] | None = None) -> Launcher:
     if args.ray is not None:
         from ember.router.ray_replicas import RayLauncher  # ray loads only when asked for
-        return RayLauncher(argv, None if args.ray == "auto" else args.ray)
+        return RayLauncher(argv, None if args.ray == "auto" else args.ray,
+                           args.tensor_parallel_size * args.pipeline_parallel_size)
     return LocalLauncher(argv, cpus=cpus)
 
 

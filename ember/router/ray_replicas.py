@@ -28,14 +28,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ray
-
+from ember.distributed.ray_cluster import connect, forwarded_env, ray
 from ember.errors import ConfigError
 from ember.router.replicas import die_with_parent
 
 ACTOR_RESTARTS = 3
-# what a replica needs from the gateway's environment to run the same ember the same way
-FORWARDED_ENV = ("PYTHONPATH", "TORCH_EXTENSIONS_DIR", "EMBER_MODEL", "EMBER_API_KEY")
 CALL_TIMEOUT_S = 2.0     # the longest a check waits for the call it makes
 # files a replica reads that exist only where the gateway runs (an `ember plane` writes its
 # tenants' keys there): their text travels with the actor, which writes it on its own node
@@ -117,18 +114,41 @@ class RayHandle:
 
 class RayLauncher:
     """Starts each replica as a `ReplicaActor` on the Ray cluster at `address` (None: the
-    one `ray start` set up on this machine, else a new local one)."""
+    one `ray start` set up on this machine, else a new local one). A replica of several
+    ranks (`num_ranks`: T x P) places its other ranks on the same cluster
+    (ray_rank_args)."""
 
-    def __init__(self, serve_args: list[str], address: str | None = None) -> None:
+    def __init__(self, serve_args: list[str], address: str | None = None,
+                 num_ranks: int = 1) -> None:
         self.serve_args, self.files = ship_files(serve_args)
-        connect(address)
+        self.serve_args = ray_rank_args(self.serve_args, num_ranks, connect(address))
 
     def start(self, replica_id: str) -> RayHandle:
         """The actor is asked for; Ray places and starts it in the background (minutes, on a
         full cluster), and the handle learns its URL from its first answer."""
-        env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-        return RayHandle(ReplicaActor.options(runtime_env={"env_vars": env}).remote(
+        return RayHandle(ReplicaActor.options(runtime_env={"env_vars": forwarded_env()}).remote(
             self.serve_args, self.files))
+
+
+def ray_rank_args(serve_args: list[str], num_ranks: int, cluster: str) -> list[str]:
+    """`serve_args` for a replica of `num_ranks` ranks on the cluster at `cluster`: its ranks
+    as Ray actors on that cluster (`--distributed-executor ray --ray-address CLUSTER`),
+    unless the args choose local processes (mp) or another address themselves; as they
+    are for a replica of one rank."""
+    executor = option_value(serve_args, "--distributed-executor")
+    if num_ranks == 1 or executor == "mp":
+        return serve_args
+    args = serve_args if executor else [*serve_args, "--distributed-executor", "ray"]
+    return args if option_value(args, "--ray-address") else [*args, "--ray-address", cluster]
+
+
+def option_value(args: list[str], option: str) -> str | None:
+    """The value `args` give `option` (`--option VALUE` or `--option=VALUE`), or None."""
+    for i, token in enumerate(args):
+        name, eq, value = token.partition("=")
+        if name == option:
+            return value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return None
 
 
 def ship_files(serve_args: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -161,14 +181,6 @@ def write_files(files: dict[str, str], folder: str) -> list[str]:
             f.write(text)
         argv += [option, path]
     return argv
-
-
-def connect(address: str | None) -> str:
-    """Joins the Ray cluster at `address` (None: the one `ray start` set up on this machine,
-    else a new local one) once per process; its GCS address, which others can join."""
-    if not ray.is_initialized():
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-    return ray.get_runtime_context().gcs_address
 
 
 def cluster_capacity() -> tuple[int, int]:

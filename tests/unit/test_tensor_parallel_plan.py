@@ -9,10 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from ember.cli import build_parser, engine_config
 from ember.config import EngineConfig, ModelConfig, ParallelConfig, parse_cpu_bind
 from ember.distributed.executor import TokenWindow, plain_step
 from ember.distributed.parallel import (even_ranges, plan_shards, plan_stages, rank_cpus,
-                                        split_heads)
+                                        ray_rank_cpus, split_heads)
 from ember.errors import ConfigError
 from ember.request import Request, SamplingParams
 from ember.runner.inputs import micro_batches, prepare_inputs
@@ -104,6 +105,40 @@ def test_more_ranks_than_cores_fail_naming_the_numbers():
         rank_cpus(ParallelConfig(tensor_parallel_size=2, cpu_bind="0|9"), [0, 1])
 
 
+def test_ray_ranks_take_cpu_counts_not_this_hosts_cpus():
+    """Under Ray a rank's bundle is a CPU count on whichever node Ray picks: this process's
+    CPUs split among the ranks (at least one each, however few there are), or as given."""
+    ray = ParallelConfig(tensor_parallel_size=2, distributed_executor="ray")
+    assert ray_rank_cpus(ray, [0, 1, 2, 3, 4]) == [3, 2]
+    assert ray_rank_cpus(replace(ray, tensor_parallel_size=3), [0, 1]) == [1, 1, 1]
+    assert ray_rank_cpus(replace(ray, ray_cpus_per_rank=16), [0, 1]) == [16, 16]
+    assert EngineConfig.from_options(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                     distributed_executor="ray").parallel.world_size == 4
+
+
+def test_serve_takes_the_ray_executors_options():
+    args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2",
+                                      "--distributed-executor", "ray", "--ray-address",
+                                      "10.0.0.1:6379", "--ray-cpus-per-rank", "16",
+                                      "--ray-placement-timeout-s", "5"])
+    parallel = engine_config(args).parallel
+    assert (parallel.distributed_executor, parallel.ray_address, parallel.ray_cpus_per_rank,
+            parallel.ray_placement_timeout_s) == ("ray", "10.0.0.1:6379", 16, 5.0)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(ray_address="head:6379"), "ray_address: only the Ray executor uses them"),
+    (dict(ray_cpus_per_rank=2), "ray_cpus_per_rank: only the Ray executor"),
+    (dict(distributed_executor="ray", cpu_bind="0|1"), "give ray_cpus_per_rank"),
+    (dict(distributed_executor="ray", ray_cpus_per_rank=0), "ray_cpus_per_rank=0 must be"),
+    (dict(distributed_executor="ray", ray_placement_timeout_s=0),
+     "ray_placement_timeout_s=0 must be positive"),
+])
+def test_ray_options_out_of_place_are_refused(options, message):
+    with pytest.raises(ConfigError, match=message):
+        ParallelConfig(tensor_parallel_size=2, **options)
+
+
 @pytest.mark.parametrize("spec, message", [("0|0", "more than one rank"), ("0-x", "not a CPU"),
                                            ("0", "CPUs for 1 ranks")])
 def test_bad_cpu_binds_are_refused(spec, message):
@@ -111,9 +146,7 @@ def test_bad_cpu_binds_are_refused(spec, message):
         ParallelConfig(tensor_parallel_size=2, cpu_bind=spec)
 
 
-def test_ray_and_unsupported_options_fail_before_anything_starts():
-    with pytest.raises(ConfigError, match="ray is not built yet"):
-        EngineConfig.from_options(tensor_parallel_size=2, distributed_executor="ray")
+def test_unsupported_options_fail_before_anything_starts():
     with pytest.raises(ConfigError, match="LoRA adapters"):
         EngineConfig.from_options(tensor_parallel_size=2, loras=(("a", "/x"),))
     assert EngineConfig.from_options(tensor_parallel_size=2).parallel.tensor_parallel_size == 2
@@ -189,7 +222,6 @@ def test_ranks_go_stage_by_stage_one_core_each_unless_oversubscribed():
     (dict(speculative="ngram"), "--speculative ngram"),
     (dict(loras=(("a", "/x"),)), "--lora adapters"),
     (dict(task="embed"), "--task embed"),
-    (dict(distributed_executor="ray"), "--distributed-executor ray"),
 ])
 def test_what_stages_cannot_run_yet_fails_before_anything_starts(options, flag):
     with pytest.raises(ConfigError, match=f"--pipeline-parallel-size 2 does not run with "
