@@ -19,14 +19,18 @@ inputs and the int8 output projection's tiles of 16 rows stay whole on every ran
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from ember.config import ModelConfig, ParallelConfig, parse_cpu_bind
 from ember.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 UNIT_COLUMNS = 32   # MLP columns per unit: int4's group of inputs (ember/quant/packed.py)
 UNIT_VOCAB = 16     # vocabulary rows per unit: the int8 output projection's tile
@@ -192,10 +196,13 @@ def describe_shards(shards: list[TensorShard]) -> str:
                      f"{span(s.vocab)}" for s in shards)
 
 
-def rank_cpus(parallel: ParallelConfig, available: list[int]) -> list[tuple[int, ...]]:
+def rank_cpus(parallel: ParallelConfig, available: list[int],
+              nodes: list[tuple[int, ...]] | None = None) -> list[tuple[int, ...]]:
     """Each rank's CPUs (ranks stage by stage): cpu_bind's, which must be among `available`
-    (the CPUs this process may run on), or `available` split evenly in order. A rank needs
-    a CPU of its own, unless oversubscribe lets ranks take turns on them."""
+    (the CPUs this process may run on); else, on a machine of several NUMA nodes (`nodes`,
+    each one's CPUs; read from the OS when None), as many ranks on each node (numa_split);
+    else `available` split evenly in order. A rank needs a CPU of its own, unless
+    oversubscribe lets ranks take turns on them."""
     size = parallel.world_size
     if parallel.cpu_bind is not None:
         ranks = parse_cpu_bind(parallel.cpu_bind)
@@ -215,7 +222,47 @@ def rank_cpus(parallel: ParallelConfig, available: list[int]) -> list[tuple[int,
                           f"{len(available)} ({format_cpus(available)}); use at most "
                           f"{len(available)} ranks, or --oversubscribe-cpus to let ranks "
                           "share cores (slow)")
+    by_node = numa_split(available, numa_nodes() if nodes is None else nodes, size)
+    if by_node is not None:
+        log.info("ranks bound by NUMA node, each reading its weights from local memory: "
+                 "%s (--cpu-bind to choose)", " | ".join(format_cpus(r) for r in by_node))
+        return by_node
     return [tuple(available[a:b]) for a, b in even_ranges(len(available), size)]
+
+
+def numa_split(available: list[int], nodes: list[tuple[int, ...]], size: int
+               ) -> list[tuple[int, ...]] | None:
+    """`size` ranks' CPUs where `available` spans several NUMA nodes: the same number of
+    ranks on each node, each rank's cores within one node (a rank reading its weights across
+    the socket link runs at remote-memory bandwidth), or, with fewer ranks than nodes, the
+    same number of whole nodes to each rank. None where one node holds them all, or where
+    the ranks do not divide among the nodes (or the nodes among the ranks)."""
+    allowed = set(available)
+    mine = [tuple(c for c in node if c in allowed) for node in nodes]
+    mine = [m for m in mine if m]
+    if len(mine) < 2:
+        return None
+    if size % len(mine) == 0:
+        per_node = size // len(mine)
+        if any(len(m) < per_node for m in mine):
+            return None
+        return [m[a:b] for m in mine for a, b in even_ranges(len(m), per_node)]
+    if len(mine) % size == 0:
+        group = len(mine) // size
+        return [tuple(c for m in mine[r * group:(r + 1) * group] for c in m)
+                for r in range(size)]
+    return None
+
+
+def numa_nodes() -> list[tuple[int, ...]]:
+    """Each NUMA node's CPUs, as Linux lists them (none elsewhere, or where it shows one)."""
+    found = []
+    for path in sorted(Path("/sys/devices/system/node").glob("node[0-9]*/cpulist"),
+                       key=lambda p: int(p.parent.name[4:])):
+        text = path.read_text().strip()
+        if text:
+            found.append(parse_cpu_bind(text)[0])
+    return found
 
 
 def ray_rank_cpus(parallel: ParallelConfig, available: list[int]) -> list[int]:

@@ -91,7 +91,7 @@ def test_take_cuts_each_tensor_as_the_fused_model_needs():
 
 def test_cpus_split_evenly_or_as_bound():
     parallel = ParallelConfig(tensor_parallel_size=2)
-    assert rank_cpus(parallel, [0, 1, 2, 3, 4]) == [(0, 1, 2), (3, 4)]
+    assert rank_cpus(parallel, [0, 1, 2, 3, 4], nodes=[]) == [(0, 1, 2), (3, 4)]   # one node
     bound = ParallelConfig(tensor_parallel_size=2, cpu_bind="4-5,7|0")
     assert rank_cpus(bound, list(range(8))) == [(4, 5, 7), (0,)]
     assert parse_cpu_bind("0|1") == [(0,), (1,)]
@@ -251,3 +251,30 @@ def test_the_bubble_is_the_schedules_idle_slots():
     assert bubble.share == 1 / 2
     bubble.add(3)                 # 1 + 1 idle slots of 2 + 4
     assert bubble.share == 2 / 6
+
+
+TWO_SOCKETS = [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+def test_ranks_default_to_cores_of_one_numa_node_each():
+    two = ParallelConfig(tensor_parallel_size=2)
+    assert rank_cpus(two, list(range(8)), TWO_SOCKETS) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    # interleaved numbering: an even split in order would straddle the sockets
+    interleaved = [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert rank_cpus(two, list(range(8)), interleaved) == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    four = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert rank_cpus(four, list(range(8)), interleaved) == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    # fewer ranks than nodes: whole nodes to each rank
+    assert rank_cpus(two, list(range(8)), [(0, 1), (2, 3), (4, 5), (6, 7)]) == \
+        [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+def test_ranks_that_do_not_divide_among_the_nodes_split_in_order():
+    three = ParallelConfig(tensor_parallel_size=3)
+    assert rank_cpus(three, list(range(6)), [(0, 1, 2), (3, 4, 5)]) == [(0, 1), (2, 3), (4, 5)]
+    two = ParallelConfig(tensor_parallel_size=2)
+    # this process may run on one node only: nothing to place
+    assert rank_cpus(two, [4, 5, 6, 7], TWO_SOCKETS) == [(4, 5), (6, 7)]
+    # cpu_bind wins over the nodes
+    bound = ParallelConfig(tensor_parallel_size=2, cpu_bind="0,4|1,5")
+    assert rank_cpus(bound, list(range(8)), TWO_SOCKETS) == [(0, 4), (1, 5)]
