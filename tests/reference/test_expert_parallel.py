@@ -54,12 +54,13 @@ def three_experts(tmp_path_factory, tokenizer_files):
     return save_tiny_model(tmp_path_factory.mktemp("ep-3"), make(), tokenizer_files)
 
 
-def assert_two_ranks_match_one_process(model: str, options: dict) -> EngineCore:
-    """One process and two expert-parallel ranks step by step: the same greedy tokens and
-    logits within 1e-4 (the two-rank engine comes back, closed)."""
+def assert_two_ranks_match_one_process(model: str, options: dict,
+                                       **layout: object) -> EngineCore:
+    """One process and two expert-parallel ranks (per stage of `layout`) step by step: the
+    same greedy tokens and logits within 1e-4 (the parallel engine comes back, closed)."""
     one = EngineCore(EngineConfig.from_options(model=model, **options))
     two = EngineCore(EngineConfig.from_options(model=model, tensor_parallel_size=2,
-                                               expert_parallel=True, **options))
+                                               expert_parallel=True, **layout, **options))
     try:
         for prompt in PROMPTS:
             want_tokens, want = ember_greedy_logits(one, prompt, NUM_STEPS)
@@ -84,6 +85,18 @@ def test_expert_parallel_matches_one_process_step_by_step(moe_case, caplog):
     assert moe.experts[0].down_proj.weight.shape[1] == two.model_config.moe_intermediate_size
     assert f"experts 0-{rank0_experts - 1}, vocabulary" in caplog.text
     assert f"experts {rank0_experts}" in caplog.text
+
+
+@pytest.mark.slow   # four processes
+def test_expert_parallel_within_pipeline_stages_matches_one_process(tmp_path,
+                                                                    tokenizer_files):
+    """T=2 x P=2: each stage shares out its own layers' experts (stage 0: layers 0-1, the
+    second dense; stage 1: layer 2)."""
+    model = tiny_variant("Qwen2Moe", mlp_only_layers=[1], num_hidden_layers=3, **QWEN2_MOE,
+                         **UNEVEN)
+    folder = save_tiny_model(tmp_path, model, tokenizer_files)
+    assert_two_ranks_match_one_process(str(folder), OPTIONS, pipeline_parallel_size=2,
+                                       oversubscribe=True)
 
 
 @pytest.mark.slow   # reads the shipped model's vocabulary for the file
