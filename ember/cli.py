@@ -133,6 +133,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-micro-batches", type=int, default=None, metavar="M",
                    help="cut each step's requests into up to M micro-batches, which the "
                         "stages work on at once (default: P)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="a mixture of experts: give each of the T ranks whole experts (a "
+                        "contiguous range, read and held by that rank only) instead of a "
+                        "slice of every expert; needs --tensor-parallel-size 2 or more")
     p.add_argument("--oversubscribe-cpus", action="store_true",
                    help="let ranks share CPU cores where T x P exceeds them (slow; for "
                         "trying a layout on a small machine)")
@@ -251,6 +255,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         self_draft_layers=args.self_draft_layers),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 pipeline_parallel_size=args.pipeline_parallel_size,
+                                expert_parallel=args.expert_parallel,
                                 oversubscribe=args.oversubscribe_cpus,
                                 pipeline_micro_batches=args.pipeline_micro_batches,
                                 distributed_executor=args.distributed_executor,

@@ -104,6 +104,8 @@ class ModelConfig:
     norm_topk_prob: bool = False        # renormalise the top-k router probabilities
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's expert every token takes
     dense_mlp_layers: tuple[int, ...] = ()    # layers with a dense MLP in a MoE model
+    # expert parallel: the experts [start, end) a rank holds whole (None: every expert)
+    local_experts: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -126,6 +128,10 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise UnsupportedModel(f"{self.num_experts_per_tok} experts per token of "
                                    f"{self.num_experts}; the model config is invalid")
+        if self.local_experts is not None and \
+                not 0 <= self.local_experts[0] < self.local_experts[1] <= self.num_experts:
+            raise UnsupportedModel(f"local experts {self.local_experts} are not a range of "
+                                   f"the model's {self.num_experts} experts")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
             raise UnsupportedModel(f"{len(self.sliding_layers)} layer types for "
                                    f"{self.num_layers} layers; the model config is invalid")
@@ -223,7 +229,8 @@ class ParallelConfig:
     layer's heads and MLP columns over `tensor_parallel_size` ranks, pipeline parallel its
     layers over `pipeline_parallel_size` stages of consecutive layers, each stage made of
     tensor_parallel_size ranks; each rank is a process with its own CPU cores; rank 0 is the
-    engine's own process and runs the scheduler and sampler."""
+    engine's own process and runs the scheduler and sampler. Expert parallel gives the
+    tensor-parallel ranks whole experts of a mixture of experts instead of a slice of each."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -251,6 +258,9 @@ class ParallelConfig:
     # a step's requests are cut into up to this many micro-batches, which the stages work on
     # at once (None: pipeline_parallel_size of them)
     pipeline_micro_batches: int | None = None
+    # a mixture of experts: each tensor-parallel rank holds a contiguous range of whole
+    # experts (their weights unsliced) instead of a slice of every expert's columns
+    expert_parallel: bool = False
 
     @property
     def num_micro_batches(self) -> int:
@@ -280,6 +290,11 @@ class ParallelConfig:
             raise ConfigError(f"collective_timeout_s={self.collective_timeout_s} must be "
                               "positive; try 60")
         self._check_ray()
+        if self.expert_parallel and self.tensor_parallel_size == 1:
+            raise ConfigError("expert_parallel shares a mixture's experts among the "
+                              "tensor-parallel ranks, and tensor_parallel_size=1 is one rank; "
+                              "use tensor_parallel_size=2 or more (at most the model's "
+                              "experts), or drop expert_parallel")
         if self.cpu_bind is not None:
             ranks = parse_cpu_bind(self.cpu_bind)
             if len(ranks) != self.world_size:

@@ -16,6 +16,12 @@ rank 3). A rank needs at least one query head, so there can be at most as many r
 query heads. Ranks before others get the larger share where a count does not divide evenly;
 MLP columns and vocabulary rows go in whole units (UNIT_*), so that int4's groups of 32
 inputs and the int8 output projection's tiles of 16 rows stay whole on every rank.
+
+A mixture of experts' experts are cut like the dense MLP (each rank a slice of every
+expert's columns), or, with expert parallel, shared out whole (each rank a contiguous range
+of experts, unsliced; 3 experts over 2 ranks: 0-1 and 2). Either way each rank's output is
+a partial sum that the block's one all-reduce completes; the router is on every rank, and
+Qwen2-MoE's shared expert is sliced like a dense MLP.
 """
 from __future__ import annotations
 
@@ -47,6 +53,8 @@ _EXPERT_OUT = re.compile(r".*\.mlp\.experts\.\d+\.down_proj\.weight")
 _SHARED_IN = re.compile(r".*\.mlp\.shared_expert\.(gate|up)_proj\.weight")
 _SHARED_OUT = re.compile(r".*\.mlp\.shared_expert\.down_proj\.weight")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+# an expert's index in a tensor's name (transformers', Mixtral's or GGUF's split one)
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 # shipped fused (Phi-3): rows [q | k | v] and [gate | up]
 _QKV = re.compile(r".*\.self_attn\.qkv_proj\.(weight|bias)")
 _GATE_UP = re.compile(r"model\.layers\.\d+\.mlp\.gate_up_proj\.weight")
@@ -73,6 +81,17 @@ def split_columns(count: int, parts: int, unit: int, what: str) -> list[Range]:
         raise ConfigError(f"{what} has {count} columns, fewer than tensor_parallel_size="
                           f"{parts}; lower tensor_parallel_size to {count} or less")
     return even_ranges(count, parts, unit)
+
+
+def split_experts(num_experts: int, parts: int) -> list[Range]:
+    """Each rank's whole experts under expert parallel: contiguous, the first ranks one
+    more where they do not divide."""
+    if parts > num_experts:
+        raise ConfigError(f"expert_parallel over tensor_parallel_size={parts} ranks needs an "
+                          f"expert per rank, and the model has {num_experts} experts; use "
+                          f"tensor_parallel_size={num_experts} or less, or drop "
+                          "expert_parallel (each rank then holds a slice of every expert)")
+    return even_ranges(num_experts, parts)
 
 
 def split_heads(num_heads: int, num_kv_heads: int, parts: int) -> list[tuple[Range, Range]]:
@@ -109,16 +128,31 @@ class TensorShard:
     max_vocab_rows: int   # the largest rank's vocabulary rows (logits are gathered padded)
     num_heads: int        # the whole model's query and KV heads
     num_kv_heads: int
+    # expert parallel: the whole experts this rank holds (moe_intermediate is then every
+    # column); None: a slice of every expert, moe_intermediate's columns
+    experts: Range | None = None
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
-        """The model as this rank builds it: its heads, columns and vocabulary rows."""
+        """The model as this rank builds it: its heads, columns, experts and vocabulary rows."""
         def size(r: Range) -> int:
             return r[1] - r[0]
         return replace(config, num_heads=size(self.q_heads), num_kv_heads=size(self.kv_heads),
                        intermediate_size=size(self.intermediate),
                        moe_intermediate_size=size(self.moe_intermediate),
                        shared_expert_intermediate_size=size(self.shared_intermediate),
-                       vocab_size=size(self.vocab))
+                       vocab_size=size(self.vocab), local_experts=self.experts)
+
+    def local_name(self, name: str) -> str | None:
+        """A loaded tensor's name in this rank's model: under expert parallel an expert's
+        renumbered from the rank's first (None: another rank's expert); others unchanged."""
+        match = _EXPERT_INDEX.search(name)
+        if self.experts is None or match is None:
+            return name
+        first, end = self.experts
+        expert = int(match.group(1))
+        if not first <= expert < end:
+            return None
+        return f"{name[:match.start(1)]}{expert - first}{name[match.end(1):]}"
 
     def take(self, name: str, tensor: Tensor) -> Tensor:
         """This rank's part of one loaded tensor (transformers' name, q/k/v and gate/up not
@@ -153,9 +187,10 @@ class TensorShard:
             return (self.kv_heads[0] * d, self.kv_heads[1] * d), None
         if _O.fullmatch(name):
             return None, (self.q_heads[0] * d, self.q_heads[1] * d)
+        expert_columns = self.moe_intermediate if self.experts is None else None   # (whole)
         for column_parallel, row_parallel, columns in (
                 (_DENSE_IN, _DENSE_OUT, self.intermediate),
-                (_EXPERT_IN, _EXPERT_OUT, self.moe_intermediate),
+                (_EXPERT_IN, _EXPERT_OUT, expert_columns),
                 (_SHARED_IN, _SHARED_OUT, self.shared_intermediate)):
             if column_parallel.fullmatch(name):
                 return columns, None
@@ -166,34 +201,50 @@ class TensorShard:
         return None, None
 
 
-def plan_shards(config: ModelConfig, world_size: int) -> list[TensorShard]:
-    """Every rank's TensorShard; a ConfigError naming the numbers where the model cannot be
-    split `world_size` ways."""
+def plan_shards(config: ModelConfig, world_size: int,
+                expert_parallel: bool = False) -> list[TensorShard]:
+    """Every rank's TensorShard (with expert_parallel: whole experts each); a ConfigError
+    naming the numbers where the model cannot be split `world_size` ways."""
     if config.qk_norm == "full" and world_size > 1:
         raise ConfigError(f"{config.architecture} normalises q and k over all heads together "
                           "(qk_norm 'full'), which tensor parallel does not split yet; use "
                           "tensor_parallel_size=1")
     heads = split_heads(config.num_heads, config.num_kv_heads, world_size)
     mlp = split_columns(config.intermediate_size, world_size, UNIT_COLUMNS, "the MLP")
-    moe = split_columns(config.moe_intermediate_size, world_size, UNIT_COLUMNS, "an expert") \
-        if config.moe_intermediate_size else [(0, 0)] * world_size
+    experts: list[Range | None] = [None] * world_size
+    if expert_parallel:
+        if not config.num_experts:
+            raise ConfigError(f"expert_parallel shares out a mixture's experts, and "
+                              f"{config.architecture} is a dense model (0 experts); drop "
+                              "expert_parallel (tensor parallel splits its MLP columns)")
+        experts = list(split_experts(config.num_experts, world_size))
+        moe = [(0, config.moe_intermediate_size)] * world_size
+    elif config.moe_intermediate_size:
+        moe = split_columns(config.moe_intermediate_size, world_size, UNIT_COLUMNS, "an expert")
+    else:
+        moe = [(0, 0)] * world_size
     shared = split_columns(config.shared_expert_intermediate_size, world_size, UNIT_COLUMNS,
                            "the shared expert") \
         if config.shared_expert_intermediate_size else [(0, 0)] * world_size
     vocab = split_columns(config.vocab_size, world_size, UNIT_VOCAB, "the vocabulary")
     widest = max(b - a for a, b in vocab)
     return [TensorShard(rank, world_size, q, kv, config.head_dim, mlp[rank], moe[rank],
-                        shared[rank], vocab[rank], widest, config.num_heads, config.num_kv_heads)
+                        shared[rank], vocab[rank], widest, config.num_heads, config.num_kv_heads,
+                        experts[rank])
             for rank, (q, kv) in enumerate(heads)]
 
 
 def describe_shards(shards: list[TensorShard]) -> str:
-    """E.g. 'rank 0: query heads 0-5, KV heads 0-1, MLP columns 0-767; rank 1: ...'."""
+    """E.g. 'rank 0: query heads 0-5, KV heads 0-1, MLP columns 0-767; rank 1: ...', with
+    each rank's whole experts under expert parallel."""
     def span(r: Range) -> str:
-        return f"{r[0]}-{r[1] - 1}"
+        return f"{r[0]}-{r[1] - 1}" if r[1] - r[0] > 1 else str(r[0])
+
+    def experts(s: TensorShard) -> str:
+        return "" if s.experts is None else f", experts {span(s.experts)}"
     return "; ".join(f"rank {s.rank}: query heads {span(s.q_heads)}, KV heads "
-                     f"{span(s.kv_heads)}, MLP columns {span(s.intermediate)}, vocabulary "
-                     f"{span(s.vocab)}" for s in shards)
+                     f"{span(s.kv_heads)}, MLP columns {span(s.intermediate)}{experts(s)}, "
+                     f"vocabulary {span(s.vocab)}" for s in shards)
 
 
 def rank_cpus(parallel: ParallelConfig, available: list[int],

@@ -262,7 +262,7 @@ def _expert_shares(model: torch.nn.Module) -> dict[int, float]:
     shares = {}
     for module in model.modules():
         if isinstance(module, SparseMoE):
-            share = module.top_k / len(module.experts)
+            share = module.top_k / module.num_experts
             shares |= {id(m): share for expert in module.experts for m in expert.modules()}
     return shares
 

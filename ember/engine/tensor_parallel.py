@@ -5,7 +5,8 @@ Ranks go stage by stage: rank r is tensor-parallel rank r % T of pipeline stage 
 holds that stage's layers (plan_stages) cut to that rank's heads and columns (plan_shards).
 
 Every rank builds the same way: the rank's tensors cut as they load (each rank then holds
-about 1/T of the weights, plus one whole tensor while it loads), packed as in one process
+about 1/T of the weights, plus one whole tensor while it loads; under expert parallel the
+other ranks' experts are not read at all), packed as in one process
 (int4 groups and int8 tiles stay whole: ember/distributed/parallel.py), made
 tensor-parallel, then a KV cache of its own KV heads with the same number of blocks on
 every rank (the scheduler's block ids mean the same slots everywhere).
@@ -96,7 +97,7 @@ def plan_ranks(config: EngineConfig, model: ModelConfig, quantization: str) -> R
     num_stages = config.parallel.pipeline_parallel_size
     if size * num_stages == 1:
         return None
-    shards = plan_shards(model, size)
+    shards = plan_shards(model, size, config.parallel.expert_parallel)
     stages = plan_stages(model.num_layers, num_stages)
     available = sorted(os.sched_getaffinity(0))
     cpus = ray_rank_cpus(config.parallel, available) \

@@ -9,6 +9,10 @@ The tokens are grouped by expert: one sort of the (token, choice) pairs, then on
 call per expert that has tokens (a loop over experts, never over tokens). The experts are
 plain SwiGLU modules, so weight packing (ember/quant) treats them as it treats a dense MLP;
 the router stays in the model's dtype.
+
+Under expert parallel (config.local_experts) a rank holds a contiguous range of whole experts:
+it routes every token over all of them, runs only its own, and the all-reduce that ends the
+block adds the other ranks' experts in.
 """
 from __future__ import annotations
 
@@ -38,15 +42,19 @@ class SparseMoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk = config.norm_topk_prob
         self.gate = Router(config.hidden_size, config.num_experts)
+        self.num_experts = config.num_experts
+        # the experts this module holds: [first_expert, first_expert + len(experts))
+        self.first_expert, end = config.local_experts or (0, config.num_experts)
         self.experts = nn.ModuleList(SwiGLU(config.hidden_size, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
+                                     for _ in range(self.first_expert, end))
         self.shared_expert: SwiGLU | None = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(config.hidden_size,
                                         config.shared_expert_intermediate_size)
             self.shared_expert_gate = Router(config.hidden_size, 1)
         # tensor parallel: every expert's down projection gives this rank's partial sum over
-        # its columns; one all-reduce sums the weighted total (None in one process)
+        # its columns (expert parallel: its experts' whole outputs); one all-reduce sums the
+        # weighted total (None in one process)
         self.all_reduce: AllReduce | None = None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -56,12 +64,13 @@ class SparseMoE(nn.Module):
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype).flatten()
-        # (token, choice) pairs sorted by expert: each expert's rows are one slice of `order`
+        # (token, choice) pairs sorted by expert: each expert's rows are one slice of `order`,
+        # this module's experts' from the pairs of the experts before its first
         order = expert_ids.flatten().argsort(stable=True)
-        counts = torch.bincount(expert_ids.flatten(), minlength=len(self.experts)).tolist()
+        counts = torch.bincount(expert_ids.flatten(), minlength=self.num_experts).tolist()
         out = torch.zeros_like(x)
-        start = 0
-        for expert, count in zip(self.experts, counts):
+        start = sum(counts[:self.first_expert])
+        for expert, count in zip(self.experts, counts[self.first_expert:]):
             if count:
                 pairs = order[start:start + count]
                 tokens = pairs // self.top_k

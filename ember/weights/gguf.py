@@ -168,7 +168,8 @@ class GGUFFile:
                 keep: Callable[[str], bool] | None = None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) pairs, quantized types dequantized to `dtype`; rope_freqs keeps
-        its GGUF name. `keep`: which names to read (a pipeline stage's), None: all."""
+        its GGUF name. `keep`: which names to read (a pipeline stage's; of a stacked tensor, a
+        rank's experts, the others not dequantized), None: all."""
         permuted = ARCHITECTURES[self.arch][1]
         for t in self._reader.tensors:
             if t.name in ROPE_FACTORS:  # in the config (_longrope)
@@ -180,8 +181,14 @@ class GGUFFile:
             if keep is not None and not keep(name):
                 continue
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            data, first = t.data, 0
+            if "*" in name:   # stacked experts: only the run `keep` reads is dequantized
+                first, end = _kept_experts(name, shape[0], keep)
+                if first == end:
+                    continue
+                data, shape = data[first:end], (end - first, *shape[1:])
             try:
-                tensor = dequantize(t.data, t.tensor_type, shape, dtype)
+                tensor = dequantize(data, t.tensor_type, shape, dtype)
             except NotImplementedError as e:
                 raise UnsupportedModel(f"tensor {t.name} uses ggml type {t.tensor_type.name}, "
                                        f"which cannot be dequantized ({e})") from e
@@ -193,9 +200,19 @@ class GGUFFile:
             elif permuted and ".k_proj." in name:
                 tensor = unpermute_rows(tensor, config.num_kv_heads)
             if "*" in name:  # stacked experts
-                for expert, weight in enumerate(tensor):
-                    yield name.replace("*", str(expert)), weight
+                for expert, weight in enumerate(tensor, start=first):
+                    expert_name = name.replace("*", str(expert))
+                    if keep is None or keep(expert_name):
+                        yield expert_name, weight
                 continue
             if name.endswith("shared_expert_gate.weight"):
                 tensor = tensor.reshape(1, -1)  # stored as a vector
             yield name, tensor
+
+
+def _kept_experts(name: str, num_experts: int, keep: Callable[[str], bool] | None
+                  ) -> tuple[int, int]:
+    """[first, end) around the experts of stacked tensor `name` ('...experts.*...') that
+    `keep` reads (under expert parallel, one rank's run); (0, 0) where none."""
+    kept = [e for e in range(num_experts) if keep is None or keep(name.replace("*", str(e)))]
+    return (kept[0], kept[-1] + 1) if kept else (0, 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -137,6 +138,10 @@ class WeightShard(Protocol):
     def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The rank's part of one loaded tensor (transformers' name, before fusing)."""
 
+    def local_name(self, name: str) -> str | None:
+        """A tensor's name in the rank's model (its experts renumbered), or None where the
+        rank does not hold it (another rank's expert, under expert parallel)."""
+
 
 class LayerStage(Protocol):
     """One pipeline stage's layers (ember/distributed/parallel.py's PipelineStage)."""
@@ -155,8 +160,9 @@ def load_model(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
                stage: LayerStage | None = None) -> LlamaForCausalLM:
     """Build the model on the meta device, then assign the file's tensors to it. With
     `shard`, only a tensor-parallel rank's part: each tensor is cut as it loads, so a rank
-    holds its own part and at most one whole tensor besides. With `stage`, only a pipeline
-    stage's layers (renumbered from 0) and ends."""
+    holds its own part and at most one whole tensor besides (its experts only, under
+    expert parallel: the others' are not read). With `stage`, only a pipeline stage's layers
+    (renumbered from 0) and ends."""
     full_config = config
     if shard is not None:
         config = shard.local_config(config)
@@ -168,14 +174,14 @@ def load_model(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
     rope_freqs = None
     experts: dict[str, torch.Tensor] = {}
     # quantized GGUF tensors come out in the dtype the model runs in (not float32 first)
-    keep = None if stage is None else \
-        (lambda name: stage.local_name(name, config.tie_word_embeddings) is not None)
+    keep = _kept(stage, shard, config.tie_word_embeddings)
     for name, tensor in files.tensors(full_config, dtype, keep):  # (GGUF's q/k: every head)
         for pattern, replacement in _MIXTRAL_NAMES if config.num_experts else ():
             name = pattern.sub(replacement, name)
         if stage is not None:   # (kept: the stage's; renumbered from its first layer)
             name = stage.local_name(name, config.tie_word_embeddings)
-        if shard is not None:
+        if shard is not None:   # (kept: the rank's; its experts renumbered from its first)
+            name = shard.local_name(name)
             tensor = shard.take(name, tensor)
         tensor = tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor
         match = _PART_RE.fullmatch(name)
@@ -204,6 +210,19 @@ def load_model(files: ModelFiles, config: ModelConfig, dtype: torch.dtype,
                  config.architecture, config.num_experts, config.num_experts_per_tok,
                  active / 1e9, total / 1e9)
     return model.eval()
+
+
+def _kept(stage: LayerStage | None, shard: WeightShard | None,
+          tied: bool) -> Callable[[str], bool] | None:
+    """Which of the files' tensors a rank reads (by their names in the files): its stage's,
+    and of those its own experts; None: all."""
+    if stage is None and shard is None:
+        return None
+
+    def keep(name: str) -> bool:
+        return (stage is None or stage.local_name(name, tied) is not None) and \
+            (shard is None or shard.local_name(name) is not None)
+    return keep
 
 
 def keep_stage(model: LlamaForCausalLM, stage: LayerStage) -> None:

@@ -80,7 +80,7 @@ class SafetensorsFolder:
         """(hf_name, tensor) pairs, memory-mapped from the files, as stored (`dtype`: the
         loader casts them; `config` None: an encoder's, as stored). Gemma's norms compute
         x * (1 + weight): their weights come out with the 1 added (as llama.cpp stores them).
-        `keep`: which names to read (a pipeline stage's), None: all."""
+        `keep`: which names to read (a pipeline stage's, a rank's experts), None: all."""
         for file in self.files:
             try:
                 with safe_open(str(file), framework="pt") as f:

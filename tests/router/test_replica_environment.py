@@ -109,6 +109,15 @@ def test_the_fleet_binds_each_local_replicas_ranks(argv, binds, monkeypatch):
     assert fleet.launchers["primary"].cpu_binds == binds
 
 
+def test_expert_parallel_reaches_each_replica_as_a_serve_option(monkeypatch):
+    monkeypatch.setattr("ember.router.main.os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    fleet, _ = route_fleet("--tensor-parallel-size", "2", "--expert-parallel")
+    launcher = fleet.launchers["primary"]
+    assert launcher.serve_args == ["--model", "m.gguf", "--tensor-parallel-size", "2",
+                                   "--expert-parallel"]
+    assert launcher.cpu_binds == ["0,1|2,3"]
+
+
 def test_a_replica_takes_a_slot_no_running_replica_holds(tmp_path):
     launcher = LocalLauncher([], log_dir=str(tmp_path))
     launcher.cpu_binds = ["0|1", "2|3"]
