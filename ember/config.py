@@ -466,7 +466,6 @@ class EngineConfig:
                               "local processes only; use --distributed-executor mp")
         unsupported = [(not self.device.startswith("cpu"), f"device={self.device!r} (ranks "
                         "talk over gloo on the CPU)"),
-                       (bool(self.loras), "LoRA adapters"),
                        (self.spec.speculative not in (None, "ngram"),
                         f"speculative={self.spec.speculative!r} (a model drafts; ngram works)"),
                        (self.prefill_matmul == "int8", "prefill_matmul='int8' (its "
@@ -486,7 +485,6 @@ class EngineConfig:
                         "--distributed-executor ray (not built yet; use mp)"),
                        (not self.device.startswith("cpu"), f"--device {self.device} (ranks "
                         "talk over gloo on the CPU)"),
-                       (bool(self.loras), "--lora adapters"),
                        (self.spec.speculative is not None,
                         f"--speculative {self.spec.speculative}"),
                        (self.task == "embed", "--task embed (the pooled hidden states are on "

@@ -203,7 +203,9 @@ class EngineCore:
                                   batch_invariant=config.deterministic, peers=peers,
                                   vocab_size=self.model_config.vocab_size,
                                   micro_batches=config.parallel.num_micro_batches,
-                                  num_stages=config.parallel.pipeline_parallel_size)
+                                  num_stages=config.parallel.pipeline_parallel_size,
+                                  lora_part=None if ranks is None else
+                                  self.rank_setup.lora_part(0))
         for name, path in config.loras:
             self.loras.add(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)

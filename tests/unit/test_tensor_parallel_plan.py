@@ -114,8 +114,6 @@ def test_bad_cpu_binds_are_refused(spec, message):
 def test_ray_and_unsupported_options_fail_before_anything_starts():
     with pytest.raises(ConfigError, match="ray is not built yet"):
         EngineConfig.from_options(tensor_parallel_size=2, distributed_executor="ray")
-    with pytest.raises(ConfigError, match="LoRA adapters"):
-        EngineConfig.from_options(tensor_parallel_size=2, loras=(("a", "/x"),))
     assert EngineConfig.from_options(tensor_parallel_size=2).parallel.tensor_parallel_size == 2
 
 
@@ -187,7 +185,6 @@ def test_ranks_go_stage_by_stage_one_core_each_unless_oversubscribed():
 
 @pytest.mark.parametrize("options, flag", [
     (dict(speculative="ngram"), "--speculative ngram"),
-    (dict(loras=(("a", "/x"),)), "--lora adapters"),
     (dict(task="embed"), "--task embed"),
     (dict(distributed_executor="ray"), "--distributed-executor ray"),
 ])
