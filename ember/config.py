@@ -466,8 +466,8 @@ class EngineConfig:
                               "local processes only; use --distributed-executor mp")
         unsupported = [(not self.device.startswith("cpu"), f"device={self.device!r} (ranks "
                         "talk over gloo on the CPU)"),
-                       (self.spec.speculative not in (None, "ngram"),
-                        f"speculative={self.spec.speculative!r} (a model drafts; ngram works)"),
+                       (self.spec.proposer == "self", "speculative='self' (the target's "
+                        "first layers are split over the ranks; draft:PATH or ngram works)"),
                        (self.prefill_matmul == "int8", "prefill_matmul='int8' (its "
                         "calibration runs in one process; use bfloat16)"),
                        (self.kv_transfer.role != "both", f"role={self.kv_transfer.role!r} "
@@ -485,8 +485,8 @@ class EngineConfig:
                         "--distributed-executor ray (not built yet; use mp)"),
                        (not self.device.startswith("cpu"), f"--device {self.device} (ranks "
                         "talk over gloo on the CPU)"),
-                       (self.spec.speculative is not None,
-                        f"--speculative {self.spec.speculative}"),
+                       (self.spec.proposer == "self", "--speculative self (the target's "
+                        "first layers are split over the stages; draft:PATH or ngram works)"),
                        (self.task == "embed", "--task embed (the pooled hidden states are on "
                         "the last stage)"),
                        (self.prefill_matmul == "int8", "--prefill-matmul int8 (its "

@@ -192,7 +192,8 @@ class EngineCore:
         self.loras = LoraRegistry(self.model_config, config.max_loras, config.max_lora_rank)
         self.loras.in_use = self._loras_in_use
         drafter = build_drafter(config, model, kv_caches, self.tokenizer, self.dtype, kernels,
-                                num_blocks, kv_dtype, self.max_model_len, self.model_path)
+                                num_blocks, kv_dtype, self.max_model_len, self.model_path,
+                                None if ranks is None else self.model_config)
         peers = None
         if isinstance(self.executor, LocalProcesses):
             self.executor.connect()   # the other ranks have loaded their parts

@@ -114,6 +114,8 @@ def test_bad_cpu_binds_are_refused(spec, message):
 def test_ray_and_unsupported_options_fail_before_anything_starts():
     with pytest.raises(ConfigError, match="ray is not built yet"):
         EngineConfig.from_options(tensor_parallel_size=2, distributed_executor="ray")
+    with pytest.raises(ConfigError, match="speculative='self'"):
+        EngineConfig.from_options(tensor_parallel_size=2, speculative="self")
     assert EngineConfig.from_options(tensor_parallel_size=2).parallel.tensor_parallel_size == 2
 
 
@@ -184,7 +186,7 @@ def test_ranks_go_stage_by_stage_one_core_each_unless_oversubscribed():
 
 
 @pytest.mark.parametrize("options, flag", [
-    (dict(speculative="ngram"), "--speculative ngram"),
+    (dict(speculative="self"), "--speculative self"),
     (dict(task="embed"), "--task embed"),
     (dict(distributed_executor="ray"), "--distributed-executor ray"),
 ])
