@@ -479,7 +479,7 @@ class EngineConfig:
 
     def _check_pipeline_parallel(self) -> None:
         """What pipeline parallel does not run yet, refused before anything starts: whatever
-        needs the last stage's hidden states on the driver, or every layer in one rank."""
+        needs every layer in one rank."""
         size = self.parallel.pipeline_parallel_size
         unsupported = [(self.parallel.distributed_executor == "ray",
                         "--distributed-executor ray (not built yet; use mp)"),
@@ -487,8 +487,6 @@ class EngineConfig:
                         "talk over gloo on the CPU)"),
                        (self.spec.proposer == "self", "--speculative self (the target's "
                         "first layers are split over the stages; draft:PATH or ngram works)"),
-                       (self.task == "embed", "--task embed (the pooled hidden states are on "
-                        "the last stage)"),
                        (self.prefill_matmul == "int8", "--prefill-matmul int8 (its "
                         "calibration runs in one process; use bfloat16)"),
                        (self.kv_transfer.role != "both", f"--role {self.kv_transfer.role} "

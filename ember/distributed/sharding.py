@@ -44,9 +44,12 @@ def link_stage(model: LlamaForCausalLM, stage: PipelineStage, collectives: RankC
     """In place, after parallelize where there is tensor parallel: the stage's model takes
     its input from the stage before and sends its output on (ember/models/parallel.py); the
     last stage sends its logits to the driver, which receives them as its output
-    projection's; the other ranks compute none."""
+    projection's (and its final hidden states, where the driver pools them); the other
+    ranks compute none."""
     model.stage_link = StageLink(stage.is_first, stage.is_last, collectives.receive_previous,
-                                 collectives.send_next, collectives.finish_sends)
+                                 collectives.send_next, collectives.finish_sends,
+                                 collectives.send_final if stage.is_last else None,
+                                 collectives.receive_final if driver else None)
     if stage.is_last:
         model.lm_head = LogitsToDriver(model.lm_head, collectives.send_logits)
     elif driver:

@@ -497,11 +497,6 @@ class EngineCore:
                         ) -> PoolingParams:
         """Raise if the prompt cannot be embedded; else the pooling, its method resolved.
         Reads only what never changes after start-up, so any thread may call it."""
-        stages = self.config.parallel.pipeline_parallel_size
-        if stages > 1:   # the pooled hidden states are the last stage's, not the driver's
-            raise InvalidRequest(f"this server runs the model in {stages} pipeline stages, "
-                                 "which do not serve embeddings yet; send them to a server "
-                                 "started with --pipeline-parallel-size 1", param="input")
         limit = min(self.max_model_len, self.cache_info.num_tokens)
         check_embedding_input(prompt_token_ids, pooling, limit, self.model_config.hidden_size)
         self._check_token_ids(prompt_token_ids, EMBED_PARAMS)

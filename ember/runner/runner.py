@@ -212,6 +212,9 @@ class ModelRunner:
         with rows_of_kind(self.step_rows, prompt):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                 inputs.attn, self._lora_step(plan, uids))
+        link = self.model.stage_link
+        if link is not None and any(s.request.pooling is not None for s in plan.scheduled):
+            hidden = link.final(hidden)   # a pipeline's last stage's, on the driver
         if pooled is not None:
             pooled.update(self.pooler.pool(plan, hidden))
         return inputs, hidden

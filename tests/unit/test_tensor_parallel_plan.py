@@ -187,7 +187,6 @@ def test_ranks_go_stage_by_stage_one_core_each_unless_oversubscribed():
 
 @pytest.mark.parametrize("options, flag", [
     (dict(speculative="self"), "--speculative self"),
-    (dict(task="embed"), "--task embed"),
     (dict(distributed_executor="ray"), "--distributed-executor ray"),
 ])
 def test_what_stages_cannot_run_yet_fails_before_anything_starts(options, flag):
