@@ -512,9 +512,8 @@ class EngineConfig:
         size = self.parallel.tensor_parallel_size
         unsupported = [(not self.device.startswith("cpu"), f"device={self.device!r} (ranks "
                         "talk over gloo on the CPU)"),
-                       (bool(self.loras), "LoRA adapters"),
-                       (self.spec.speculative not in (None, "ngram"),
-                        f"speculative={self.spec.speculative!r} (a model drafts; ngram works)"),
+                       (self.spec.proposer == "self", "speculative='self' (the target's "
+                        "first layers are split over the ranks; draft:PATH or ngram works)"),
                        (self.prefill_matmul == "int8", "prefill_matmul='int8' (its "
                         "calibration runs in one process; use bfloat16)"),
                        (self.kv_transfer.role != "both", f"role={self.kv_transfer.role!r} "
@@ -526,15 +525,12 @@ class EngineConfig:
 
     def _check_pipeline_parallel(self) -> None:
         """What pipeline parallel does not run yet, refused before anything starts: whatever
-        needs the last stage's hidden states on the driver, or every layer in one rank."""
+        needs every layer in one rank."""
         size = self.parallel.pipeline_parallel_size
         unsupported = [(not self.device.startswith("cpu"), f"--device {self.device} (ranks "
                         "talk over gloo on the CPU)"),
-                       (bool(self.loras), "--lora adapters"),
-                       (self.spec.speculative is not None,
-                        f"--speculative {self.spec.speculative}"),
-                       (self.task == "embed", "--task embed (the pooled hidden states are on "
-                        "the last stage)"),
+                       (self.spec.proposer == "self", "--speculative self (the target's "
+                        "first layers are split over the stages; draft:PATH or ngram works)"),
                        (self.prefill_matmul == "int8", "--prefill-matmul int8 (its "
                         "calibration runs in one process; use bfloat16)"),
                        (self.kv_transfer.role != "both", f"--role {self.kv_transfer.role} "

@@ -133,6 +133,7 @@ def receive_object(group: dist.ProcessGroup, timeout: timedelta = IDLE_WAIT) -> 
 
 ACTIVATIONS_TAG = 1   # stage -> next stage
 LOGITS_TAG = 2        # last stage -> driver
+FINAL_TAG = 3         # last stage -> driver: final hidden states to pool
 
 
 class StagePipe:
@@ -161,6 +162,17 @@ class StagePipe:
 
     def send_logits(self, logits: Tensor) -> None:
         self.pending.append((self.group.send([logits], 0, LOGITS_TAG), logits))
+
+    def send_final(self, hidden: Tensor) -> None:
+        """The last stage's final hidden states to the driver, from the stage's first rank
+        (every rank of the stage holds them whole)."""
+        if self.rank == self.last_stage_rank:
+            self.pending.append((self.group.send([hidden], 0, FINAL_TAG), hidden))
+
+    def receive_final(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        buffer = torch.empty(shape, dtype=dtype)
+        self.group.recv([buffer], self.last_stage_rank, FINAL_TAG).wait()
+        return buffer
 
     def finish(self) -> None:
         """Wait for every send so far to be taken (at the end of each step)."""
@@ -205,6 +217,12 @@ class RankCollectives:
 
     def finish_sends(self) -> None:
         self._stage_pipe().finish()
+
+    def send_final(self, hidden: Tensor) -> None:
+        self._stage_pipe().send_final(hidden)
+
+    def receive_final(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        return self._stage_pipe().receive_final(shape, dtype)
 
     def receive_logits(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return self._stage_pipe().receive_logits(shape, dtype)

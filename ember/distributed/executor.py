@@ -302,10 +302,12 @@ class RowRequest:
 
 
 def plain_step(step: ForwardStep) -> ForwardStep:
-    """`step` with each Request cut down to the step's own token ids (a RowRequest)."""
+    """`step` with each Request cut down to the step's own token ids (a RowRequest); its
+    adapters as they are (whole: each rank cuts its part)."""
     plan = step.plan
     scheduled = [replace(item, request=_row_request(item)) for item in plan.scheduled]
-    return ForwardStep(step.method, SchedulerOutput(scheduled, frozenset(), plan.block_copies))
+    return ForwardStep(step.method, SchedulerOutput(scheduled, frozenset(), plan.block_copies),
+                       step.adapters)
 
 
 def _row_request(item: ScheduledRequest) -> RowRequest:

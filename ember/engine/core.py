@@ -192,7 +192,8 @@ class EngineCore:
         self.loras = LoraRegistry(self.model_config, config.max_loras, config.max_lora_rank)
         self.loras.in_use = self._loras_in_use
         drafter = build_drafter(config, model, kv_caches, self.tokenizer, self.dtype, kernels,
-                                num_blocks, kv_dtype, self.max_model_len, self.model_path)
+                                num_blocks, kv_dtype, self.max_model_len, self.model_path,
+                                None if ranks is None else self.model_config)
         peers = None
         if isinstance(self.executor, WorkerRanks):
             self.executor.connect()   # the other ranks have loaded their parts
@@ -203,7 +204,9 @@ class EngineCore:
                                   batch_invariant=config.deterministic, peers=peers,
                                   vocab_size=self.model_config.vocab_size,
                                   micro_batches=config.parallel.num_micro_batches,
-                                  num_stages=config.parallel.pipeline_parallel_size)
+                                  num_stages=config.parallel.pipeline_parallel_size,
+                                  lora_part=None if ranks is None else
+                                  self.rank_setup.lora_part(0))
         for name, path in config.loras:
             self.loras.add(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
@@ -494,11 +497,6 @@ class EngineCore:
                         ) -> PoolingParams:
         """Raise if the prompt cannot be embedded; else the pooling, its method resolved.
         Reads only what never changes after start-up, so any thread may call it."""
-        stages = self.config.parallel.pipeline_parallel_size
-        if stages > 1:   # the pooled hidden states are the last stage's, not the driver's
-            raise InvalidRequest(f"this server runs the model in {stages} pipeline stages, "
-                                 "which do not serve embeddings yet; send them to a server "
-                                 "started with --pipeline-parallel-size 1", param="input")
         limit = min(self.max_model_len, self.cache_info.num_tokens)
         check_embedding_input(prompt_token_ids, pooling, limit, self.model_config.hidden_size)
         self._check_token_ids(prompt_token_ids, EMBED_PARAMS)

@@ -27,12 +27,20 @@ log = logging.getLogger(__name__)
 def build_drafter(config: EngineConfig, model: LlamaForCausalLM, kv_caches: list[PagedKV],
                   tokenizer: Tokenizer, dtype: torch.dtype, kernels: CpuKernels | None,
                   num_blocks: int, kv_dtype: str, max_model_len: int,
-                  model_path: Path | None = None) -> Drafter | None:
+                  model_path: Path | None = None, whole_config: ModelConfig | None = None
+                  ) -> Drafter | None:
     """The drafter the spec config asks for, or None (no speculation, or n-gram). A draft
     model that is the target's own file (`model_path`) drafts with the target's loaded
-    weights, on caches of its own: the same numerics, so its guesses are the target's."""
+    weights, on caches of its own: the same numerics, so its guesses are the target's.
+
+    `whole_config`: the target's, where `model` is only this process's part of it (a model
+    split over ranks); a draft model then runs whole in this process beside it, loaded
+    from its file even where that is the target's."""
     spec = config.spec
     block_size, device = config.cache.block_size, torch.device(config.device)
+    if spec.proposer == "self" and whole_config is not None:
+        raise ConfigError("speculative='self' drafts with the target's first layers, which "
+                          "are split over the ranks; use draft:PATH or ngram")
     if spec.proposer == "self":
         num_layers = spec.self_draft_layers or default_draft_layers(model.config.num_layers)
         view = layer_skip_model(model, num_layers, kernels)
@@ -43,7 +51,8 @@ def build_drafter(config: EngineConfig, model: LlamaForCausalLM, kv_caches: list
     if spec.proposer != "draft":
         return None
     path = spec.draft_model_path
-    if model_path is not None and Path(path).resolve() == Path(model_path).resolve():
+    if whole_config is None and model_path is not None and \
+            Path(path).resolve() == Path(model_path).resolve():
         caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype, config.device,
                                     kv_dtype)
         log.info("draft model %s is the target's file: it drafts with the target's weights",
@@ -52,7 +61,8 @@ def build_drafter(config: EngineConfig, model: LlamaForCausalLM, kv_caches: list
                        max_positions=max_model_len, by_kind=True)
     files = open_model_files(path)
     draft_config = files.model_config()
-    check_vocabulary(model.config, draft_config, tokenizer, load_tokenizer(files), path)
+    check_vocabulary(whole_config or model.config, draft_config, tokenizer,
+                     load_tokenizer(files), path)
     quantization = resolve_quantization(config.quantization, files, draft_config, dtype,
                                         config.device)
     draft = apply_quantization(load_model(files, draft_config, dtype, config.device),

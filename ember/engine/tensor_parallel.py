@@ -26,12 +26,13 @@ from ember.distributed.executor import LocalProcesses, WorkerRanks
 from ember.distributed.parallel import (PipelineStage, TensorShard, describe_shards,
                                         describe_stages, plan_shards, plan_stages, rank_cpus,
                                         ray_rank_cpus)
-from ember.distributed.sharding import link_stage, parallelize
+from ember.distributed.sharding import link_stage, lora_part, parallelize
 from ember.engine.memory import (large_blocks_mapped_alone, lazy_zeros, move_to_huge_pages,
                                  temporaries_from_the_heaps)
 from ember.engine.prefill_choice import PrefillChoice
 from ember.errors import ConfigError
 from ember.kernels import CpuKernels, load_kernels
+from ember.lora.ranks import AdapterPart
 from ember.models.llama import LlamaForCausalLM
 from ember.quant.packed import GROUP, step_weights, use_brgemm_prefill
 from ember.runner.kv_tensors import allocate_kv_caches, kv_bytes_per_token
@@ -64,6 +65,13 @@ class RankSetup:
         """The model as rank `rank` holds it: its stage's layers, its heads and columns."""
         shard = self.shards[rank % len(self.shards)]
         return self.stages[rank // len(self.shards)].local_config(shard.local_config(model))
+
+    def lora_part(self, rank: int) -> AdapterPart | None:
+        """Rank `rank`'s part of a whole LoRA adapter: its stage's layers, its heads and
+        columns."""
+        num_shards = len(self.shards)
+        return lora_part(self.shards[rank % num_shards] if num_shards > 1 else None,
+                         self.stages[rank // num_shards] if len(self.stages) > 1 else None)
 
 
 @dataclass(frozen=True)
@@ -192,7 +200,8 @@ def build_worker_runner(setup: RankSetup, rank: int,
                                    setup.kv_cache_dtype, zeros=lazy_zeros)
     return ModelRunner(model, kv_caches, config.cache.block_size, config.device, config.seed,
                        kernels, batch_invariant=config.deterministic, vocab_size=0,
-                       micro_batches=config.parallel.num_micro_batches)
+                       micro_batches=config.parallel.num_micro_batches,
+                       lora_part=setup.lora_part(rank))
 
 
 def describe_kv_gain(model: ModelConfig, plan: RankPlan, dtype: torch.dtype,

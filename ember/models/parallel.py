@@ -81,13 +81,27 @@ Send = Callable[[Tensor], None]
 @dataclass(frozen=True)
 class StageLink:
     """How a pipeline stage's model gets its input (the stage before's output, unless it is
-    the first) and hands its output on (unless it is the last)."""
+    the first) and hands its output on (unless it is the last); and how the last stage's
+    final hidden states reach the driver where it pools them (embeddings)."""
 
     is_first: bool
     is_last: bool
     receive: Receive
     send: Send        # returns at once; the tensor must not change until finish()
     finish: Callable[[], None]   # wait for this step's sends to be taken
+    send_final: Send | None = None        # the last stage's (its first rank sends)
+    receive_final: Receive | None = None  # the driver's
+
+    def final(self, hidden: Tensor) -> Tensor:
+        """A forward's final hidden states [T, hidden] where the driver needs them: the
+        last stage sends its own (float32, as pooling reads them) and the driver takes
+        them in place of its stage's output (`hidden`, of the same shape); every other rank
+        keeps `hidden`. Every rank calls it for the same forwards."""
+        if self.is_last and self.send_final is not None:
+            self.send_final(hidden.float().contiguous())
+        elif self.receive_final is not None:
+            return self.receive_final(tuple(hidden.shape), torch.float32)
+        return hidden
 
 
 class LogitsFromLastStage(nn.Module):

@@ -7,6 +7,7 @@ samples.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from ember.config import SpecConfig
 from ember.errors import EngineDead
 from ember.kernels import CpuKernels
 from ember.lora.batch import LoraStep, LoraStepBuilder
+from ember.lora.ranks import AdapterPart, RankAdapters, StepAdapters
 from ember.lora.registry import LoraRegistry
 from ember.models.attention import PagedKV
 from ember.models.llama import LlamaForCausalLM
@@ -36,12 +38,13 @@ from ember.spec.verify import verify
 
 @dataclass(frozen=True)
 class ForwardStep:
-    """One forward as every rank runs it: the runner method ("forward" or "forward_all") and
+    """One forward as every rank runs it: the runner method ("forward" or "forward_all"),
     its plan, plain data (token ids, positions, block tables) from which each rank builds its
-    own tensors."""
+    own tensors, and its LoRA adapters (None: neither any row's nor any to forget)."""
 
     method: str
     plan: SchedulerOutput
+    adapters: StepAdapters | None = None
 
 
 class StepPeers(Protocol):
@@ -82,7 +85,10 @@ class ModelRunner:
                  place_lora: Callable[[list[Tensor]], list[Tensor]] | None = None,
                  batch_invariant: bool = False, peers: StepPeers | None = None,
                  vocab_size: int | None = None, micro_batches: int = 1,
-                 num_stages: int = 1) -> None:
+                 num_stages: int = 1, lora_part: AdapterPart | None = None) -> None:
+        """`loras`: the adapters a driver reads (None on the other ranks, which get theirs
+        with the steps); `lora_part`: this rank's part of a whole adapter (None: all of it,
+        the model being whole here)."""
         self.model = model
         # a step's forwards are cut into this many runs of requests at most (a pipeline's
         # micro-batches, which its stages work on at once); 1 without pipeline parallel
@@ -107,9 +113,16 @@ class ModelRunner:
         # the activations' dtype: the norms are never quantized
         self.lora_steps = LoraStepBuilder(model.model.norm.weight.dtype, self.device,
                                           kernels, place_lora)
+        self.rank_loras = RankAdapters(lora_part, self.lora_steps.forget)
+        # uids the registry dropped (from any thread), for every rank to forget with a step
+        self._evicted: deque[int] = deque()
         if loras is not None:
-            loras.on_evict = self.lora_steps.forget
+            loras.on_evict = self._on_evict
         self.pooler = Pooler()
+
+    def _on_evict(self, uid: int) -> None:
+        self.lora_steps.forget(uid)
+        self._evicted.append(uid)
 
     @torch.inference_mode()
     def forward(self, plan: SchedulerOutput, pooled: dict[str, list[float]] | None = None
@@ -121,13 +134,20 @@ class ModelRunner:
         (rows_per_request); `pooled`, if given, gets the vectors of the embedding requests
         whose prompt ended.
         """
-        with self._on_every_rank(ForwardStep("forward", plan)):
+        return self._forward(ForwardStep("forward", plan, self._step_adapters(plan)), pooled)
+
+    def _forward(self, step: ForwardStep, pooled: dict[str, list[float]] | None = None
+                 ) -> tuple[list[Request], Tensor]:
+        plan = step.plan
+        with self._on_every_rank(step):
+            uids = self._take_adapters(step.adapters)
             self._copy_blocks(plan)
             # every part's forward first, then their logits: on a pipeline the driver's
             # stage then runs micro-batch i + 1 while the next stage runs micro-batch i
             parts = self._parts(plan)
             self.bubble.add(len(parts))   # back to back through the stages
-            forwards = [self._forward_part(part, pooled, prompt) for prompt, part in parts]
+            forwards = [self._forward_part(part, pooled, prompt, uids)
+                        for prompt, part in parts]
             requests: list[Request] = []
             logits: list[Tensor] = []
             for inputs, part_hidden in forwards:
@@ -170,17 +190,18 @@ class ModelRunner:
         except Exception as e:
             raise self.peers.failed(e) from e
 
+    @torch.inference_mode()
     def run_step(self, step: ForwardStep) -> None:
         """A peer rank's side of a driver's step (its outputs stay with the driver)."""
         if step.method == "forward":
-            self.forward(step.plan)
+            self._forward(step)
         elif step.method == "forward_all":
-            self.forward_all(step.plan)
+            self._forward_all(step)
         else:
             raise ValueError(f"unknown step method {step.method!r}")
 
     def _forward_part(self, plan: SchedulerOutput, pooled: dict[str, list[float]] | None,
-                      prompt: bool | None) -> tuple[ModelInputs, Tensor]:
+                      prompt: bool | None, uids: dict[str, int]) -> tuple[ModelInputs, Tensor]:
         """forward() of a part of by_kind_parts, whose linears take rows as `prompt` says
         (StepRows: True prompt rows, False decode rows, None by their number): its inputs
         and final hidden states."""
@@ -190,7 +211,10 @@ class ModelRunner:
                                 by_kind=True)
         with rows_of_kind(self.step_rows, prompt):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                inputs.attn, self._lora_step(plan))
+                                inputs.attn, self._lora_step(plan, uids))
+        link = self.model.stage_link
+        if link is not None and any(s.request.pooling is not None for s in plan.scheduled):
+            hidden = link.final(hidden)   # a pipeline's last stage's, on the driver
         if pooled is not None:
             pooled.update(self.pooler.pool(plan, hidden))
         return inputs, hidden
@@ -206,7 +230,12 @@ class ModelRunner:
     def forward_all(self, plan: SchedulerOutput) -> tuple[ModelInputs, Tensor]:
         """Like forward(), but logits [T, vocab] float32 for every new token of the step (for
         scoring text); rows follow the flat batch of `prepare_inputs`."""
-        with self._on_every_rank(ForwardStep("forward_all", plan)):
+        return self._forward_all(ForwardStep("forward_all", plan, self._step_adapters(plan)))
+
+    def _forward_all(self, step: ForwardStep) -> tuple[ModelInputs, Tensor]:
+        plan = step.plan
+        with self._on_every_rank(step):
+            uids = self._take_adapters(step.adapters)
             self._copy_blocks(plan)
             # scored text is prompt rows: on the prompt path as any prompt takes it
             by_kind = all(s.end <= s.request.num_prompt_tokens for s in plan.scheduled)
@@ -215,17 +244,40 @@ class ModelRunner:
                                     by_kind=by_kind)
             with rows_of_kind(self.step_rows, True if by_kind else None):
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                    inputs.attn, self._lora_step(plan))
+                                    inputs.attn, self._lora_step(plan, uids))
             logits = self.model.compute_logits(hidden)
             self._finish_sends()
             return inputs, logits
 
-    def _lora_step(self, plan: SchedulerOutput) -> LoraStep | None:
+    def _step_adapters(self, plan: SchedulerOutput) -> StepAdapters | None:
+        """The driver's side: the adapters the step's rows name, read where they are not
+        resident (before any rank starts the step: a failure here is the requests', and
+        the ranks stay in step), with what the ranks must forget first; None where there
+        is neither."""
+        names = {s.request.lora for s in plan.scheduled if s.request.lora is not None}
+        if self.loras is None or not (names or self._evicted):
+            return None
+        adapters = {name: self.loras.acquire(name) for name in sorted(names)}
+        evicted = []
+        while self._evicted:
+            evicted.append(self._evicted.popleft())
+        step, later = self.rank_loras.plan(adapters, evicted)
+        self._evicted.extend(later)
+        return step
+
+    def _take_adapters(self, step: StepAdapters | None) -> dict[str, int]:
+        """Apply a step's loads and forgets to this rank's adapters; its uids by name."""
+        if step is None:
+            return {}
+        self.rank_loras.apply(step)
+        return step.uids
+
+    def _lora_step(self, plan: SchedulerOutput, uids: dict[str, int]) -> LoraStep | None:
         """The step's adapters, row by row (rows follow plan.scheduled), or None."""
-        if self.loras is None or all(s.request.lora is None for s in plan.scheduled):
+        if all(s.request.lora is None for s in plan.scheduled):
             return None
         return self.lora_steps.build([
-            (None if s.request.lora is None else self.loras.acquire(s.request.lora),
+            (None if s.request.lora is None else self.rank_loras.get(uids[s.request.lora]),
              s.num_new_tokens) for s in plan.scheduled])
 
     def _copy_blocks(self, plan: SchedulerOutput) -> None:

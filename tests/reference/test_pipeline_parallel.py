@@ -15,7 +15,7 @@ import torch
 
 from ember import LLM, EngineConfig, SamplingParams
 from ember.engine.core import EngineCore
-from ember.errors import ConfigError, InvalidRequest
+from ember.errors import ConfigError
 from ember.request import PoolingParams
 from tests.conftest import first_mismatch, save_tiny_model, tiny_hf_model
 from tests.reference.test_llama_vs_hf import PROMPTS, ember_greedy_logits
@@ -75,8 +75,6 @@ def test_two_stages_match_one_process_step_by_step(tiny_folder):
         assert not any(name.startswith("lm_head.")
                        for name, _ in staged.runner.model.named_parameters())
         assert_same_steps(one, staged)
-        with pytest.raises(InvalidRequest, match="2 pipeline stages"):
-            staged.check_embedding([1, 2, 3], PoolingParams())
     finally:
         staged.close()
 
@@ -111,6 +109,40 @@ def test_stages_batched_and_chunked_match_one_process(llama_folder, layout):
         assert 1 / 3 <= llm.engine.runner.bubble.share < 1 / 2
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("layout", ["P=2", "T=2"])
+def test_split_models_embed_as_one_process(llama_folder, layout):
+    """Embeddings at P=2 (the last stage's final hidden states pooled on the driver) and
+    T=2: each method, in chunks of 16 tokens beside a generating request, gives one
+    process's vectors; and `--task embed` starts at P=2."""
+    prompts = [list(range(5, 45)), [3, 4, 5], list(range(1000, 1033))]
+    options = dict(OPTIONS, max_num_batched_tokens=16)
+    split = dict(pipeline_parallel_size=2) if layout == "P=2" else dict(tensor_parallel_size=2)
+    one = LLM(str(llama_folder), **options)
+    staged = LLM(str(llama_folder), **split, **options)
+    try:
+        for method in ("last", "mean", "cls"):
+            want = one.embed(prompts, PoolingParams(method))
+            staged.engine.add_request("beside", list(range(60, 80)),
+                                      SamplingParams(temperature=0, max_tokens=4))
+            got = staged.embed(prompts, PoolingParams(method))
+            for w, g in zip(want, got, strict=True):
+                torch.testing.assert_close(torch.tensor(g.embedding),
+                                           torch.tensor(w.embedding), atol=1e-5, rtol=0)
+            while staged.engine.has_unfinished():
+                staged.engine.step()
+    finally:
+        staged.close()
+    if layout != "P=2":
+        return
+    embedder = LLM(str(llama_folder), pipeline_parallel_size=2, task="embed", **options)
+    try:
+        torch.testing.assert_close(torch.tensor(embedder.embed(prompts[:1])[0].embedding),
+                                   torch.tensor(one.embed(prompts[:1])[0].embedding),
+                                   atol=1e-5, rtol=0)
+    finally:
+        embedder.close()
 
 
 def test_more_stages_than_layers_fail_at_start_naming_them(llama_folder):

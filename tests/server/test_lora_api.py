@@ -172,3 +172,28 @@ def test_the_same_files_under_another_name_find_its_cached_prefix(lora_server, a
     finally:
         httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "alpha_again"},
                    headers=auth)
+
+
+def test_a_split_model_serves_adapters_from_start_and_run_time(tiny_llama_dir, adapters,
+                                                               offline) -> None:
+    """tensor_parallel_size=2: an adapter given at start and one loaded through the API
+    reach both ranks, in a batch beside the base model (the one-process engine's text)."""
+    folder, _ = tiny_llama_dir
+    live = LiveServer(folder, engine_options={"max_model_len": 512, "tensor_parallel_size": 2,
+                                              "loras": (("alpha", str(adapters["alpha"])),)},
+                      api_key=KEY)
+    try:
+        r = httpx.post(live.url + "/v1/load_lora_adapter", timeout=60,
+                       json={"lora_name": "gamma", "lora_path": str(adapters["gamma"])},
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200, r.text
+        base = live.state.model_name
+        models = [base, "alpha", "gamma", "alpha", base, "gamma"]
+        with ThreadPoolExecutor(len(models)) as pool:
+            responses = list(pool.map(lambda m: complete(live, m, 12), models))
+        for model, r in zip(models, responses):
+            assert r.status_code == 200, r.text
+            want = offline_text(offline, None if model == base else model, 12)
+            assert r.json()["choices"][0]["text"] == want, model
+    finally:
+        live.close()
