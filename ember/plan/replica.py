@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ember.config import EngineConfig
+from ember.distributed.executor import SingleProcess
 from ember.engine.cold_start import PhaseClock
 from ember.engine.core import CacheInfo, EngineCore, resolve_max_model_len
 from ember.errors import ConfigError, InvalidRequest
@@ -113,6 +114,7 @@ class SimulatedCore(EngineCore):
         self.grammars = NoGrammars()
         self.load_phases.mark("kv_cache")
         self.task = config.task
+        self.executor = SingleProcess()   # (no ranks, and no --cpu-bind to honour)
 
     def check_embedding(self, prompt_token_ids: list[int], pooling: PoolingParams
                         ) -> PoolingParams:
