@@ -18,7 +18,10 @@ For the default model (a profile is measured first unless --profile gives one):
    TTFT p50 at concurrency 8, within 20%.
 
 Each fleet is warmed up with a few requests first, and each run uses its own seed (a prompt
-repeated from an earlier run would hit the real fleet's prefix cache). --quick: a smoke run
+repeated from an earlier run would hit the real fleet's prefix cache). The profile is
+measured with `--serve-gateway`; with --one-core-each, a fleet whose replicas hold every core
+shares them with the gateway, and is simulated with `--gateway-shares-cores` (when the
+profile measured the gateway). --quick: a smoke run
 (a 10 s profile, 8 requests a run, a fleet of 1) that checks the script, not the simulator.
 Every JSON goes to --out-dir. Measure with nothing else running: the profile and the
 replicas must have the cores to themselves.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -129,9 +133,10 @@ def bench(route: Route, load: list[str], num: int, seed: int, out: Path,
 
 
 def simulate(profile: Path, replicas: int, rate: float, num: int, seed: int,
-             out: Path) -> dict[str, Any]:
+             out: Path, gateway_shares_cores: bool = False) -> dict[str, Any]:
     ember("plan", "--profile", str(profile), "--replicas", str(replicas), "--rate", f"{rate}",
           *WORKLOAD, "--num-requests", str(num), "--seed", str(seed), "--out", str(out),
+          *(["--gateway-shares-cores"] if gateway_shares_cores else []),
           log=out.with_suffix(".log"))
     return json.loads(out.with_name(out.stem + "-run.json").read_text())
 
@@ -199,7 +204,7 @@ def main() -> None:
     if not args.profile:
         print("measuring the profile ...", flush=True)
         ember("plan", "profile", "--out", str(profile_path), "--max-seconds",
-              "10" if args.quick else "90",
+              "10" if args.quick else "90", "--serve-gateway",
               log=out / "profile.log", prefix=("taskset", "-c", "0") if args.one_core_each
               else ())
     profile = load_profile(profile_path)
@@ -218,13 +223,18 @@ def main() -> None:
     verdicts: dict[int, bool] = {}
     real_c8 = None
     for n in sizes:
+        shares = args.one_core_each and n >= (os.cpu_count() or 1) and profile.gateway.measured
+        if shares:
+            print(f"fleet of {n}: the gateway shares the replicas' cores "
+                  "(simulated with --gateway-shares-cores)")
         route = Route([], n, out, args.one_core_each)
         try:
             for name, factor in RATE_FACTORS:
                 seed += 1
                 r = rate * factor * n
                 real = bench(route, ["--rate", f"{r}"], num, seed, out / f"real-{n}-{name}.json")
-                sim = simulate(profile_path, n, r, num, seed, out / f"sim-{n}-{name}.json")
+                sim = simulate(profile_path, n, r, num, seed, out / f"sim-{n}-{name}.json",
+                               shares)
                 table += compare_rows(f"{n} x, {r:.2f} req/s ({name})", real, sim)
             if recommended is not None and n in (recommended, recommended - 1):
                 seed += 1

@@ -465,14 +465,20 @@ def cmd_roofline(args: argparse.Namespace) -> None:
 
 
 def cmd_plan_profile(args: argparse.Namespace) -> None:
+    from ember.plan.commands import serving_text
     from ember.plan.measure import measure
+    from ember.server.serve import serve_in_thread
     profile = measure(engine_config(args), args.max_seconds,
-                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+                      progress=lambda line: print(line, file=sys.stderr, flush=True),
+                      serve=None if args.no_serve else
+                      lambda engine: serve_in_thread(engine, ServerConfig(port=0)),
+                      through_gateway=args.serve_gateway)
     profile.save(Path(args.out))
     fit = profile.residuals["all"]
     print(f"{len(profile.steps)} steps measured; the step model is within "
           f"{fit['median_abs'] * 100:.1f}% of them at the median, "
           f"{fit['p90_abs'] * 100:.1f}% at the 90th percentile")
+    print(serving_text(profile))
     print(f"wrote {args.out}")
 
 

@@ -39,6 +39,13 @@ def add_plan_parser(sub: argparse._SubParsersAction, out_dir: Path,
                       help="the profile (default: %(default)s)")
     prof.add_argument("--max-seconds", type=float, default=90.0,
                       help="stop starting new measurements after this long")
+    prof.add_argument("--no-serve", action="store_true",
+                      help="do not serve the model to measure the server's own time per step "
+                           "and per streamed token (the profile then adds none)")
+    prof.add_argument("--serve-gateway", action="store_true",
+                      help="also stream through `ember route` on the same cores, to measure "
+                           "what a gateway that shares the replicas' cores adds (`ember plan "
+                           "--gateway-shares-cores`)")
     prof.set_defaults(func=profile_command)
     _simulation_args(plan, out_dir)
     plan.set_defaults(func=_command("cmd_plan"))
@@ -77,6 +84,9 @@ def _simulation_args(plan: argparse.ArgumentParser, out_dir: Path) -> None:
     f.add_argument("--eviction-policy", default=None, choices=list(EVICTION_POLICIES))
     f.add_argument("--max-waiting", type=int, default=256,
                    help="requests a replica queues before it answers 429")
+    f.add_argument("--gateway-shares-cores", action="store_true",
+                   help="the gateway runs on the replicas' cores: add the gateway overhead "
+                        "the profile measured (`ember plan profile --serve-gateway`)")
     plan.add_argument("--out", default=str(out_dir / "plan.json"),
                       help="the answer and every simulated point; the plot beside it "
                            "(default: %(default)s)")

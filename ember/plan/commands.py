@@ -17,6 +17,7 @@ from ember.plan.profile import Profile, load_profile
 from ember.plan.report import curve_data, describe_point, plot
 from ember.plan.search import Planner, Point, Slo
 from ember.plan.simulate import ReplicaConfig
+from ember.plan.stepmodel import ServingOverhead
 from ember.plan.workload import bench_load, plan_requests
 
 CURVE_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)   # of the asked rate, for the plot
@@ -31,8 +32,15 @@ def replica_config(profile: Profile, args: argparse.Namespace) -> ReplicaConfig:
         prefill_tokens_with_decodes=args.prefill_tokens_with_decodes
         or base.prefill_tokens_with_decodes, fair_share=base.fair_share)
     tokenizer_eos = frozenset(profile.tokenizer.get("eos_ids", ()))
+    serving = profile.serving
+    if args.gateway_shares_cores:
+        if not profile.gateway.measured:
+            raise ConfigError("--gateway-shares-cores needs a profile that measured the "
+                              "gateway: make one with `ember plan profile --serve-gateway`")
+        serving = serving.plus(profile.gateway)
     return ReplicaConfig(
         step_model=profile.step_model, num_blocks=profile.num_blocks(args.kv_cache_gib),
+        serving=serving,
         block_size=profile.block_size, max_model_len=profile.max_model_len,
         scheduler=scheduler,
         enable_prefix_caching=not args.no_prefix_caching
@@ -102,6 +110,7 @@ def _profile_text(profile: Profile) -> str:
             f"{profile.residuals.get('all', {}).get('median_abs', float('nan')) * 100:.0f}% "
             "(median) of the measured steps; its knee is "
             f"{profile_knee(profile)} requests at once (`ember route --plan`'s target)")
+    text += "\n  " + serving_text(profile)
     load = max(m.get("load_average_before", 0.0), m.get("load_average_after", 0.0))
     disturbed = m.get("disturbed_steps", 0) / max(len(profile.steps), 1)
     # (the profile's own engine threads keep the load average near the CPU count)
@@ -110,6 +119,29 @@ def _profile_text(profile: Profile) -> str:
                  f"{m.get('disturbed_steps', 0)} of {len(profile.steps)} steps disturbed; "
                  "profile again with the machine to itself)")
     return text
+
+
+def serving_text(profile: Profile) -> str:
+    """What the simulation adds to each step for the server's own work, or that it adds
+    nothing."""
+    serving = profile.serving
+    if not serving.measured:
+        return ("served overhead: none in this profile (it was made without serving the "
+                "model), so simulated steps last what the engine's in-process steps do and a "
+                "served replica's gaps between tokens are longer; profile again with `ember "
+                "plan profile` to measure it")
+    text = "served overhead: " + _overhead_text(serving) + ", added to each step"
+    if profile.gateway.measured:
+        text += ("\n  gateway overhead (`ember route` on the replica's cores; added with "
+                 "--gateway-shares-cores): " + _overhead_text(profile.gateway))
+    return text
+
+
+def _overhead_text(overhead: ServingOverhead) -> str:
+    fit = overhead.residuals.get("with", {})
+    return (f"{overhead.per_step_s * 1e3:.2f} ms a step + {overhead.per_token_s * 1e3:.3f} ms "
+            f"a streamed token (within {fit.get('median_abs', float('nan')) * 100:.0f}% "
+            f"(median) of {fit.get('steps', 0)} served step intervals)")
 
 
 def _load_text(args: argparse.Namespace) -> str:

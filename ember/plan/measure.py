@@ -7,6 +7,8 @@ step, decode batches from 1 to 64 at short and long contexts, and decodes beside
 chunk. Each step is timed as the serving engine's thread spends it: schedule, forward and
 sample, update, then the detokenizing of its new tokens. Steps are recorded with the shape
 the scheduler planned, so the fit learns from exactly what the scheduler asks of the runner.
+Then, given a way to serve it, the same engine is served briefly and what the server adds to
+a step is fitted (served.py).
 """
 from __future__ import annotations
 
@@ -16,13 +18,14 @@ import platform
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ember.config import EngineConfig
 from ember.engine.cold_start import process_age_s
 from ember.engine.core import EngineCore
 from ember.engine.output import SequenceText
 from ember.plan.profile import Profile, step_record
+from ember.plan.served import Serve, measure_served
 from ember.plan.stepmodel import StepShape, fit, interfered, residuals, step_shape
 from ember.request import SamplingParams
 from ember.scheduler.output import RunnerOutput, SchedulerOutput
@@ -126,8 +129,11 @@ class Profiler:
 
 
 def measure(config: EngineConfig, budget_s: float = 120.0,
-            progress: Callable[[str], None] = lambda _: None) -> Profile:
-    """Load the engine, run the mixes (until `budget_s` of measuring has passed), fit."""
+            progress: Callable[[str], None] = lambda _: None, serve: Serve | None = None,
+            through_gateway: bool = False) -> Profile:
+    """Load the engine, run the mixes (until `budget_s` of measuring has passed), fit;
+    with `serve`, serve the engine briefly and fit the serving overhead (else it is zero),
+    and with `through_gateway` what `ember route` adds too (served.py)."""
     load_before = os.getloadavg()[0]
     core = EngineCore(config)
     profiler = Profiler(core)
@@ -144,7 +150,7 @@ def measure(config: EngineConfig, budget_s: float = 120.0,
     disturbed = [interfered(model, s, t, INTERFERENCE)
                  for s, t in zip(profiler.shapes, profiler.seconds)]
     kept = [(s, t) for (s, t, d) in zip(profiler.shapes, profiler.seconds, disturbed) if not d]
-    return Profile(
+    profile = Profile(
         model_path=str(core.model_path), model_name=served_model_name(config.model),
         tokenizer=core.tokenizer.to_dict(), vocab_size=core.model_config.vocab_size,
         hidden_size=core.model_config.hidden_size,
@@ -164,6 +170,11 @@ def measure(config: EngineConfig, budget_s: float = 120.0,
         residuals=residuals(model, [s for s, _ in kept], [t for _, t in kept]),
         steps=[step_record(s, t, model.predict(s)) | {"disturbed": d}
                for s, t, d in zip(profiler.shapes, profiler.seconds, disturbed)])
+    if serve is None:
+        return profile
+    core.runner = profiler.tap.runner
+    serving, gateway = measure_served(core, model, serve, progress, through_gateway)
+    return replace(profile, serving=serving, gateway=gateway)
 
 
 def machine(load_before: float) -> dict[str, object]:

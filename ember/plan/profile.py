@@ -1,7 +1,8 @@
 """A machine-and-model profile: what `ember plan profile` measured, as one JSON file.
 
 It holds what a simulated replica needs to behave as the real one: the fitted step-time
-model (stepmodel.py) with its residuals and the measured steps, the KV cache's bytes per
+model (stepmodel.py) with its residuals and the measured steps, what serving adds to a
+step (the server's own work per step and per streamed token), the KV cache's bytes per
 token and block size, the engine's limits (context, scheduler budget), the cold start, the
 model's path and name, and the model's own tokenizer, so that a simulation tokenizes prompts
 (and hashes their blocks) exactly as a replica does, without the model's files.
@@ -15,7 +16,7 @@ from typing import Any
 
 from ember.config import CacheConfig, SchedulerConfig
 from ember.errors import ConfigError
-from ember.plan.stepmodel import StepModel, StepShape
+from ember.plan.stepmodel import ServingOverhead, StepModel, StepShape
 from ember.tokenizer.tokenizer import Tokenizer
 
 FORMAT = "ember-plan-profile/1"
@@ -41,6 +42,10 @@ class Profile:
     machine: dict[str, Any] = field(default_factory=dict)  # cpu, cores, load while measured
     residuals: dict[str, dict[str, float]] = field(default_factory=dict)
     steps: list[dict[str, float]] = field(default_factory=list)  # each measured step
+    # zero in a profile made without serving the model (or before ember measured it)
+    serving: ServingOverhead = field(default_factory=ServingOverhead)
+    # what `ember route` adds on top when it runs on the replica's cores (if measured)
+    gateway: ServingOverhead = field(default_factory=ServingOverhead)
 
     def num_blocks(self, kv_cache_gib: float | None = None, block_size: int | None = None
                    ) -> int:
@@ -66,6 +71,9 @@ class Profile:
         fields = {k: v for k, v in data.items() if k != "format"}
         fields["step_model"] = StepModel.from_json(fields["step_model"])
         fields["scheduler"] = SchedulerConfig(**fields["scheduler"])
+        for name in ("serving", "gateway"):
+            if name in fields:
+                fields[name] = ServingOverhead.from_json(fields[name])
         return cls(**fields)
 
     def save(self, path: Path) -> None:

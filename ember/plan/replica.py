@@ -3,13 +3,15 @@
 Everything of `ember serve` but the forward is the real thing: the HTTP server and its
 validation, the AsyncEngine thread, the admission checks and backpressure (429), the
 scheduler and KV pool with the prefix cache and its /kv/events, /metrics. The model's place
-is taken by a runner that waits, on the wall clock, as long as the profile's step model says
-the step takes, and draws each new token from a seeded generator. Prompts are tokenized with
-the profile's tokenizer (the model's own), so usage counts and block keys are the ones a real
-replica reports; the output is tokens of visible text, not an answer.
+is taken by a runner that waits, on the wall clock, as long as the profile says the step
+takes (its step model plus its serving overhead), and draws each new token from a seeded
+generator. Prompts are tokenized with the profile's tokenizer (the model's own), so usage
+counts and block keys are the ones a real replica reports; the output is tokens of visible
+text, not an answer.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ from ember.request import PoolingParams
 from ember.scheduler.output import RunnerOutput, SchedulerOutput
 from ember.scheduler.scheduler import Scheduler
 from ember.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class PacedRunner:
@@ -111,10 +115,15 @@ class SimulatedCore(EngineCore):
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, config.spec)
         self.loras = LoraRegistry(self.model_config)
         tokens = TokenSource(visible_token_ids(self.tokenizer), config.seed)
-        self.runner = PacedRunner(SimRunner(profile.step_model, tokens))
+        self.runner = PacedRunner(SimRunner(profile.step_model, tokens, profile.serving))
+        if not profile.serving.measured:
+            log.warning("the profile has no served overhead (it was made without serving "
+                        "the model): steps last the engine's in-process time; profile again "
+                        "with `ember plan profile` to measure it")
         self.grammars = NoGrammars()
         self.load_phases.mark("kv_cache")
         self.task = config.task
+        self.executor = SingleProcess()   # (no ranks, and no --cpu-bind to honour)
 
     def check_embedding(self, prompt_token_ids: list[int], pooling: PoolingParams
                         ) -> PoolingParams:

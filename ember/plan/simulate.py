@@ -2,7 +2,8 @@
 with step durations from a profile's fitted step-time model instead of a model's forward.
 
     arrival --route (Picker, BlockIndex)--> replica: Scheduler.add
-    replica step: Scheduler.schedule -> SimRunner.execute (tokens drawn, duration predicted)
+    replica step: Scheduler.schedule -> SimRunner.execute (tokens drawn, duration predicted:
+                  the step model's, plus what serving adds per step and per streamed token)
                   ... the clock moves to the step's end ... -> Scheduler.update
 
 Everything but the forward is the engine's and the gateway's own code, so chunked prefill,
@@ -33,7 +34,7 @@ from ember.bench.metrics import RequestRecord
 from ember.config import SchedulerConfig
 from ember.kv.block_pool import BlockPool, KVEvent
 from ember.kv.kv_manager import KVCacheManager
-from ember.plan.stepmodel import StepModel, StepShape, step_shape
+from ember.plan.stepmodel import ServingOverhead, StepModel, StepShape, step_shape
 from ember.request import Request, SamplingParams
 from ember.router.config import PrefixConfig
 from ember.router.kv_index import BlockIndex
@@ -62,18 +63,23 @@ class TokenSource:
 
 class SimRunner:
     """The runner's place in the step with no model: each request that reaches its newest
-    token gets one drawn token, and the step lasts what the step model predicts for it."""
+    token gets one drawn token, and the step lasts what the step model predicts for it plus
+    the serving overhead of a step streaming that many tokens."""
 
-    def __init__(self, model: StepModel, tokens: TokenSource) -> None:
+    def __init__(self, model: StepModel, tokens: TokenSource,
+                 serving: ServingOverhead = ServingOverhead()) -> None:
         self.model = model
         self.tokens = tokens
+        self.serving = serving
         self.last_duration_s = 0.0
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        self.last_duration_s = self.model.predict(step_shape(plan))
         draw = self.tokens.next
-        return RunnerOutput({item.request.request_id: [draw()] for item in plan.scheduled
-                             if item.samples})
+        sampled = {item.request.request_id: [draw()] for item in plan.scheduled
+                   if item.samples}
+        self.last_duration_s = self.model.predict(step_shape(plan)) + \
+            self.serving.seconds(len(sampled))
+        return RunnerOutput(sampled)
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,7 @@ class ReplicaConfig:
 
     step_model: StepModel
     num_blocks: int
+    serving: ServingOverhead = field(default_factory=ServingOverhead)   # added to each step
     block_size: int = 16
     max_model_len: int = 8192
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -116,7 +123,7 @@ class SimReplica:
                             config.eviction_policy, share_generated=False)
         # (the engine's longest sequence is cut to what its KV cache holds, as here)
         self.scheduler = Scheduler(config.scheduler, kv, config.context_limit)
-        self.runner = SimRunner(config.step_model, tokens)
+        self.runner = SimRunner(config.step_model, tokens, config.serving)
         self.plan: SchedulerOutput | None = None   # the step running now
         self.result: RunnerOutput | None = None
         self.busy_s = 0.0
@@ -166,10 +173,11 @@ class SimReplica:
         num_rows = len(running)
         keys = sum(r.num_computed_tokens for r in running)
         predict = self.runner.model.predict
+        serving = self.runner.serving.seconds(num_rows)   # (every row streams a token)
         self.ahead_start, end = now, now
         for _ in range(room):
             keys += num_rows   # each row at position p reads p + 1 keys
-            duration = predict(StepShape(decode_rows=num_rows, decode_keys=keys))
+            duration = predict(StepShape(decode_rows=num_rows, decode_keys=keys)) + serving
             end += duration
             self.ahead.append((end, duration))
         return end

@@ -12,11 +12,16 @@ position p attends to p + 1 keys. The coefficients are fitted by least squares o
 error (a 5 ms decode step matters as much as a 500 ms prompt step), from measured steps
 (measure.py); a coefficient that comes out negative is dropped and the rest refitted, so
 the model never predicts less for more work.
+
+A served step takes longer than the engine's in-process one by the server's own work, fitted
+the same way from served step intervals (served.py) as a ServingOverhead:
+
+    served step = predicted step + per_step_s + per_token_s * tokens the step streams
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -153,3 +158,89 @@ def residuals(model: StepModel, shapes: Sequence[StepShape], seconds: Sequence[f
     return {kind: {"steps": len(v), "median_abs": float(np.median(np.abs(v))),
                    "p90_abs": float(np.percentile(np.abs(v), 90)),
                    "mean": float(np.mean(v))} for kind, v in rel.items()}
+
+
+@dataclass(frozen=True)
+class ServingOverhead:
+    """What a served step costs beyond the engine's in-process one (the step model's): the
+    server's work per step (the event loop's wake-up, the engine thread's inbox) and per
+    streamed token (the SSE chunk, its JSON, the socket write, the GIL they take from the
+    engine thread), in seconds. Measured by serving the model briefly (served.py); zero in
+    a profile made without it (`measured` False)."""
+
+    per_step_s: float = 0.0
+    per_token_s: float = 0.0
+    measured: bool = False
+    residuals: dict[str, dict[str, float]] = field(default_factory=dict)
+    runs: list[dict[str, float]] = field(default_factory=list)   # each served run
+
+    def seconds(self, num_tokens: int) -> float:
+        """The overhead of a step that streams `num_tokens` tokens."""
+        return self.per_step_s + self.per_token_s * num_tokens
+
+    def plus(self, other: "ServingOverhead") -> "ServingOverhead":
+        """Both overheads in one (their fits' details left out)."""
+        return ServingOverhead(self.per_step_s + other.per_step_s,
+                               self.per_token_s + other.per_token_s,
+                               self.measured or other.measured)
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ServingOverhead":
+        return cls(float(data["per_step_s"]), float(data["per_token_s"]),
+                   bool(data["measured"]), dict(data.get("residuals", {})),
+                   list(data.get("runs", [])))
+
+
+def fit_overhead(model: StepModel, shapes: Sequence[StepShape], num_tokens: Sequence[int],
+                 seconds: Sequence[float], interference: float | None = None,
+                 base: ServingOverhead | None = None) -> ServingOverhead:
+    """The per-step and per-token overhead that, added to `model`'s prediction (and `base`'s
+    overhead, if given), best fits served step intervals `seconds` (least squares on
+    relative error, as fit(); a negative term is dropped and the other refitted). With
+    `interference`, intervals over that many times the first fit's prediction are left out
+    of a second fit, as fit() does. Its residuals: the prediction without the overhead and
+    with it, against the intervals kept."""
+    if not (len(shapes) == len(num_tokens) == len(seconds)) or not shapes:
+        raise ValueError("fit_overhead needs one token count and interval per step shape, "
+                         "and at least one step")
+    base = base or ServingOverhead()
+    predicted = np.asarray([model.predict(s) + base.seconds(n)
+                            for s, n in zip(shapes, num_tokens)])
+    tokens = np.asarray(num_tokens, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    kept = np.ones(len(y), dtype=bool)
+    per_step, per_token = _fit_overhead(predicted, tokens, y)
+    if interference is not None:
+        below = y <= interference * (predicted + per_step + per_token * tokens)
+        if 2 <= below.sum() < len(y):
+            kept = below
+            per_step, per_token = _fit_overhead(predicted[kept], tokens[kept], y[kept])
+    served = predicted + per_step + per_token * tokens
+    return ServingOverhead(per_step, per_token, True, {
+        "without": _relative_errors(predicted[kept], y[kept]),
+        "with": _relative_errors(served[kept], y[kept]) | {"left_out": int((~kept).sum())}})
+
+
+def _fit_overhead(predicted: np.ndarray, tokens: np.ndarray, y: np.ndarray
+                  ) -> tuple[float, float]:
+    # (predicted + a + b * n) / y = 1  ->  a / y + b * n / y = 1 - predicted / y
+    x = np.stack([1.0 / y, tokens / y], axis=1)
+    target = 1.0 - predicted / y
+    active = [j for j in (0, 1) if x[:, j].any()]
+    while active:
+        coef = np.zeros(2)
+        coef[active] = np.linalg.lstsq(x[:, active], target, rcond=None)[0]
+        negative = [j for j in active if coef[j] < 0]
+        if not negative:
+            return float(coef[0]), float(coef[1])
+        active = [j for j in active if j not in negative]
+    return 0.0, 0.0
+
+
+def _relative_errors(predicted: np.ndarray, measured: np.ndarray) -> dict[str, float]:
+    error = predicted / measured - 1.0
+    return {"steps": int(len(error)), "median_abs": float(np.median(np.abs(error))),
+            "p90_abs": float(np.percentile(np.abs(error), 90)), "mean": float(np.mean(error))}

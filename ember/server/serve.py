@@ -1,9 +1,12 @@
 """Run the app under uvicorn, draining on SIGTERM."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -57,3 +60,25 @@ def serve(engine: AsyncEngine, config: ServerConfig) -> None:
     server.run()
     if engine.state is EngineState.DEAD:
         sys.exit(1)
+
+
+@contextlib.contextmanager
+def serve_in_thread(engine: AsyncEngine, config: ServerConfig) -> Iterator[str]:
+    """`engine` served as `ember serve` serves it, by uvicorn on a thread of this process (on
+    `config.port`, 0 for a free one), until the block ends; yields the server's URL once it
+    listens (the engine may still be loading: wait for /health/ready)."""
+    app = create_app(engine, config)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, name="ember-http", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the server did not start on {config.host}:{config.port}")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{config.host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(config.drain_timeout_s)

@@ -10,7 +10,7 @@ import pytest
 from ember.cli import build_parser
 from ember.config import ServerConfig
 from ember.plan.knee import knee, profile_knee
-from ember.plan.stepmodel import StepModel
+from ember.plan.stepmodel import ServingOverhead, StepModel
 from ember.router.cli import router_config, target_ongoing
 from tests.plan.conftest import make_profile
 
@@ -31,6 +31,14 @@ def test_the_knee_is_where_power_peaks(d0, d1, d3, context, expected):
 
 def test_a_steeper_step_past_8_rows_brings_the_knee_down():
     assert knee(decode_model(6e-3, 5e-4, d2=2e-3), 64, 512) < 12
+
+
+def test_the_serving_overhead_moves_the_knee():
+    """A served step of 6 ms + 2 ms (per step) + 0.5 ms a row: the fixed part is 8 ms, the
+    knee 16; with 0.5 ms more a streamed token, 6 / (0.5 + 0.5) = 6."""
+    model = decode_model(6e-3, 5e-4)
+    assert knee(model, 64, 512, ServingOverhead(2e-3, 0.0, measured=True)) == 16
+    assert knee(model, 64, 512, ServingOverhead(0.0, 5e-4, measured=True)) == 6
 
 
 @pytest.fixture()

@@ -82,8 +82,9 @@ def test_mistakes_say_what_to_do(tmp_path, profile_file, capsys):
 @pytest.mark.heavy   # a minute of CPU
 def test_profile_measures_the_default_model(tmp_path, smollm_path, smollm_tokenizer, capsys):
     """A short profile of the real engine: steps of every kind were measured, the fitted
-    model has no negative term and predicts a longer step for more work, and the profile
-    carries the model's own tokenizer."""
+    model has no negative term and predicts a longer step for more work, the engine was
+    served at every concurrency and its overhead fitted, and the profile carries the model's
+    own tokenizer."""
     out = tmp_path / "profile.json"
     assert main(["plan", "profile", "--max-seconds", "1", "--kv-cache-gib", "0.25",
                  "--out", str(out), "-q"]) == 0
@@ -98,3 +99,7 @@ def test_profile_measures_the_default_model(tmp_path, smollm_path, smollm_tokeni
     text = "Capacity planning, measured."
     assert profile.load_tokenizer().encode(text) == smollm_tokenizer.encode(text)
     assert profile.model_name == smollm_path.stem and profile.kv_bytes_per_token > 0
+    serving = profile.serving
+    assert serving.measured and serving.per_step_s >= 0 and serving.per_token_s >= 0
+    assert [r["concurrency"] for r in serving.runs] == [1, 2, 4, 8, 16]
+    assert all(r["steps"] > 0 for r in serving.runs)

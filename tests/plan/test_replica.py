@@ -13,13 +13,14 @@ import pytest
 
 from ember.cli import main
 from ember.kv.prefix_cache import extend_keys
-from ember.plan.replica import PacedRunner
+from ember.config import EngineConfig
+from ember.plan.replica import PacedRunner, SimulatedCore
 from ember.plan.simulate import SimRunner, TokenSource
-from ember.plan.stepmodel import StepModel, step_shape
+from ember.plan.stepmodel import ServingOverhead, StepModel, step_shape
 from ember.tokenizer.chat import ChatTemplate
 from tests.plan.conftest import STEP_MODEL, SimulatedServer
 from tests.plan.test_stepmodel import _request, _scheduler
-from tests.server.conftest import LiveServer
+from tests.server.conftest import TEST_KV_GIB, LiveServer
 from tests.waiting import wait_for
 
 PROMPT = ("The quick brown fox jumps over the lazy dog, and then it runs far away into the "
@@ -144,6 +145,22 @@ def test_the_paced_runner_waits_out_the_predicted_step():
     clock = iter([0.0, 5.0])   # the drawing took 5 s: longer than the step
     PacedRunner(runner, clock=lambda: next(clock), sleep=slept.append).execute(plan)
     assert len(slept) == 1
+
+
+def test_a_simulated_replica_waits_out_the_serving_overhead_too(profile):
+    """`ember serve --simulate` with a profile that measured serving: a step streaming one
+    token waits the step model's time plus per_step + per_token."""
+    serving = ServingOverhead(2e-3, 5e-4, measured=True)
+    core = SimulatedCore(EngineConfig.from_options(model=profile.model_path,
+                                                   kv_cache_gib=TEST_KV_GIB),
+                         replace(profile, serving=serving))
+    now, slept = [0.0], []
+    paced = PacedRunner(core.runner.runner, clock=lambda: now[0], sleep=slept.append)
+    sched = _scheduler(budget=64)
+    sched.add(_request("a", 40, 2))
+    plan = sched.schedule()
+    paced.execute(plan)
+    assert slept == [pytest.approx(STEP_MODEL.predict(step_shape(plan)) + 2e-3 + 5e-4)]
 
 
 def test_serve_refuses_a_model_other_than_the_profiles(tmp_path, profile, capsys):

@@ -13,14 +13,15 @@ from ember.config import SchedulerConfig
 from ember.kv.prefix_cache import extend_keys
 from ember.plan.search import Planner, Slo
 from ember.plan.simulate import FleetSim, Load, ReplicaConfig, SimRequest
-from ember.plan.stepmodel import StepShape
+from ember.plan.stepmodel import ServingOverhead, StepShape
 from tests.plan.conftest import STEP_MODEL
 
 TOKENS = range(1000, 2000)
 
 
-def config(num_blocks: int = 4096, **scheduler) -> ReplicaConfig:
-    return ReplicaConfig(STEP_MODEL, num_blocks=num_blocks,
+def config(num_blocks: int = 4096, serving: ServingOverhead = ServingOverhead(),
+           **scheduler) -> ReplicaConfig:
+    return ReplicaConfig(STEP_MODEL, num_blocks=num_blocks, serving=serving,
                          scheduler=SchedulerConfig(**scheduler))
 
 
@@ -222,3 +223,44 @@ def test_a_request_sent_as_a_step_ends_joins_the_queue_before_that_end():
     ttft = outcomes[1][0][1][2]
     # the first request has computed 64 + 5 tokens: its next row reads 70 keys
     assert ttft == pytest.approx(STEP_MODEL.predict(StepShape(64, 64 * 65 // 2, 1, 70)))
+
+
+SERVING = ServingOverhead(per_step_s=1.5e-3, per_token_s=0.25e-3, measured=True)
+
+
+def test_the_serving_overhead_lengthens_each_step_by_exactly_its_term():
+    """Three requests sent together: the first's prompt runs alone (one token streamed),
+    the other two prompts beside its first decode (three), then decodes of three rows until
+    the first ends, and one of two. Each step lasts per_step + per_token x the tokens it
+    streams longer than without the overhead, so each request's TTFT and gaps grow by the
+    sum over the steps they span."""
+    reqs = [request(i, own_prompt(i, 100), 6) for i in range(3)]
+    plain, _ = run(reqs, Load((0.0,) * 3))
+    served, _ = run(reqs, Load((0.0,) * 3), cfg=config(serving=SERVING))
+    step = SERVING.seconds   # (tokens streamed) -> the step's extra seconds
+    extra_ttft = [step(1), step(1) + step(3), step(1) + step(3)]
+    extra_gaps = [[step(3)] * 5, [step(3)] * 4 + [step(2)], [step(3)] * 4 + [step(2)]]
+    for p, s, ttft, gaps in zip(plain, served, extra_ttft, extra_gaps):
+        assert s.ttft == pytest.approx(p.ttft + ttft, abs=1e-12)
+        assert s.gaps == pytest.approx([g + e for g, e in zip(p.gaps, gaps)], abs=1e-12)
+        assert len(s.gaps) == len(p.gaps) == 5
+
+
+def test_a_step_that_streams_nothing_pays_only_the_per_step_term():
+    """A 1000-token prompt in two chunks: the first streams no token."""
+    lone = [request(0, own_prompt(0, 1000), 2)]
+    plain, _ = run(lone, Load((0.0,)), cfg=config(max_num_batched_tokens=512))
+    served, _ = run(lone, Load((0.0,)), cfg=config(serving=SERVING, max_num_batched_tokens=512))
+    one = SERVING.seconds(1)
+    assert served[0].ttft == pytest.approx(plain[0].ttft + SERVING.per_step_s + one, abs=1e-12)
+    assert served[0].gaps == pytest.approx([g + one for g in plain[0].gaps], abs=1e-12)
+
+
+def test_decoding_ahead_adds_the_overhead_as_planning_each_step_does():
+    reqs, load = random_requests(80, 64, 40), poisson(80, rate=12.0)
+    cfg = config(serving=SERVING)
+    outcomes = []
+    for ahead in (False, True):
+        sim = FleetSim(cfg, 2, "prefix", TOKENS, decode_ahead=ahead)
+        outcomes.append(_outcome(sim.run(reqs, load), sim))
+    assert outcomes[0] == outcomes[1]

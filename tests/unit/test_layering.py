@@ -53,7 +53,7 @@ FORBIDDEN = {
                    "ember.server"},
 }
 ENGINE_ALLOWED_IN_BENCH = {"ember.bench.offline"}
-ENGINE_ALLOWED_IN_PLAN = {"ember.plan.measure", "ember.plan.replica"}
+ENGINE_ALLOWED_IN_PLAN = {"ember.plan.measure", "ember.plan.served", "ember.plan.replica"}
 
 
 def module_imports(path: Path) -> set[str]:
