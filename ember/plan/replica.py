@@ -123,7 +123,6 @@ class SimulatedCore(EngineCore):
         self.grammars = NoGrammars()
         self.load_phases.mark("kv_cache")
         self.task = config.task
-        self.executor = SingleProcess()   # (no ranks, and no --cpu-bind to honour)
 
     def check_embedding(self, prompt_token_ids: list[int], pooling: PoolingParams
                         ) -> PoolingParams:
