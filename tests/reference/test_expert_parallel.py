@@ -88,7 +88,7 @@ def test_expert_parallel_matches_one_process_step_by_step(moe_case, caplog):
         assert re.search(f"rank {rank}: [^;]*, experts {span}, vocabulary", caplog.text)
 
 
-@pytest.mark.slow   # four processes
+@pytest.mark.heavy   # four processes; the stage split is tested at T=2 alone
 def test_expert_parallel_within_pipeline_stages_matches_one_process(tmp_path,
                                                                     tokenizer_files):
     """T=2 x P=2: each stage shares out its own layers' experts (stage 0: layers 0-1, the
@@ -100,7 +100,7 @@ def test_expert_parallel_within_pipeline_stages_matches_one_process(tmp_path,
                                        oversubscribe=True)
 
 
-@pytest.mark.slow   # reads the shipped model's vocabulary for the file
+@pytest.mark.heavy   # a GGUF rank's slice is checked in tests/unit/test_expert_parallel_plan.py
 def test_expert_parallel_from_a_gguf_file_matches_one_process(tmp_path, smollm_path):
     """The experts stacked in one GGUF tensor per projection: each rank dequantizes only its
     own (tests/unit/test_expert_parallel_plan.py checks the slicing of packed blocks)."""
@@ -110,7 +110,8 @@ def test_expert_parallel_from_a_gguf_file_matches_one_process(tmp_path, smollm_p
     assert_two_ranks_match_one_process(str(path), OPTIONS)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", [pytest.param("int8", marks=pytest.mark.heavy),
+                                          "int4"])
 def test_packed_experts_on_two_ranks_are_close_to_one_process(quantization, tmp_path,
                                                               tokenizer_files):
     """Each rank packs its own experts after loading, as one process packs them all."""
