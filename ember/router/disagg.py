@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 PREFILL: Roles = ("prefill",)
 DECODE: Roles = ("decode",)
 WHOLE: Roles = ("decode", "both")   # where a request that is not split goes
-# ... and where, once stepped aside (decode first: a replica started for a held one)
+# ... and where, once stepped aside (decode first: where no replica is up, a held request
+# starts a decode one)
 ANY_ROLE: Roles = ("decode", "both", "prefill")
 RELEASE_TIMEOUT_S = 5.0
 Body = CompletionRequest | ChatCompletionRequest
