@@ -50,6 +50,11 @@ def add_route_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     g.add_argument("--disagg-min-tokens", type=int, default=0, metavar="N",
                    help="a prompt whose uncached part is shorter than N tokens is computed "
                         "whole on a decode replica (default 0: every prompt is split)")
+    g.add_argument("--disagg-idle-s", type=float, default=RouterConfig.disagg_idle_s,
+                   metavar="SECONDS",
+                   help="after this long without a prompt worth splitting, whole requests "
+                        "may go to prefill replicas too, as on an ordinary fleet (0: never; "
+                        "default %(default)g)")
     g.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                    help="run replicas as Ray actors on the cluster at ADDRESS (default: "
                         "the one `ray start` set up, else a local one)")
@@ -238,7 +243,8 @@ def router_config(args: argparse.Namespace, server: ServerConfig,
                         if split else None,
                         decode_autoscale=role_autoscale(args, "decode", scale)
                         if split else None,
-                        disagg_min_tokens=args.disagg_min_tokens)
+                        disagg_min_tokens=args.disagg_min_tokens,
+                        disagg_idle_s=args.disagg_idle_s)
 
 
 def with_model(argv: list[str], model: str) -> list[str]:

@@ -107,14 +107,19 @@ class RouterConfig:
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     # disaggregated serving: each role's bounds (None: not a local disaggregated fleet), and
-    # the shortest uncached prompt worth moving between replicas (0: every prompt is split)
+    # the shortest uncached prompt worth moving between replicas (0: every prompt is split),
+    # and how long without such a prompt before whole requests may go to any replica (0: never)
     prefill_autoscale: AutoscaleConfig | None = None
     decode_autoscale: AutoscaleConfig | None = None
     disagg_min_tokens: int = 0
+    disagg_idle_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.disagg_min_tokens < 0:
             raise ConfigError(f"disagg_min_tokens={self.disagg_min_tokens} must be >= 0")
+        if self.disagg_idle_s < 0:
+            raise ConfigError(f"disagg_idle_s={self.disagg_idle_s} must be >= 0 (0: "
+                              "disaggregation never steps aside)")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy {self.policy!r} is unknown; use one of "
                               f"{', '.join(POLICIES)}")

@@ -12,6 +12,11 @@ first token, a decode replica pulls the prompt's KV and goes on (docs/disaggrega
                those params, retried on another before its first byte; its text goes on
                from the first token, its usage covers the whole request
 
+Stepping aside: while no request worth splitting has come for --disagg-idle-s (from the
+gateway's start, at first), a whole request may go to a replica of any role, chosen as on an
+ordinary fleet, so that a fleet serving only short prompts uses its prefill replicas too.
+The next request worth splitting sends whole ones back to decode replicas only.
+
 A client that leaves before a decode replica answered gets the prefill replica's pin
 released (DELETE /kv_transfer/{id}): a decode replica that was pulling finds it gone and
 drops its copy, so releasing is always safe.
@@ -21,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 from fastapi.responses import JSONResponse, Response
@@ -40,6 +46,9 @@ log = logging.getLogger(__name__)
 PREFILL: Roles = ("prefill",)
 DECODE: Roles = ("decode",)
 WHOLE: Roles = ("decode", "both")   # where a request that is not split goes
+# ... and where, once stepped aside (decode first: where no replica is up, a held request
+# starts a decode one)
+ANY_ROLE: Roles = ("decode", "both", "prefill")
 RELEASE_TIMEOUT_S = 5.0
 Body = CompletionRequest | ChatCompletionRequest
 
@@ -65,6 +74,57 @@ def unsupported(body: Body) -> str | None:
     if body.structured_outputs or fmt.get("type", "text") != "text":
         return "structured_output"
     return None
+
+
+@dataclass(frozen=True)
+class AsideWindow:
+    """Whether disaggregation steps aside: no split-eligible request (one a prefill replica
+    would take) has arrived for `idle_s` seconds. Pure: the time is an argument."""
+
+    idle_s: float           # 0: never steps aside
+    last_eligible: float    # the last split-eligible arrival (at first: the gateway's start)
+    num_returns: int = 0    # stepped-aside periods an eligible request ended
+
+    def stepped_aside(self, now: float) -> bool:
+        return self.idle_s > 0 and now - self.last_eligible >= self.idle_s
+
+    def after_eligible(self, now: float) -> AsideWindow:
+        """The window once a split-eligible request arrived at `now`."""
+        return replace(self, last_eligible=now,
+                       num_returns=self.num_returns + self.stepped_aside(now))
+
+    def mode_changes(self, now: float) -> dict[str, int]:
+        """Changes of mode so far, by the mode changed to (each period aside began once,
+        and all but the current one ended)."""
+        return {"aside": self.num_returns + self.stepped_aside(now),
+                "disaggregated": self.num_returns}
+
+
+def whole_roles(window: AsideWindow, now: float) -> Roles:
+    """The roles a request that is not split may go to."""
+    return ANY_ROLE if window.stepped_aside(now) else WHOLE
+
+
+class Aside:
+    """The gateway's window over the requests it routes, on its clock."""
+
+    def __init__(self, idle_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.window = AsideWindow(idle_s, clock())
+
+    def route(self, eligible: bool) -> Roles:
+        """Note one request (split-eligible or not); the roles it may go to whole."""
+        now = self.clock()
+        if eligible:
+            self.window = self.window.after_eligible(now)
+        return whole_roles(self.window, now)
+
+    def view(self) -> dict:
+        now = self.clock()
+        return {"stepped_aside": self.window.stepped_aside(now),
+                "idle_s": self.window.idle_s,
+                "since_split_eligible_s": round(now - self.window.last_eligible, 3),
+                "mode_changes": self.window.mode_changes(now)}
 
 
 @dataclass
@@ -117,12 +177,12 @@ class Split:
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         return await self.decode(first, params, decode_raw)
 
-    async def whole(self) -> Response:
-        """The request, unsplit, on a decode replica (which computes the prompt itself)."""
+    async def whole(self, roles: Roles = WHOLE) -> Response:
+        """The request, unsplit, on a replica of `roles` (which computes the prompt itself)."""
         try:
             return await self.proxy.forward(self.path, self.raw, self.headers, self.keys,
                                             "primary", self.stream, self.arrival,
-                                            on_done=self.on_done, roles=WHOLE,
+                                            on_done=self.on_done, roles=roles,
                                             tenant=self.tenant)
         except BaseException:
             self.on_done()

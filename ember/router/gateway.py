@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ember.config import ApiKey
 from ember.errors import Overloaded
 from ember.router.autoscale import Autoscaler
-from ember.router.disagg import WHOLE, Split, unsupported
+from ember.router.disagg import WHOLE, Aside, Split, unsupported
 from ember.router.fleet import Fleet, RouteKeys
 from ember.router.metrics import ANONYMOUS
 from ember.router.prompts import PromptKeys
@@ -47,6 +47,7 @@ class Gateway:
     rollout: Rollout
     autoscalers: tuple[Autoscaler, ...]   # one per role of a disaggregated fleet
     keys: tuple[ApiKey, ...]           # every accepted key (none: no auth)
+    aside: Aside                       # a disaggregated fleet's mode
     tenants: bool = False              # keys name tenants, whose prefixes are salted
     in_flight: int = 0
     stop_replicas: bool = True
@@ -224,7 +225,9 @@ def _add_admin(app: FastAPI, gw: Gateway, guard: Callable[[Request], Awaitable[N
                              "replicas": gw.fleet.snapshot(),
                              "canary_percent": gw.rollout.canary_percent,
                              "shadow_percent": gw.rollout.shadow_percent,
-                             "held": gw.proxy.held, "failures": gw.fleet.failures})
+                             "held": gw.proxy.held, "failures": gw.fleet.failures}
+                            | ({"disaggregation": gw.aside.view()}
+                               if gw.fleet.disaggregated else {}))
 
     @app.post("/fleet/promote", dependencies=[Depends(guard)])
     async def promote() -> JSONResponse:
@@ -310,17 +313,18 @@ async def route_split(gw: Gateway, body: CompletionRequest | ChatCompletionReque
     """A request to a disaggregated fleet: split between a prefill and a decode replica,
     unless a transfer cannot carry it or its uncached part is under --disagg-min-tokens
     (then a decode replica computes it whole: moving a short prompt's KV costs more than
-    computing it)."""
+    computing it; or any replica, while disaggregation steps aside)."""
     try:
         path = "unsupported" if unsupported(body) is not None else None
         min_tokens = gw.fleet.config.disagg_min_tokens
         if path is None and min_tokens and gw.prompts.num_tokens(body) - \
                 gw.fleet.longest_cached("primary", split.keys, WHOLE) < min_tokens:
             path = "kept_local"
+        roles = gw.aside.route(eligible=path is None)
     except BaseException:
         split.on_done()
         raise
     if path is None:
         return await split.run()
     gw.fleet.metrics.disagg_requests.labels(path).inc()
-    return await split.whole()
+    return await split.whole(roles)

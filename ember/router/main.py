@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,8 +16,10 @@ from ember.router.autoscale import Autoscaler
 from ember.router.cli import (check_remote_fleet, check_roles, role_urls, router_config,
                               serve_argv, target_ongoing, with_model)
 from ember.router.config import RouterConfig
+from ember.router.disagg import Aside
 from ember.router.fleet import Fleet, launcher_name
 from ember.router.gateway import Gateway, create_gateway
+from ember.router.metrics import AsideCollector
 from ember.router.prompts import PromptKeys, load_tokenizer
 from ember.router.proxy import Proxy
 from ember.router.replicas import (Launcher, LocalLauncher, RemoteHandle, Replica,
@@ -185,10 +188,12 @@ def route_tokenizer(model: str | None, tokenizer: str | None, served_name: str |
 
 
 def assemble(fleet: Fleet, rollout: Rollout, config: RouterConfig,
-             tokenizer: Tokenizer | None, tokenizer_model: str | None = None) -> Gateway:
+             tokenizer: Tokenizer | None, tokenizer_model: str | None = None,
+             clock: Callable[[], float] = time.monotonic) -> Gateway:
     """The gateway over `fleet`: its proxy, autoscaler (if the bounds allow scaling) and
     prompt hashing, on block keys for the replicas that serve `tokenizer_model` (the served
-    name `tokenizer` is for), on text for the others."""
+    name `tokenizer` is for), on text for the others. `clock` times disaggregation's
+    stepping aside."""
     proxy = Proxy(fleet, lambda group, roles: None)
     bounds = (("both", config.autoscale), ("prefill", config.prefill_autoscale),
               ("decode", config.decode_autoscale))
@@ -211,7 +216,10 @@ def assemble(fleet: Fleet, rollout: Rollout, config: RouterConfig,
     prompts = PromptKeys(tokenizer, config.server.tenant_keys(), config.prefix.text_chunk_chars,
                          config.session_header)
     fleet.hash_model = tokenizer_model if tokenizer is not None else None
-    return Gateway(fleet, proxy, prompts, rollout, autoscalers, keys,
+    aside = Aside(config.disagg_idle_s, clock)
+    if fleet.disaggregated:
+        fleet.metrics.registry.register(AsideCollector(aside.view))
+    return Gateway(fleet, proxy, prompts, rollout, autoscalers, keys, aside,
                    tenants=bool(config.server.api_keys))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -39,6 +39,26 @@ class FleetCollector(Collector):
             for r in replicas:
                 gauge.add_metric([r["id"]], r[key])
             yield gauge
+
+
+class AsideCollector(Collector):
+    """A disaggregated fleet's mode, read at scrape time: whether it steps aside now, and
+    how often it changed."""
+
+    def __init__(self, view: Callable[[], dict]) -> None:
+        self.view = view
+
+    def collect(self) -> Iterator[Metric]:
+        view = self.view()
+        yield GaugeMetricFamily("ember_router_disagg_stepped_aside", "1 while whole requests "
+                                "may go to a replica of any role (no request worth splitting "
+                                "for --disagg-idle-s), else 0", value=int(view["stepped_aside"]))
+        changes = CounterMetricFamily("ember_router_disagg_mode_changes", "Changes of a "
+                                      "disaggregated fleet's mode, by the mode changed to "
+                                      "(aside, disaggregated)", labels=["to"])
+        for mode, count in view["mode_changes"].items():
+            changes.add_metric([mode], count)
+        yield changes
 
 
 def fleet_totals(replicas: list[dict], held: int) -> Iterator[Metric]:

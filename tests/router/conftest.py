@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -23,12 +24,13 @@ class LiveGateway(ThreadedServer):
                  launchers: dict[str, Launcher] | None = None, rollout: Rollout | None = None,
                  tokenizer: str | None = None, default_tokenizer: bool = False,
                  num_started: int = 0, roles: dict[str, str] | None = None,
-                 **options) -> None:
+                 clock: Callable[[], float] = time.monotonic, **options) -> None:
         """`model`, `tokenizer`: as `ember route --model/--tokenizer` (neither: no tokenizer,
         unless `default_tokenizer`, which loads the default model's as `ember route` does).
         `num_started` primary replicas are started by the launcher before the gateway serves,
         as `ember route --replicas N` does. `roles`: replica id -> its role, as
-        `--replica-url URL#prefill` gives it (default: both)."""
+        `--replica-url URL#prefill` gives it (default: both). `clock` times disaggregation's
+        stepping aside."""
         self.config = RouterConfig(**(FAST | options))
         self.fleet = Fleet(self.config, launchers or {})
         for replica_id, url in urls.items():
@@ -39,7 +41,8 @@ class LiveGateway(ThreadedServer):
             self.fleet.start_replica("primary")
         hashing = route_tokenizer(model, tokenizer, None) \
             if model or tokenizer or default_tokenizer else (None, None)
-        self.gateway = assemble(self.fleet, rollout or Rollout(), self.config, *hashing)
+        self.gateway = assemble(self.fleet, rollout or Rollout(), self.config, *hashing,
+                                clock=clock)
         self.app = create_gateway(self.gateway)
         super().__init__(self.app)
 

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import threading
+from collections import Counter
 
 import httpx
 import pytest
@@ -15,10 +16,13 @@ import pytest
 from ember.cli import build_parser
 from ember.errors import ConfigError
 from ember.router.cli import check_roles, role_urls, router_config
+from ember.router.config import RouterConfig
+from ember.router.disagg import ANY_ROLE, WHOLE, Aside, AsideWindow, whole_roles
 from ember.router.main import role_cpus
 from tests.router.conftest import LiveGateway
 from tests.router.fakes import FakeReplica
 from tests.server.conftest import LiveServer, free_port, start_server, wait_ready
+from tests.waiting import wait_for
 
 BASE = {"max_model_len": 512, "kernels": "torch", "num_blocks": 128}
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
@@ -351,3 +355,141 @@ def test_route_starts_a_prefill_and_a_decode_replica(trio, tiny_llama_dir):
             request(trio["single"].url, "/v1/completions", body)[0]
     finally:
         route.close()
+
+
+class FakeClock:
+    """The gateway's clock for stepping aside, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_aside_window_steps_aside_after_idle_s_without_an_eligible_request():
+    window = AsideWindow(idle_s=10, last_eligible=0.0)    # the gateway started at 0
+    assert not window.stepped_aside(9.9) and whole_roles(window, 9.9) == WHOLE
+    assert window.stepped_aside(10.0) and whole_roles(window, 10.0) == ANY_ROLE
+    assert window.mode_changes(10.0) == {"aside": 1, "disaggregated": 0}
+    back = window.after_eligible(12.0)                  # a prompt worth splitting
+    assert not back.stepped_aside(12.0) and not back.stepped_aside(21.9)
+    assert back.mode_changes(21.9) == {"aside": 1, "disaggregated": 1}
+    assert back.stepped_aside(22.0) and back.mode_changes(22.0) == {"aside": 2,
+                                                                    "disaggregated": 1}
+    kept = back.after_eligible(15.0)                    # within the window: no change
+    assert kept.mode_changes(24.9) == {"aside": 1, "disaggregated": 1}
+
+
+def test_aside_window_never_steps_aside_with_idle_s_zero():
+    window = AsideWindow(idle_s=0, last_eligible=0.0)
+    assert not window.stepped_aside(1e9) and whole_roles(window, 1e9) == WHOLE
+    assert window.after_eligible(1e9).mode_changes(2e9) == {"aside": 0, "disaggregated": 0}
+
+
+def test_aside_routes_on_its_clock():
+    clock = FakeClock()
+    aside = Aside(5.0, clock)
+    assert aside.route(eligible=False) == WHOLE          # a fleet starts disaggregated
+    clock.now += 5
+    assert aside.route(eligible=False) == ANY_ROLE
+    assert aside.route(eligible=True) == WHOLE and aside.route(eligible=False) == WHOLE
+    assert aside.view() == {"stepped_aside": False, "idle_s": 5.0,
+                            "since_split_eligible_s": 0.0,
+                            "mode_changes": {"aside": 1, "disaggregated": 1}}
+
+
+def test_disagg_idle_s_option():
+    tokens = ["--prefill-replicas", "1", "--decode-replicas", "1", "--disagg-idle-s", "5"]
+    from ember.config import ServerConfig
+    assert router_config(route_args(tokens), ServerConfig()).disagg_idle_s == 5.0
+    assert router_config(route_args(tokens[:4]), ServerConfig()).disagg_idle_s == \
+        RouterConfig.disagg_idle_s
+    with pytest.raises(ConfigError, match="disagg_idle_s=-1"):
+        RouterConfig(disagg_idle_s=-1)
+
+
+STEPPED_ASIDE = "ember_router_disagg_stepped_aside"
+LONG = "A prompt long enough to be worth moving between replicas. " * 8
+
+
+def routed_to(gw: LiveGateway, reference: LiveServer, prompt: str) -> list[str]:
+    """The replicas one request went to (by the gateway's routing decisions); its text is
+    checked against one ordinary replica's."""
+    def counts() -> dict[str, float]:
+        lines = [line for line in httpx.get(gw.url + "/metrics").text.splitlines()
+                 if line.startswith("ember_router_routing_decisions_total{")]
+        return {rid: sum(float(line.rsplit(" ", 1)[1]) for line in lines
+                         if f'replica="{rid}"' in line) for rid in ROLES}
+    before = counts()
+    body = body_for("/v1/completions", prompt, False)
+    assert request(gw.url, "/v1/completions", body)[0] == \
+        request(reference.url, "/v1/completions", body)[0]
+    after = counts()
+    return sorted(rid for rid in ROLES if after[rid] > before[rid])
+
+
+def aside_gateway(trio, folder, clock=None, **options) -> LiveGateway:
+    gw = LiveGateway({"r1": trio["prefill"].url, "r2": trio["decode"].url}, model=str(folder),
+                     roles=ROLES, disagg_min_tokens=64, policy="round-robin",
+                     **options | ({"clock": clock} if clock else {}))
+    gw.wait_ready()
+    return gw
+
+
+def test_stepped_aside_spreads_short_prompts_until_a_long_one(trio, tiny_llama_dir):
+    """No prompt worth splitting for --disagg-idle-s: whole requests go to both replicas (by
+    the policy, round-robin here); a long prompt is split and sends the short ones back to
+    the decode replica; the window elapsing steps aside again."""
+    clock, single = FakeClock(), trio["single"]
+    gw = aside_gateway(trio, tiny_llama_dir[0], clock, disagg_idle_s=10)
+    try:
+        assert gw.metric(STEPPED_ASIDE) == 0                   # a fleet starts disaggregated
+        assert routed_to(gw, single, "Short, before any window") == ["r2"]
+        clock.now += 10
+        assert gw.metric(STEPPED_ASIDE) == 1
+        assert httpx.get(gw.url + "/fleet").json()["disaggregation"]["stepped_aside"]
+        spread = Counter(rid for i in range(4)
+                         for rid in routed_to(gw, single, f"Short while aside {i}"))
+        assert spread == {"r1": 2, "r2": 2}
+        assert routed_to(gw, single, LONG) == ["r1", "r2"]      # split: prefill, then decode
+        assert gw.metric('ember_router_disagg_requests_total{path="prefill_decode"}') == 1
+        assert gw.metric(STEPPED_ASIDE) == 0
+        for i in range(2):
+            assert routed_to(gw, single, f"Short after the long one {i}") == ["r2"]
+        clock.now += 10
+        assert gw.metric(STEPPED_ASIDE) == 1
+        assert gw.metric('ember_router_disagg_mode_changes_total{to="aside"}') == 2
+        assert gw.metric('ember_router_disagg_mode_changes_total{to="disaggregated"}') == 1
+        assert sorted(rid for i in range(2)
+                      for rid in routed_to(gw, single, f"Aside again {i}")) == ["r1", "r2"]
+        for server in (trio["prefill"], trio["decode"]):
+            server.wait_idle()
+    finally:
+        gw.close()
+
+
+def test_idle_s_zero_never_steps_aside(trio, tiny_llama_dir):
+    clock = FakeClock()
+    gw = aside_gateway(trio, tiny_llama_dir[0], clock, disagg_idle_s=0)
+    try:
+        clock.now += 1e6
+        assert gw.metric(STEPPED_ASIDE) == 0
+        assert not httpx.get(gw.url + "/fleet").json()["disaggregation"]["stepped_aside"]
+        for i in range(3):
+            assert routed_to(gw, trio["single"], f"Never aside {i}") == ["r2"]
+    finally:
+        gw.close()
+
+
+def test_the_window_elapsing_steps_aside_on_the_real_clock(trio, tiny_llama_dir):
+    gw = aside_gateway(trio, tiny_llama_dir[0], disagg_idle_s=0.2)
+    try:
+        wait_for(lambda: gw.metric(STEPPED_ASIDE) == 1, "stepped aside")
+        routed_to(gw, trio["single"], LONG)
+        assert gw.metric('ember_router_disagg_mode_changes_total{to="disaggregated"}') == 1
+        wait_for(lambda: gw.metric('ember_router_disagg_mode_changes_total{to="aside"}') == 2,
+                 "stepped aside again")
+        trio["prefill"].wait_idle()
+    finally:
+        gw.close()
