@@ -194,9 +194,17 @@ class RankCollectives:
         self._all_reduce: AllReduceFn | None = None
         self._gather: Callable[[Tensor], Tensor] | None = None
         self._pipe: StagePipe | None = None
+        self._on_bind: list[Callable[[AllReduceFn], None]] = []
 
     def bind(self, all_reduce: AllReduceFn, gather: Callable[[Tensor], Tensor]) -> None:
         self._all_reduce, self._gather = all_reduce, gather
+        for call in self._on_bind:
+            call(all_reduce)
+
+    def when_bound(self, call: Callable[[AllReduceFn], None]) -> None:
+        """Have bind() call `call` with the all-reduce (the model, built before its group
+        exists, may then hand a shared-memory one to its compiled decode stack)."""
+        self._on_bind.append(call)
 
     def bind_pipeline(self, pipe: StagePipe) -> None:
         self._pipe = pipe

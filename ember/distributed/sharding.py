@@ -8,15 +8,17 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
+from ember.distributed.allreduce import AllReduceFn, ShmAllReduce
 from ember.distributed.collectives import RankCollectives
 from ember.distributed.parallel import PipelineStage, TensorShard
+from ember.kernels import CpuKernels
 from ember.lora.adapter import LoraAdapter
 from ember.lora.ranks import AdapterPart
 from ember.models.layers import SwiGLU
 from ember.models.llama import LlamaAttention, LlamaForCausalLM
 from ember.models.moe import SparseMoE
 from ember.models.parallel import (GatheredHead, LogitsFromLastStage, LogitsToDriver, NoLogits,
-                                   StageLink, VocabParallelEmbedding)
+                                   StackAllReduce, StageLink, VocabParallelEmbedding)
 
 
 def parallelize(model: LlamaForCausalLM, shard: TensorShard,
@@ -37,6 +39,17 @@ def parallelize(model: LlamaForCausalLM, shard: TensorShard,
                                                           end - start, collectives.all_reduce)
     if not isinstance(model.lm_head, nn.Identity):
         model.lm_head = GatheredHead(model.lm_head, collectives.gather)
+
+
+def stack_all_reduce(model: LlamaForCausalLM, kernels: CpuKernels | None,
+                     all_reduce: AllReduceFn) -> None:
+    """Once the rank's group exists: where its all-reduce goes through shared memory, the
+    model's compiled decode stack calls it itself (the same handle, so every call keeps the
+    order the other ranks see); over gloo, steps stay layer by layer (every rank decides
+    alike: open_shm gives every rank the same transport)."""
+    if isinstance(all_reduce, ShmAllReduce):
+        model.use_stack_all_reduce(StackAllReduce(all_reduce.handle, all_reduce.timeout_s,
+                                                  all_reduce.spin_us), kernels)
 
 
 def link_stage(model: LlamaForCausalLM, stage: PipelineStage, collectives: RankCollectives,

@@ -198,6 +198,12 @@ class EngineCore:
         if isinstance(self.executor, WorkerRanks):
             self.executor.connect()   # the other ranks have loaded their parts
             peers = self.executor
+            if self.quantization == "int4" and kernels is not None:
+                log.info("model parallel: %s", "decode steps run in the whole-model decode "
+                         "stack, which all-reduces through shared memory itself"
+                         if model.decode_stack is not None else "steps run layer by layer "
+                         "(the whole-model decode stack needs the shared-memory all-reduce "
+                         "and one pipeline stage)")
         # a step's LoRA factors in huge pages: read every step, a TLB miss per 4 KiB page else
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
                                   kernels, self.loras, config.spec, drafter, huge_page_copies,
@@ -267,9 +273,6 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        if self.quantization == "int4" and kernels is not None:
-            log.info("model parallel: the whole-model decode stack runs in one process "
-                     "only; steps run layer by layer")
         self.load_phases.mark("weights")
         return model
 

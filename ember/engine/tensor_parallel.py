@@ -26,7 +26,7 @@ from ember.distributed.executor import LocalProcesses, WorkerRanks
 from ember.distributed.parallel import (PipelineStage, TensorShard, describe_shards,
                                         describe_stages, plan_shards, plan_stages, rank_cpus,
                                         ray_rank_cpus)
-from ember.distributed.sharding import link_stage, lora_part, parallelize
+from ember.distributed.sharding import link_stage, lora_part, parallelize, stack_all_reduce
 from ember.engine.memory import (large_blocks_mapped_alone, lazy_zeros, move_to_huge_pages,
                                  temporaries_from_the_heaps)
 from ember.engine.prefill_choice import PrefillChoice
@@ -176,7 +176,10 @@ def load_rank_model(files: ModelFiles, model_config: ModelConfig, setup: RankSet
         if stage is not None:
             link_stage(model, stage, collectives, rank == 0, model_config.vocab_size)
         move_to_huge_pages(step_weights(model))
-    model.use_kernels(kernels)   # (no whole-model decode stack: see _build_decode_stack)
+    # the whole-model decode stack waits for the ranks' all-reduce (stack_all_reduce)
+    model.use_kernels(kernels)
+    if shard is not None and stage is None:
+        collectives.when_bound(lambda all_reduce: stack_all_reduce(model, kernels, all_reduce))
     model.rows_by_kind = True
     model.batch_invariant = config.deterministic
     model.cache_rope(setup.max_model_len, setup.torch_dtype)

@@ -16,7 +16,7 @@ from ember.models.attention import (AttentionMetadata, DecodeBatch, PagedKV, Pro
                                     prefill_in_kernel)
 from ember.models.layers import (KERNEL_DTYPES, RMSNorm, SwiGLU, apply_rope, rope_cos_sin,
                                  rope_inv_freq)
-from ember.models.parallel import AllReduce, StageLink, reduce_
+from ember.models.parallel import AllReduce, StackAllReduce, StageLink, reduce_
 from ember.quant.packed import PackedLinear
 
 
@@ -133,6 +133,9 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cache: tuple[Tensor, Tensor] | None = None   # set by cache_rope
         # a pipeline stage's neighbours (None: every layer here); its layers are the stage's
         self.stage_link: StageLink | None = None
+        # a tensor-parallel rank's all-reduce where its decode stack may call it itself
+        # (use_stack_all_reduce); None in one process, and over gloo
+        self.stack_all_reduce: StackAllReduce | None = None
 
     def cache_rope(self, max_positions: int, dtype: torch.dtype) -> None:
         """From now on, look each step's RoPE cos and sin up in tables for positions below
@@ -211,6 +214,18 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, LlamaAttention, SwiGLU)):
                 module.kernels = kernels
         self.decode_stack = _build_decode_stack(self, kernels)
+
+    def use_stack_all_reduce(self, all_reduce: StackAllReduce,
+                             kernels: CpuKernels | None) -> None:
+        """A tensor-parallel rank, once its group's all-reduce goes through shared memory:
+        steps of decodes run through the whole-model decode stack (its heads and columns),
+        which all-reduces the o and down projections' partial sums itself in C++, on the
+        same handle, in the same order as the layers would; where there is no stack for
+        this model, nothing changes."""
+        self.stack_all_reduce = all_reduce
+        self.use_kernels(kernels)
+        if self.decode_stack is not None and self.int8_decode:
+            self.use_int8_decode()
 
     def _stack_step(self, kv_caches: list[PagedKV], meta: AttentionMetadata
                     ) -> DecodeBatch | PromptStep | None:
@@ -301,13 +316,15 @@ def decode_stack_weights(layer: LlamaDecoderLayer) -> list[Tensor]:
 def _build_decode_stack(model: LlamaForCausalLM, kernels: CpuKernels | None):
     """The compiled whole-model decode step, where it applies: AVX-512 BF16 kernels, a
     bfloat16 model with no biases whose every projection is int4 on those kernels (and
-    head_dim 64 or 128), in one process (not a tensor-parallel rank); else None, and steps
-    run layer by layer."""
+    head_dim 64 or 128), not a pipeline stage, and in one process or on a tensor-parallel
+    rank whose all-reduce the stack can call (stack_all_reduce: shared memory); else None,
+    and steps run layer by layer."""
     config = model.config
     if kernels is None or not kernels.has_bf16_dot or config.head_dim not in (64, 128):
         return None
-    if model.model.layers[0].self_attn.all_reduce is not None or model.stage_link is not None:
-        return None   # one rank of several: the layers run one by one, with their all-reduces
+    ranks = model.model.layers[0].self_attn.all_reduce is not None
+    if model.stage_link is not None or (ranks and model.stack_all_reduce is None):
+        return None   # the layers run one by one, with their all-reduces (gloo) or sends
     weights: list[Tensor] = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -321,6 +338,10 @@ def _build_decode_stack(model: LlamaForCausalLM, kernels: CpuKernels | None):
         weights += decode_stack_weights(layer)
     if model.model.norm.weight.dtype != torch.bfloat16:
         return None
-    return kernels.decode_stack(weights, model.model.norm.weight, config.num_heads,
-                                config.num_kv_heads, config.head_dim, config.rms_norm_eps,
-                                config.head_dim ** -0.5)
+    stack = kernels.decode_stack(weights, model.model.norm.weight, config.num_heads,
+                                 config.num_kv_heads, config.head_dim, config.rms_norm_eps,
+                                 config.head_dim ** -0.5)
+    if ranks:
+        reduce = model.stack_all_reduce
+        stack.use_all_reduce(reduce.handle, reduce.timeout_s, reduce.spin_us)
+    return stack

@@ -11,12 +11,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 AllReduce = Callable[[Tensor], None]
 Gather = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class StackAllReduce:
+    """The shared-memory all-reduce as a tensor-parallel rank's compiled decode stack calls
+    it itself, after each o and down projection: the same handle (and so the same sequence of
+    calls) as the AllReduce the layers call, and its waits."""
+
+    handle: Any        # the compiled ShmAllReduce (ember/kernels/cpu/shm_allreduce.cpp)
+    timeout_s: float
+    spin_us: float
 
 
 class VocabParallelEmbedding(nn.Module):

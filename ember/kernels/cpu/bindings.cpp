@@ -83,6 +83,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("decode_first"), py::arg("block_tables"), py::arg("seq_lens"),
            py::arg("chunk_info"), py::arg("chunk_tables"), py::arg("positions") = py::none(),
            py::arg("lora") = std::vector<at::Tensor>(), no_gil)
+      .def("use_all_reduce", &DecodeStack::use_all_reduce,
+           "a tensor-parallel rank's stack: o's and down's outputs summed over the ranks",
+           py::arg("all_reduce"), py::arg("timeout_s"), py::arg("spin_us"),
+           py::keep_alive<1, 2>())
       .def("use_int8", &DecodeStack::use_int8,
            "steps above max_packed_rows (or by_kind: prompt steps) on int8 quads");
 #endif

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <tuple>
@@ -92,6 +93,20 @@ void DecodeStack::use_int8(std::vector<at::Tensor> tensors, std::vector<int64_t>
   max_packed_rows_ = max_packed_rows;
   by_kind_ = by_kind;
   int8_ = true;
+}
+
+void DecodeStack::use_all_reduce(ShmAllReduce* all_reduce, double timeout_s, double spin_us) {
+  TORCH_CHECK(all_reduce != nullptr && timeout_s > 0 && spin_us >= 0,
+              "use_all_reduce: an all-reduce, timeout_s > 0 and spin_us >= 0");
+  all_reduce_ = all_reduce;
+  all_reduce_timeout_s_ = timeout_s;
+  all_reduce_spin_us_ = spin_us;
+}
+
+void DecodeStack::sum_over_ranks(at::Tensor& out) const {
+  if (all_reduce_ != nullptr) {
+    all_reduce_->all_reduce(out, all_reduce_timeout_s_, all_reduce_spin_us_);
+  }
 }
 
 at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
@@ -255,6 +270,7 @@ at::Tensor DecodeStack::run(const at::Tensor& x, const at::Tensor& cos, const at
     if (a8) {
       linear8(layer.o8, attended, out, scratch);
       if (lora) add_lora(plan, l, 1, attended, out);
+      sum_over_ranks(out);
       rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
       if (has_lora(plan, l, 2)) {   // the adapter adds to gate | up before the activation
         if (!gate_up.defined()) gate_up = at::empty({t, 2 * inter}, opts);
@@ -267,16 +283,19 @@ at::Tensor DecodeStack::run(const at::Tensor& x, const at::Tensor& cos, const at
       }
       linear8(layer.down8, act, out, scratch);
       if (lora) add_lora(plan, l, 3, act, out);
+      sum_over_ranks(out);
       continue;
     }
     linear(layer.o, attended, out, &layer.gate_up);
     if (lora) add_lora(plan, l, 1, attended, out);
+    sum_over_ranks(out);
     rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
     linear(layer.gate_up, h, gate_up, &layer.down);
     if (lora) add_lora(plan, l, 2, h, gate_up);
     silu_and_mul_impl(gate_up.data_ptr<at::BFloat16>(), act.data_ptr<at::BFloat16>(), t, inter);
     linear(layer.down, act, out, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
     if (lora) add_lora(plan, l, 3, act, out);
+    sum_over_ranks(out);
   }
   rms_norm_rows(op, r, final_norm_.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
   return h;
@@ -330,6 +349,10 @@ at::Tensor DecodeStack::run_decodes(const at::Tensor& x, const at::Tensor& cos,
   const int64_t row = heads_ * d_;
   auto attend_decodes = d_ == 64 ? decode::decode_attention_team<64>
                                  : decode::decode_attention_team<128>;
+  // an all-reduce that raises (a rank gone) must not throw out of the parallel region: thread
+  // 0 keeps the error, every thread leaves the layers after the barrier, and it is thrown here
+  std::exception_ptr error;
+  bool failed = false;
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
@@ -341,6 +364,21 @@ at::Tensor DecodeStack::run_decodes(const at::Tensor& x, const at::Tensor& cos,
                           bits(w.scale_min), w.n, w.k, reinterpret_cast<uint16_t*>(dst),
                           next != nullptr ? next_of(*next) : int4w::Next{}, tid, team);
 #pragma omp barrier
+    };
+    // out summed over the ranks by thread 0 (the others wait at the barrier); false where
+    // that failed
+    auto summed = [&]() {
+      if (all_reduce_ == nullptr) return true;
+      if (tid == 0) {
+        try {
+          sum_over_ranks(out);
+        } catch (...) {
+          error = std::current_exception();
+          failed = true;
+        }
+      }
+#pragma omp barrier
+      return !failed;
     };
     rms_norm_rows(r, static_cast<BF*>(nullptr), layers_[0].in_norm.data_ptr<BF>(), hp, t,
                   hidden_, eps_);
@@ -370,15 +408,18 @@ at::Tensor DecodeStack::run_decodes(const at::Tensor& x, const at::Tensor& cos,
                      scale_, &fetch_o, &rope_write);
 #pragma omp barrier
       linear(layer.o, att.data_ptr<BF>(), row, op, &layer.gate_up);
+      if (!summed()) break;
       rms_norm_rows(op, r, layer.post_norm.data_ptr<BF>(), hp, t, hidden_, eps_);
       linear(layer.gate_up, hp, hidden_, gp, &layer.down);
       silu_and_mul_impl(static_cast<const BF*>(gp), ap, t, inter);
       linear(layer.down, ap, inter, op, l + 1 < layers_.size() ? &layers_[l + 1].qkv : nullptr);
+      if (!summed()) break;
     }
-    if (tid == 0) {
+    if (tid == 0 && !failed) {
       rms_norm_rows(op, r, final_norm_.data_ptr<BF>(), final.data_ptr<BF>(), t, hidden_, eps_);
     }
   }
+  if (error) std::rethrow_exception(error);
   return final;
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common.h"
+#include "shm_allreduce.h"
 
 namespace ember {
 
@@ -59,6 +60,12 @@ class DecodeStack {
   // scales and ranges (lora.cpp's layout) for qkv, o, gate_up and down; empty tensors where there is
   // none), each projection's output gets its rows' adapters added by lora_add (lora.cpp), as
   // the layers add them, and the step runs in run() (not run_decodes).
+  // A tensor-parallel rank's stack (its heads, its MLP columns): from now on the o and down
+  // projections' outputs [T, hidden], this rank's partial sums, become the sums over the
+  // ranks through `all_reduce` (rank order, float32, rounded to bfloat16 once), in place,
+  // as the layers' all-reduce after each makes them. The handle must outlive the stack.
+  void use_all_reduce(ShmAllReduce* all_reduce, double timeout_s, double spin_us);
+
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                      const std::vector<at::Tensor>& kv,
                      const std::vector<at::Tensor>& kv_scales, at::Tensor slots,
@@ -180,7 +187,12 @@ class DecodeStack {
   static void check_decodes(const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             int64_t count, int64_t block_size);
 
+  // out [T, hidden] summed over the ranks, where there are several (use_all_reduce)
+  void sum_over_ranks(at::Tensor& out) const;
+
   std::vector<Layer> layers_;
+  ShmAllReduce* all_reduce_ = nullptr;   // one rank of several: its partial sums' all-reduce
+  double all_reduce_timeout_s_ = 0, all_reduce_spin_us_ = 0;
   bool int8_ = false;           // use_int8 was called
   bool by_kind_ = false;        // int8 for steps of prompt chunks alone, else int4
   int64_t max_packed_rows_ = 0;

@@ -1,0 +1,85 @@
+"""Tensor parallel with the whole-model decode stack (ember/kernels/cpu/decode_stack.cpp):
+each rank's stack holds its heads and MLP columns and all-reduces the o and down
+projections' partial sums itself, through the shared-memory all-reduce.
+
+Reference: the same two ranks over gloo, where steps run layer by layer with the same int4
+kernels and the all-reduce adds the same partials in the same rank order, rounding once: so
+greedy tokens and logprobs are the same bit for bit, at 1 row (the stack's one parallel
+region) and at 11 (its region per op; deterministic, so that the layers' decode rows stay on
+the int4 kernels at any count, as the stack's do).
+"""
+from __future__ import annotations
+
+import pytest
+
+from ember import LLM, SamplingParams
+from ember.request import RequestOptions
+from tests.conftest import first_mismatch, save_tiny_model, tiny_hf_model
+
+# head_dim 64 (the stack's), 3 KV heads: uneven ranks (4 + 2 query heads, 2 + 1 KV heads),
+# every rank's projection inputs whole int4 groups of 32
+STACKABLE = dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=3, head_dim=64,
+                 intermediate_size=256)
+OPTIONS = dict(dtype="bfloat16", quantization="int4", kv_cache_gib=0.05,
+               tensor_parallel_size=2, deterministic=True)
+PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+COLD = RequestOptions(prefix_cache=False)
+
+
+@pytest.fixture(scope="module")
+def stackable_folder(tmp_path_factory, tokenizer_files):
+    model = tiny_hf_model("llama", tie_word_embeddings=False, **STACKABLE)
+    return save_tiny_model(tmp_path_factory.mktemp("tp-stack"), model, tokenizer_files)
+
+
+def has_stack_kernels(llm: LLM) -> bool:
+    kernels = llm.engine.kernels
+    return kernels is not None and kernels.has_bf16_dot
+
+
+def run(folder, all_reduce: str, prompts: list[list[int]]) -> tuple[list, bool]:
+    """(outputs of each prompt set, whether the driver decoded in the stack), the engine
+    closed."""
+    llm = LLM(str(folder), all_reduce=all_reduce, **OPTIONS)
+    try:
+        if not has_stack_kernels(llm):
+            pytest.skip("the decode stack needs AVX-512 BF16")
+        stacked = llm.engine.runner.model.decode_stack is not None
+        return [llm.generate(p, PARAMS, COLD) for p in prompts], stacked
+    finally:
+        llm.close()
+
+
+def assert_same(got: list, want: list) -> None:
+    for g, w in zip(got, want, strict=True):
+        a, b = w.outputs[0], g.outputs[0]
+        assert a.token_ids == b.token_ids, f"diverged at {first_mismatch(a.token_ids, b.token_ids)}"
+        assert a.logprobs == b.logprobs
+
+
+def test_stack_on_two_ranks_equals_their_layers(stackable_folder):
+    one = [[[1, 504, 3458, 282, 4649, 314]]]
+    many = [[[1, 504 + i, 3458, 282] * (1 + i % 4) for i in range(11)]]
+    stack, stacked = run(stackable_folder, "shm", one + many)
+    layers, layered = run(stackable_folder, "gloo", one + many)
+    assert stacked and not layered
+    for got, want in zip(stack, layers):
+        assert_same(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy   # the default model on two ranks, twice
+def test_default_model_stack_on_two_ranks_equals_their_layers():
+    """The shipped int4 model at T=2: the stack (shared memory) and the layers (gloo) give
+    the same greedy tokens over 32 steps."""
+    prompts = ["What is the capital of France?", "Write a haiku about the sea."]
+    outputs = {}
+    for kind in ("shm", "gloo"):
+        llm = LLM(tensor_parallel_size=2, kv_cache_gib=0.1, all_reduce=kind)
+        try:
+            if kind == "shm" and llm.engine.runner.model.decode_stack is None:
+                pytest.skip("the decode stack needs AVX-512 BF16 and int4 weights")
+            outputs[kind] = llm.generate(prompts, PARAMS, COLD)
+        finally:
+            llm.close()
+    assert_same(outputs["shm"], outputs["gloo"])
