@@ -10,6 +10,8 @@ the int4 kernels at any count, as the stack's do).
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ember import LLM, SamplingParams
@@ -65,6 +67,29 @@ def test_stack_on_two_ranks_equals_their_layers(stackable_folder):
     assert stacked and not layered
     for got, want in zip(stack, layers):
         assert_same(got, want)
+
+
+@pytest.mark.parametrize("rows", [1, 11])
+def test_a_peer_gone_in_the_stacks_all_reduce_raises(stackable_folder, rows):
+    """A peer that left while the stack waits in its all-reduce makes the step raise with
+    the all-reduce's reason (at 1 row from inside the stack's one parallel region, at 11
+    from its op-by-op path on the int8 weights), in this one process standing for rank 0 of
+    two whose rank 1 has closed its end. Prompt steps run layer by layer meanwhile (no
+    int8_decode), so the first all-reduce is a decode step's in the stack."""
+    llm = LLM(str(stackable_folder), dtype="bfloat16", quantization="int4", kv_cache_gib=0.05)
+    model, kernels = llm.engine.runner.model, llm.engine.kernels
+    if model.decode_stack is None:
+        pytest.skip("the decode stack needs AVX-512 BF16")
+    name = f"/ember-test-{os.getpid()}-{rows}"
+    mine = kernels.shm_all_reduce(name, 0, 2, 4096, True)
+    theirs = kernels.shm_all_reduce(name, 1, 2, 4096, False)
+    kernels.shm_unlink(name)
+    theirs.close()
+    model.decode_stack.use_all_reduce(mine, 5.0, 0.0)
+    model.int8_decode = False
+    prompts = [[1, 504 + i, 3458] for i in range(rows)]
+    with pytest.raises(Exception, match="closed its all-reduce"):
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3))
 
 
 @pytest.mark.slow

@@ -217,10 +217,11 @@ at::Tensor DecodeStack::run(const at::Tensor& x, const at::Tensor& cos, const at
   // int8 steps write silu(gate) * up straight into act: no [gate | up] buffer
   auto gate_up = a8 ? at::Tensor() : at::empty({t, 2 * inter}, opts);
   Int8Rows scratch;
-  if (a8) {   // the widest input is the down projection's
-    scratch.q.resize(t * inter);
-    scratch.scale.resize(t * inter / 4);
-    scratch.sum.resize(t * inter / 4);
+  if (a8) {   // sized for the widest input: down's, o's (more heads than MLP columns) or qkv's
+    const int64_t widest = std::max({inter, heads_ * d_, hidden_});
+    scratch.q.resize(t * widest);
+    scratch.scale.resize(t * widest / 4);
+    scratch.sum.resize(t * widest / 4);
   }
   // a fresh chunk over an int8 cache attends over its own k (rotated, before its rounding)
   // and v, copied per chunk into a one-block bfloat16 cache [2, kv_heads, 1, n, d]
