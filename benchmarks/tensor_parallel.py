@@ -9,7 +9,8 @@ memory: the bytes of every tensor each rank's model holds (the packed int4 panel
 copies prompt rows run on, the int8 output projection; rank 1's counted by loading its part
 in this process), and each process's resident and peak memory after loading and a short
 generation. speed: one request, greedy, 128 tokens; the median step of each of 3 rounds, as
-tokens/s, and at T > 1 the time a step spends in all-reduces and in the logits gather.
+tokens/s, and at T > 1 the time a step spends in the all-reduces called from Python (not those
+the decode stack makes itself, in C++, over shared memory) and in the logits gather.
 Prints one JSON line.
 """
 from __future__ import annotations
