@@ -173,7 +173,10 @@ class CpuKernels:
         caches, one per layer for int8 ones), slots, block_tables, seq_lens) returns the final
         norm's output [T, hidden]; forward_mixed(x, cos, sin, kv caches, kv scales, slots,
         decode_first, block_tables, seq_lens, chunk_info, chunk_tables) the same for a step
-        with prompt chunks (ember/models/attention.py PromptStep; after use_int8)."""
+        with prompt chunks (ember/models/attention.py PromptStep; after use_int8). On a
+        tensor-parallel rank (its heads and MLP columns), use_all_reduce(handle, timeout_s,
+        spin_us) with this rank's shm_all_reduce makes it sum the o and down projections'
+        outputs over the ranks itself, as the layers' all-reduce would."""
         return self.ops.DecodeStack(weights, final_norm, heads, kv_heads, head_dim, eps, scale)
 
     def thread_sync_ns(self, rounds: int = 5) -> tuple[float, float]:
