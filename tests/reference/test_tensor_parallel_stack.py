@@ -11,8 +11,10 @@ the int4 kernels at any count, as the stack's do).
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ember import LLM, SamplingParams
 from ember.request import RequestOptions
@@ -67,6 +69,47 @@ def test_stack_on_two_ranks_equals_their_layers(stackable_folder):
     assert stacked and not layered
     for got, want in zip(stack, layers):
         assert_same(got, want)
+
+
+def test_stack_on_two_ranks_adds_adapters_as_their_layers(stackable_folder, tmp_path):
+    """A batch mixing the base model and an adapter on every projection: each rank's stack
+    adds its part of the adapter before the all-reduce, as its layers do; the same greedy
+    tokens and logits, bit for bit."""
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from ember import EngineConfig
+    from ember.engine.core import EngineCore
+    from tests.reference.test_lora import ALL_TARGETS, make_adapter, run_greedy
+    base = AutoModelForCausalLM.from_pretrained(stackable_folder)
+    make_adapter(base, tmp_path / "a", 8, 16, False, ALL_TARGETS, 0)
+    jobs = [(None, [1, 500, 77, 9000]), ("a", [1, 500, 77, 9000]), ("a", [300, 301, 302])]
+    runs = {}
+    for kind in ("shm", "gloo"):
+        engine = EngineCore(EngineConfig.from_options(model=str(stackable_folder),
+                                                      loras=(("a", tmp_path / "a"),),
+                                                      all_reduce=kind, **OPTIONS))
+        try:
+            model, with_adapters = engine.runner.model, []
+            if kind == "shm":
+                if model.decode_stack is None:
+                    pytest.skip("the decode stack needs AVX-512 BF16")
+                model.decode_stack = counting_adapters(model.decode_stack, with_adapters)
+            runs[kind] = run_greedy(engine, jobs, 8)
+            assert kind == "gloo" or (with_adapters and all(with_adapters)), with_adapters
+        finally:
+            engine.close()
+    for (tokens, logits), (want_tokens, want_logits) in zip(runs["shm"], runs["gloo"]):
+        assert tokens == want_tokens
+        assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
+
+
+def counting_adapters(stack, calls: list[bool]) -> SimpleNamespace:
+    """`stack`, its forward noting in `calls` whether each step had adapters."""
+    def forward(*args):
+        calls.append(len(args[-1]) > 0)
+        return stack.forward(*args)
+    return SimpleNamespace(forward=forward, forward_mixed=stack.forward_mixed)
 
 
 @pytest.mark.parametrize("rows", [1, 11])
