@@ -69,7 +69,9 @@ def join_groups(store: dist.Store, rank: int, stage_size: int, num_stages: int,
             connect(store, local, stage_size, timeout, prefix=f"stage{stage}", host=host)
         reduce = make_all_reduce(group, local, stage_size, all_reduce,
                                  timeout_s=all_reduce_timeout_s)
-        collectives.bind(reduce, gather_logits(group, local, vocab_widths))
+        gather = gather_by_all_reduce(reduce, local, vocab_widths) if reduce.kind == "shm" \
+            else gather_logits(group, local, vocab_widths)
+        collectives.bind(reduce, gather)
     if num_stages > 1:
         collectives.bind_pipeline(StagePipe(world, rank, stage_size, num_stages))
     return world, reduce
@@ -92,6 +94,25 @@ def gather_logits(group: dist.ProcessGroup, rank: int, widths: list[int]
         if rank != 0:
             return local.new_empty((rows, 0))
         return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
+    return gather
+
+
+def gather_by_all_reduce(all_reduce: AllReduceFn, rank: int, widths: list[int]
+                         ) -> Callable[[Tensor], Tensor]:
+    """A Gather through the shared-memory all-reduce (a decode step's gather over gloo cost
+    as much as the rest of the step on two busy cores): each rank's logits [N, widths[rank]]
+    at its columns of zeros [N, sum(widths)], summed; adding zeros is exact, so rank 0 gets
+    every rank's logits as they were ([N, 0] on the others). Logits of a dtype the
+    all-reduce does not take go as float32, then back."""
+    start = sum(widths[:rank])
+
+    def gather(local: Tensor) -> Tensor:
+        rows, dtype = local.shape[0], local.dtype
+        wide = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        whole = torch.zeros((rows, sum(widths)), dtype=wide)
+        whole[:, start:start + local.shape[1]] = local
+        all_reduce(whole)
+        return whole.to(dtype) if rank == 0 else local.new_empty((rows, 0))
     return gather
 
 
