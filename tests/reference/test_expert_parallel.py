@@ -15,14 +15,14 @@ import logging
 import re
 
 import pytest
-import torch
 
 from ember import LLM, EngineConfig, SamplingParams
 from ember.engine.core import EngineCore
 from ember.errors import ConfigError
 from ember.weights.gguf import GGUFFile
-from tests.conftest import assert_greedy_close, first_mismatch, save_tiny_model
-from tests.reference.test_llama_vs_hf import PROMPTS, ember_greedy_logits
+from tests.conftest import assert_greedy_close, save_tiny_model
+from tests.reference.test_llama_vs_hf import PROMPTS
+from tests.reference.test_tensor_parallel import assert_same_steps
 from tests.reference.test_variants_gguf import write_variant_gguf
 from tests.reference.test_variants_vs_hf import tiny_variant
 
@@ -63,13 +63,7 @@ def assert_two_ranks_match_one_process(model: str, options: dict,
     two = EngineCore(EngineConfig.from_options(model=model, tensor_parallel_size=2,
                                                expert_parallel=True, **layout, **options))
     try:
-        for prompt in PROMPTS:
-            want_tokens, want = ember_greedy_logits(one, prompt, NUM_STEPS)
-            tokens, logits = ember_greedy_logits(two, prompt, NUM_STEPS)
-            assert tokens == want_tokens, f"diverged at {first_mismatch(want_tokens, tokens)}"
-            for step, (got, ref) in enumerate(zip(logits, want)):
-                torch.testing.assert_close(got, ref, atol=1e-4, rtol=0,
-                                           msg=lambda m, step=step: f"step {step}: {m}")
+        assert_same_steps(one, two)
     finally:
         two.close()
     return two

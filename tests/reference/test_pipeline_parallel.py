@@ -18,7 +18,8 @@ from ember.engine.core import EngineCore
 from ember.errors import ConfigError
 from ember.request import PoolingParams
 from tests.conftest import first_mismatch, save_tiny_model, tiny_hf_model
-from tests.reference.test_llama_vs_hf import PROMPTS, ember_greedy_logits
+from tests.reference.test_llama_vs_hf import PROMPTS
+from tests.reference.test_tensor_parallel import assert_same_steps
 from tests.reference.test_variants_vs_hf import tiny_variant
 
 NUM_STEPS = 6
@@ -55,16 +56,6 @@ def llama_folder(tmp_path_factory, tokenizer_files):
                            tokenizer_files)
 
 
-def assert_same_steps(one: EngineCore, staged: EngineCore) -> None:
-    for prompt in PROMPTS:
-        want_tokens, want = ember_greedy_logits(one, prompt, NUM_STEPS)
-        tokens, logits = ember_greedy_logits(staged, prompt, NUM_STEPS)
-        assert tokens == want_tokens, f"diverged at {first_mismatch(want_tokens, tokens)}"
-        for step, (got, ref) in enumerate(zip(logits, want)):
-            torch.testing.assert_close(got, ref, atol=1e-4, rtol=0,
-                                       msg=lambda m, step=step: f"step {step}: {m}")
-
-
 def test_two_stages_match_one_process_step_by_step(tiny_folder):
     one = EngineCore(EngineConfig.from_options(model=str(tiny_folder), **OPTIONS))
     staged = EngineCore(EngineConfig.from_options(model=str(tiny_folder),
@@ -74,7 +65,7 @@ def test_two_stages_match_one_process_step_by_step(tiny_folder):
         assert len(staged.runner.model.model.layers) == len(staged.runner.kv_caches) == 2
         assert not any(name.startswith("lm_head.")
                        for name, _ in staged.runner.model.named_parameters())
-        assert_same_steps(one, staged)
+        assert_same_steps(one, staged, NUM_STEPS)
     finally:
         staged.close()
 
@@ -86,7 +77,7 @@ def test_tensor_parallel_stages_match_one_process_step_by_step(llama_folder):
     staged = EngineCore(EngineConfig.from_options(model=str(llama_folder),
                                                   **LAYOUTS["T=2xP=2"], **OPTIONS))
     try:
-        assert_same_steps(one, staged)
+        assert_same_steps(one, staged, NUM_STEPS)
     finally:
         staged.close()
 

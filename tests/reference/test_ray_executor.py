@@ -15,16 +15,16 @@ import asyncio
 import sys
 
 import pytest
-import torch
 
 from ember import LLM, EngineConfig, SamplingParams
 from ember.engine.async_engine import AsyncEngine, EngineState
 from ember.engine.core import EngineCore
 from ember.errors import ConfigError, EngineDead
-from tests.conftest import first_mismatch, save_tiny_model
-from tests.reference.test_llama_vs_hf import PROMPTS, ember_greedy_logits
+from tests.conftest import save_tiny_model
+from tests.reference.test_llama_vs_hf import PROMPTS
 from tests.reference.test_pipeline_parallel import CASES, NUM_STEPS, OPTIONS
-from tests.reference.test_tensor_parallel import DEADLINE_S, _generate_with_deadline
+from tests.reference.test_tensor_parallel import (DEADLINE_S, _generate_with_deadline,
+                                                 assert_same_steps)
 from tests.waiting import wait_for
 
 ray = pytest.importorskip("ray")
@@ -58,13 +58,7 @@ def test_rank_actors_match_one_process_step_by_step(cluster, llama_folder, layou
     split = EngineCore(EngineConfig.from_options(model=str(llama_folder), **layout, **RAY))
     try:
         assert isinstance(split.executor, RayActors) and len(split.executor.workers) == 1
-        for prompt in PROMPTS:
-            want_tokens, want = ember_greedy_logits(one, prompt, NUM_STEPS)
-            tokens, logits = ember_greedy_logits(split, prompt, NUM_STEPS)
-            assert tokens == want_tokens, f"diverged at {first_mismatch(want_tokens, tokens)}"
-            for step, (got, ref) in enumerate(zip(logits, want)):
-                torch.testing.assert_close(got, ref, atol=1e-4, rtol=0,
-                                           msg=lambda m, step=step: f"step {step}: {m}")
+        assert_same_steps(one, split, NUM_STEPS)
     finally:
         split.close()
     wait_for(lambda: ray.available_resources().get("CPU") == CLUSTER_CPUS,

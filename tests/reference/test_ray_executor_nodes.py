@@ -10,14 +10,13 @@ tokens and logits within 1e-4 at every step, as on one node (test_ray_executor.p
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ember import EngineConfig
 from ember.engine.core import EngineCore
-from tests.conftest import first_mismatch, save_tiny_model
-from tests.reference.test_llama_vs_hf import PROMPTS, ember_greedy_logits
+from tests.conftest import save_tiny_model
 from tests.reference.test_pipeline_parallel import CASES, NUM_STEPS, OPTIONS
 from tests.reference.test_ray_executor import RAY
+from tests.reference.test_tensor_parallel import assert_same_steps
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.heavy]   # two raylets: slow to start
@@ -49,12 +48,6 @@ def test_ranks_on_two_nodes_match_one_process_over_gloo(two_nodes, llama_folder)
     try:
         assert len(set(split.executor.nodes)) == 2          # one rank on each node
         assert split.executor.all_reduce.kind == "gloo"
-        for prompt in PROMPTS:
-            want_tokens, want = ember_greedy_logits(one, prompt, NUM_STEPS)
-            tokens, logits = ember_greedy_logits(split, prompt, NUM_STEPS)
-            assert tokens == want_tokens, f"diverged at {first_mismatch(want_tokens, tokens)}"
-            for step, (got, ref) in enumerate(zip(logits, want)):
-                torch.testing.assert_close(got, ref, atol=1e-4, rtol=0,
-                                           msg=lambda m, step=step: f"step {step}: {m}")
+        assert_same_steps(one, split, NUM_STEPS)
     finally:
         split.close()

@@ -53,18 +53,24 @@ def llama_folder(tmp_path_factory, tokenizer_files):
     return save_tiny_model(tmp_path_factory.mktemp("tp-llama"), model, tokenizer_files)
 
 
+def assert_same_steps(one: EngineCore, split: EngineCore, num_steps: int = NUM_STEPS) -> None:
+    """`split` (the model over ranks, in any layout) against one process, prompt by prompt
+    and step by step: the same greedy tokens, and logits within 1e-4."""
+    for prompt in PROMPTS:
+        want_tokens, want = ember_greedy_logits(one, prompt, num_steps)
+        tokens, logits = ember_greedy_logits(split, prompt, num_steps)
+        assert tokens == want_tokens, f"diverged at {first_mismatch(want_tokens, tokens)}"
+        for step, (got, ref) in enumerate(zip(logits, want)):
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=0,
+                                       msg=lambda m, step=step: f"step {step}: {m}")
+
+
 def test_two_ranks_match_one_process_step_by_step(tiny_folder):
     one = EngineCore(EngineConfig.from_options(model=str(tiny_folder), **OPTIONS))
     two = EngineCore(EngineConfig.from_options(model=str(tiny_folder), tensor_parallel_size=2,
                                                **OPTIONS))
     try:
-        for prompt in PROMPTS:
-            want_tokens, want = ember_greedy_logits(one, prompt, NUM_STEPS)
-            tokens, logits = ember_greedy_logits(two, prompt, NUM_STEPS)
-            assert tokens == want_tokens, f"diverged at {first_mismatch(want_tokens, tokens)}"
-            for step, (got, ref) in enumerate(zip(logits, want)):
-                torch.testing.assert_close(got, ref, atol=1e-4, rtol=0,
-                                           msg=lambda m, step=step: f"step {step}: {m}")
+        assert_same_steps(one, two)
     finally:
         two.close()
 
