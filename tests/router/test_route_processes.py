@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -88,8 +90,10 @@ def route(tiny_llama_dir):
     live.close()
 
 
-def one_request(url: str, i: int, max_tokens: int = 160) -> dict:
-    """A long request; for a stream, whether bytes came before it ended, and how."""
+def one_request(url: str, i: int, max_tokens: int = 160,
+                on_start: Callable[[], None] | None = None) -> dict:
+    """A long request; for a stream, whether bytes came before it ended, and how.
+    `on_start`: called once, at a stream's first token."""
     body = {"prompt": f"Request {i} asks:", "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": i % 2 == 0}
     out = {"stream": body["stream"], "started": False, "status": None, "error": None}
@@ -102,6 +106,8 @@ def one_request(url: str, i: int, max_tokens: int = 160) -> dict:
                     if "error" in payload:
                         out["error"] = payload["error"]
                     else:
+                        if not out["started"] and on_start is not None:
+                            on_start()
                         out["started"] = True
     except httpx.HTTPError as e:
         out["error"] = repr(e)
@@ -110,9 +116,14 @@ def one_request(url: str, i: int, max_tokens: int = 160) -> dict:
 
 def test_sigkill_under_load_loses_no_request_that_had_not_streamed(route):
     victim = route.fleet()["replicas"][0]
+    streaming = threading.Semaphore(0)
     with ThreadPoolExecutor(12) as pool:
-        futures = [pool.submit(one_request, route.url, i) for i in range(12)]
-        route.wait(lambda f: sum(r["in_flight"] for r in f["replicas"]) >= 8, "loaded", 60)
+        # 400 tokens each: the kill comes as the 4th stream starts, long before any ends
+        # (a poll of /fleet could miss requests that short on a fast machine)
+        futures = [pool.submit(one_request, route.url, i, 400, streaming.release)
+                   for i in range(12)]
+        for _ in range(4):
+            assert streaming.acquire(timeout=120), "the streams never started"
         os.kill(victim["pid"], signal.SIGKILL)
         results = [f.result() for f in futures]
     lost = [r for r in results if (r["status"] != 200 or r["error"]) and not r["started"]]
