@@ -106,7 +106,7 @@ class CacheInfo:
 class EngineCore:
     task = "generate"  # config.task once loaded (the calibration run generates, whatever it is)
     # the ranks the model runs on (engine/tensor_parallel.py); one process unless started
-    # with tensor_parallel_size > 1 (a stateless default, for cores built without __init__)
+    # with tensor_parallel_size > 1 (a core built without __init__ sets its own)
     executor: Executor
     weight_cache: WeightCache | None = None
     kv_connector: KVConnector | None = None   # a prefill or decode replica's (--role)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ import httpx
 
 from ember.engine.async_engine import AsyncEngine
 from ember.engine.core import EngineCore
+from ember.router.replicas import free_port
 from ember.plan.stepmodel import ServingOverhead, StepModel, StepShape, fit_overhead, step_shape
 from ember.scheduler.output import RunnerOutput, SchedulerOutput
 
@@ -163,9 +163,7 @@ def _run_record(run: Run, timed: list[tuple[ServedStep, float]],
 def gateway(replica_url: str, timeout_s: float = 120.0) -> Iterator[str]:
     """`ember route` in front of the replica at `replica_url`, as a process of its own on
     this process's cores; yields its URL once it routes to the replica."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     log = tempfile.TemporaryFile("w+")   # (a pipe nobody reads could fill and stall it)
     proc = subprocess.Popen([sys.executable, "-m", "ember.cli", "route", "--replica-url",
                              replica_url, "--port", str(port), "-q"],
