@@ -87,6 +87,9 @@ def _simulation_args(plan: argparse.ArgumentParser, out_dir: Path) -> None:
     f.add_argument("--gateway-shares-cores", action="store_true",
                    help="the gateway runs on the replicas' cores: add the gateway overhead "
                         "the profile measured (`ember plan profile --serve-gateway`)")
+    f.add_argument("--no-spread", action="store_true",
+                   help="every step lasts exactly its prediction (by default steps scatter "
+                        "around it as the profile's served steps did, which sets the tails)")
     plan.add_argument("--out", default=str(out_dir / "plan.json"),
                       help="the answer and every simulated point; the plot beside it "
                            "(default: %(default)s)")

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ def replica_config(profile: Profile, args: argparse.Namespace) -> ReplicaConfig:
             raise ConfigError("--gateway-shares-cores needs a profile that measured the "
                               "gateway: make one with `ember plan profile --serve-gateway`")
         serving = serving.plus(profile.gateway)
+    if args.no_spread:
+        serving = replace(serving, spread=())
     return ReplicaConfig(
         step_model=profile.step_model, num_blocks=profile.num_blocks(args.kv_cache_gib),
         serving=serving,

@@ -3,7 +3,8 @@ with step durations from a profile's fitted step-time model instead of a model's
 
     arrival --route (Picker, BlockIndex)--> replica: Scheduler.add
     replica step: Scheduler.schedule -> SimRunner.execute (tokens drawn, duration predicted:
-                  the step model's, plus what serving adds per step and per streamed token)
+                  the step model's, plus what serving adds per step and per streamed token,
+                  scattered as the profile's served steps scattered)
                   ... the clock moves to the step's end ... -> Scheduler.update
 
 Everything but the forward is the engine's and the gateway's own code, so chunked prefill,
@@ -34,7 +35,7 @@ from ember.bench.metrics import RequestRecord
 from ember.config import SchedulerConfig
 from ember.kv.block_pool import BlockPool, KVEvent
 from ember.kv.kv_manager import KVCacheManager
-from ember.plan.stepmodel import ServingOverhead, StepModel, StepShape, step_shape
+from ember.plan.stepmodel import ServingOverhead, StepModel, StepShape, StepSpread, step_shape
 from ember.request import Request, SamplingParams
 from ember.router.config import PrefixConfig
 from ember.router.kv_index import BlockIndex
@@ -44,6 +45,7 @@ from ember.scheduler.scheduler import Scheduler
 
 EVENTS_INTERVAL_S = 0.25  # the gateway polls each replica's /kv/events this often
 PROBE_INTERVAL_S = 1.0    # and reads its /metrics (waiting, KV usage) this often
+SPREAD_SEED = 1 << 20     # step factors' seeds, apart from the token sources'
 
 
 class TokenSource:
@@ -64,22 +66,32 @@ class TokenSource:
 class SimRunner:
     """The runner's place in the step with no model: each request that reaches its newest
     token gets one drawn token, and the step lasts what the step model predicts for it plus
-    the serving overhead of a step streaming that many tokens."""
+    the serving overhead of a step streaming that many tokens, times the step's factor from
+    `spread` (none: exactly the prediction)."""
 
     def __init__(self, model: StepModel, tokens: TokenSource,
-                 serving: ServingOverhead = ServingOverhead()) -> None:
+                 serving: ServingOverhead = ServingOverhead(),
+                 spread: StepSpread | None = None) -> None:
         self.model = model
         self.tokens = tokens
         self.serving = serving
+        self.spread = spread
+        self.num_steps = 0   # steps priced so far: the next one's index
         self.last_duration_s = 0.0
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         draw = self.tokens.next
         sampled = {item.request.request_id: [draw()] for item in plan.scheduled
                    if item.samples}
-        self.last_duration_s = self.model.predict(step_shape(plan)) + \
-            self.serving.seconds(len(sampled))
+        self.last_duration_s = self.scattered(
+            self.model.predict(step_shape(plan)) + self.serving.seconds(len(sampled)),
+            self.num_steps)
+        self.num_steps += 1
         return RunnerOutput(sampled)
+
+    def scattered(self, seconds: float, step: int) -> float:
+        """`seconds` as step number `step` lasts."""
+        return seconds if self.spread is None else seconds * self.spread.factor(step)
 
 
 @dataclass(frozen=True)
@@ -116,14 +128,15 @@ class SimRequest:
 class SimReplica:
     """A replica's engine on the virtual clock: the real Scheduler and KVCacheManager."""
 
-    def __init__(self, replica_id: str, config: ReplicaConfig, tokens: TokenSource) -> None:
+    def __init__(self, replica_id: str, config: ReplicaConfig, tokens: TokenSource,
+                 spread: StepSpread | None = None) -> None:
         self.id = replica_id
         self.config = config
         kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                             config.eviction_policy, share_generated=False)
         # (the engine's longest sequence is cut to what its KV cache holds, as here)
         self.scheduler = Scheduler(config.scheduler, kv, config.context_limit)
-        self.runner = SimRunner(config.step_model, tokens, config.serving)
+        self.runner = SimRunner(config.step_model, tokens, config.serving, spread)
         self.plan: SchedulerOutput | None = None   # the step running now
         self.result: RunnerOutput | None = None
         self.busy_s = 0.0
@@ -172,12 +185,15 @@ class SimReplica:
         running = self.scheduler.running
         num_rows = len(running)
         keys = sum(r.num_computed_tokens for r in running)
-        predict = self.runner.model.predict
-        serving = self.runner.serving.seconds(num_rows)   # (every row streams a token)
+        runner = self.runner
+        predict, scattered = runner.model.predict, runner.scattered
+        serving = runner.serving.seconds(num_rows)   # (every row streams a token)
         self.ahead_start, end = now, now
-        for _ in range(room):
+        for k in range(room):
             keys += num_rows   # each row at position p reads p + 1 keys
-            duration = predict(StepShape(decode_rows=num_rows, decode_keys=keys)) + serving
+            duration = scattered(
+                predict(StepShape(decode_rows=num_rows, decode_keys=keys)) + serving,
+                runner.num_steps + k)
             end += duration
             self.ahead.append((end, duration))
         return end
@@ -202,6 +218,7 @@ class SimReplica:
         self.ahead.clear()
         self.num_steps += len(ends)
         self.num_steps_ahead += len(ends)
+        self.runner.num_steps += len(ends)
         return ends
 
     def _decode_room(self) -> int:
@@ -365,7 +382,10 @@ class FleetSim:
         if num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas} must be at least 1")
         self.config = config
-        self.replicas = [SimReplica(f"r{i + 1}", config, TokenSource(token_ids, seed + i))
+        spread = config.serving.spread   # (each replica's steps scatter on their own)
+        self.replicas = [SimReplica(f"r{i + 1}", config, TokenSource(token_ids, seed + i),
+                                    StepSpread(spread, SPREAD_SEED + seed + i) if spread
+                                    else None)
                          for i in range(num_replicas)]
         self.gateway = SimGateway(self.replicas, policy, prefix)
         self.max_tries = max_tries

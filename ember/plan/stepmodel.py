@@ -4,10 +4,12 @@ The runner computes a step's prompt rows and its decode rows in two forwards (do
 architecture.md, "Same request, same answer"), so a step costs the sum of
 
     prompt forward   p0 + p1 * prompt rows + p2 * keys the prompt rows attend to
-    decode forward   d0 + d1 * decode rows + d2 * decode rows past 8 + d3 * keys they read
+    decode forward   d0 + d1 * decode rows up to 8 + d2 * decode rows past 8
+                     + d3 * keys they read
 
 (each forward's constant only when it runs). Past 8 decode rows a decode step moves from the
-int4 weights to the int8 prompt weights, so the per-row cost changes there. A row at
+int4 weights to the int8 prompt weights, and a row costs less there (a matrix product reads
+the weights once for all rows): the two slopes are fitted apart. A row at
 position p attends to p + 1 keys. The coefficients are fitted by least squares on relative
 error (a 5 ms decode step matters as much as a 500 ms prompt step), from measured steps
 (measure.py); a coefficient that comes out negative is dropped and the rest refitted, so
@@ -27,9 +29,13 @@ import numpy as np
 
 from ember.scheduler.output import SchedulerOutput
 
-FEATURES = ("prompt_forward", "prompt_rows", "prompt_keys", "decode_forward", "decode_rows",
-            "decode_rows_past_8", "decode_keys")
+FEATURES = ("prompt_forward", "prompt_rows", "prompt_keys", "decode_forward",
+            "decode_rows_to_8", "decode_rows_past_8", "decode_keys")
+# an earlier profile format: one slope for every decode row, plus an extra slope past 8
+OLD_FEATURES = ("prompt_forward", "prompt_rows", "prompt_keys", "decode_forward",
+                "decode_rows", "decode_rows_past_8", "decode_keys")
 INT8_DECODE_ROWS = 8  # decode steps of more rows run on the int8 prompt weights
+SPREAD_QUANTILES = 101   # a served interval's ratio to its prediction: percentiles 0..100
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,7 @@ class StepShape:
     def features(self) -> tuple[float, ...]:
         """The step's values of FEATURES, in order."""
         return (float(self.prompt_rows > 0), float(self.prompt_rows), float(self.prompt_keys),
-                float(self.decode_rows > 0), float(self.decode_rows),
+                float(self.decode_rows > 0), float(min(self.decode_rows, INT8_DECODE_ROWS)),
                 float(max(0, self.decode_rows - INT8_DECODE_ROWS)), float(self.decode_keys))
 
     @property
@@ -89,9 +95,11 @@ class StepModel:
         seconds = 0.0                                    # this once per step)
         if shape.prompt_rows:
             seconds += p0 + p1 * shape.prompt_rows + p2 * shape.prompt_keys
-        if shape.decode_rows:
-            seconds += d0 + d1 * shape.decode_rows + d3 * shape.decode_keys + \
-                d2 * max(0, shape.decode_rows - INT8_DECODE_ROWS)
+        rows = shape.decode_rows
+        if rows:
+            seconds += d0 + d3 * shape.decode_keys + (
+                d1 * rows if rows <= INT8_DECODE_ROWS else
+                d1 * INT8_DECODE_ROWS + d2 * (rows - INT8_DECODE_ROWS))
         return max(seconds, self.min_step_s)
 
     def to_json(self) -> dict[str, object]:
@@ -100,11 +108,14 @@ class StepModel:
 
     @classmethod
     def from_json(cls, data: dict) -> "StepModel":
-        if list(data["features"]) != list(FEATURES):
+        coefficients = [float(c) for c in data["coefficients"]]
+        if list(data["features"]) == list(OLD_FEATURES):   # the same model, other slopes
+            coefficients[5] += coefficients[4]
+        elif list(data["features"]) != list(FEATURES):
             raise ValueError(f"the profile's step model has features {data['features']}, this "
                              f"ember fits {list(FEATURES)}; measure again with "
                              "`ember plan profile`")
-        return cls(tuple(float(c) for c in data["coefficients"]), float(data["min_step_s"]))
+        return cls(tuple(coefficients), float(data["min_step_s"]))
 
 
 def fit(shapes: Sequence[StepShape], seconds: Sequence[float],
@@ -166,32 +177,41 @@ class ServingOverhead:
     server's work per step (the event loop's wake-up, the engine thread's inbox) and per
     streamed token (the SSE chunk, its JSON, the socket write, the GIL they take from the
     engine thread), in seconds. Measured by serving the model briefly (served.py); zero in
-    a profile made without it (`measured` False)."""
+    a profile made without it (`measured` False). `spread`: how served intervals scatter
+    around the prediction, as SPREAD_QUANTILES quantiles of measured / predicted over every
+    interval (those disturbed too: on shared cores the server's, the client's and the
+    gateway's work lands on some step, which is the tail a client sees); empty where not
+    measured."""
 
     per_step_s: float = 0.0
     per_token_s: float = 0.0
     measured: bool = False
     residuals: dict[str, dict[str, float]] = field(default_factory=dict)
     runs: list[dict[str, float]] = field(default_factory=list)   # each served run
+    spread: tuple[float, ...] = ()
 
     def seconds(self, num_tokens: int) -> float:
         """The overhead of a step that streams `num_tokens` tokens."""
         return self.per_step_s + self.per_token_s * num_tokens
 
     def plus(self, other: "ServingOverhead") -> "ServingOverhead":
-        """Both overheads in one (their fits' details left out)."""
+        """Both overheads in one (their fits' details left out). The spread is `other`'s
+        where it has one: it was measured with both at work (the gateway's on top of the
+        replica's)."""
         return ServingOverhead(self.per_step_s + other.per_step_s,
                                self.per_token_s + other.per_token_s,
-                               self.measured or other.measured)
+                               self.measured or other.measured,
+                               spread=other.spread or self.spread)
 
     def to_json(self) -> dict[str, object]:
-        return asdict(self)
+        return asdict(self) | {"spread": list(self.spread)}
 
     @classmethod
     def from_json(cls, data: dict) -> "ServingOverhead":
         return cls(float(data["per_step_s"]), float(data["per_token_s"]),
                    bool(data["measured"]), dict(data.get("residuals", {})),
-                   list(data.get("runs", [])))
+                   list(data.get("runs", [])),
+                   tuple(float(q) for q in data.get("spread", ())))
 
 
 def fit_overhead(model: StepModel, shapes: Sequence[StepShape], num_tokens: Sequence[int],
@@ -219,9 +239,11 @@ def fit_overhead(model: StepModel, shapes: Sequence[StepShape], num_tokens: Sequ
             kept = below
             per_step, per_token = _fit_overhead(predicted[kept], tokens[kept], y[kept])
     served = predicted + per_step + per_token * tokens
+    spread = np.quantile(y / served, np.linspace(0.0, 1.0, SPREAD_QUANTILES))
     return ServingOverhead(per_step, per_token, True, {
         "without": _relative_errors(predicted[kept], y[kept]),
-        "with": _relative_errors(served[kept], y[kept]) | {"left_out": int((~kept).sum())}})
+        "with": _relative_errors(served[kept], y[kept]) | {"left_out": int((~kept).sum())}},
+        spread=tuple(round(float(q), 4) for q in spread))
 
 
 def _fit_overhead(predicted: np.ndarray, tokens: np.ndarray, y: np.ndarray
@@ -244,3 +266,24 @@ def _relative_errors(predicted: np.ndarray, measured: np.ndarray) -> dict[str, f
     error = predicted / measured - 1.0
     return {"steps": int(len(error)), "median_abs": float(np.median(np.abs(error))),
             "p90_abs": float(np.percentile(np.abs(error), 90)), "mean": float(np.mean(error))}
+
+
+class StepSpread:
+    """Factors that scatter simulated steps as served ones scatter around the prediction:
+    POOL draws from a ServingOverhead's spread (a uniform quantile, interpolated), divided by
+    the spread's median so that a typical step stays as predicted; step k of a replica gets
+    draw k (modulo POOL), so a step's factor depends on its index alone (a run of steps
+    priced at once gets what they would get one by one)."""
+
+    POOL = 4096
+
+    def __init__(self, spread: Sequence[float], seed: int) -> None:
+        if len(spread) < 2:
+            raise ValueError("a step spread needs at least two quantiles")
+        quantiles = np.asarray(spread, dtype=np.float64)
+        grid = np.linspace(0.0, 1.0, len(quantiles))
+        draws = np.interp(np.random.default_rng(seed).random(self.POOL), grid, quantiles)
+        self.factors = [float(f) for f in draws / float(np.median(quantiles))]
+
+    def factor(self, step: int) -> float:
+        return self.factors[step % self.POOL]

@@ -15,8 +15,10 @@ from ember.router.cli import router_config, target_ongoing
 from tests.plan.conftest import make_profile
 
 
-def decode_model(d0: float, d1: float, d3: float = 0.0, d2: float = 0.0) -> StepModel:
-    return StepModel((1e-3, 1e-4, 0.0, d0, d1, d2, d3), 0.0)
+def decode_model(d0: float, d1: float, d3: float = 0.0, d2: float | None = None
+                 ) -> StepModel:
+    """d1 a row, and d2 a row past 8 (d1 unless given)."""
+    return StepModel((1e-3, 1e-4, 0.0, d0, d1, d1 if d2 is None else d2, d3), 0.0)
 
 
 @pytest.mark.parametrize("d0, d1, d3, context, expected", [
@@ -30,7 +32,7 @@ def test_the_knee_is_where_power_peaks(d0, d1, d3, context, expected):
 
 
 def test_a_steeper_step_past_8_rows_brings_the_knee_down():
-    assert knee(decode_model(6e-3, 5e-4, d2=2e-3), 64, 512) < 12
+    assert knee(decode_model(6e-3, 5e-4, d2=2.5e-3), 64, 512) < 12
 
 
 def test_the_serving_overhead_moves_the_knee():

@@ -3,14 +3,16 @@ scheduler planned, summed by hand), and the fit, which must recover coefficients
 synthetic measurements."""
 from __future__ import annotations
 
+import json
 import random
+from dataclasses import replace
 
 import pytest
 
 from ember.config import SchedulerConfig
 from ember.kv.kv_manager import KVCacheManager
-from ember.plan.stepmodel import (FEATURES, ServingOverhead, StepModel, StepShape, fit,
-                                  fit_overhead, residuals, step_shape)
+from ember.plan.stepmodel import (FEATURES, ServingOverhead, StepModel, StepShape, StepSpread,
+                                  fit, fit_overhead, residuals, step_shape)
 from ember.request import Request, SamplingParams
 from ember.scheduler.output import RunnerOutput
 from ember.scheduler.scheduler import Scheduler
@@ -50,12 +52,41 @@ def test_fit_under_noise_predicts_within_the_noise():
     truth = StepModel(TRUE)
     seconds = [truth.predict(s) * (1 + rng.uniform(-0.03, 0.03)) for s in shapes]
     model = fit(shapes, seconds)
-    for name in ("prompt_forward", "prompt_rows", "decode_forward", "decode_rows"):
+    for name in ("prompt_forward", "prompt_rows", "decode_forward", "decode_rows_to_8"):
         j = FEATURES.index(name)
         assert model.coefficients[j] == pytest.approx(TRUE[j], rel=0.1), name
     unseen = [StepShape(300, 300 * 301 // 2 + 300 * 800, 6, 6 * 700), StepShape(0, 0, 20, 20_000)]
     for shape in unseen:
         assert model.predict(shape) == pytest.approx(truth.predict(shape), rel=0.05)
+
+
+def test_rows_past_8_are_fitted_at_their_own_slope():
+    """A decode row past 8 costs a third of one before (the int8 matrix product): the fit
+    finds both slopes, where one slope for every row would overestimate a batch of 32 by a
+    third."""
+    shapes = grid()
+    truth = StepModel(TRUE)
+    model = fit(shapes, [truth.predict(s) for s in shapes])
+    rows_to_8, rows_past_8 = (model.coefficients[FEATURES.index(name)]
+                              for name in ("decode_rows_to_8", "decode_rows_past_8"))
+    assert rows_past_8 == pytest.approx(rows_to_8 / 3, rel=1e-6)
+    step = {b: model.predict(StepShape(decode_rows=b, decode_keys=b * 65)) for b in (8, 9, 32)}
+    assert step[9] - step[8] == pytest.approx(TRUE[5] + 65 * TRUE[6], rel=1e-6)
+    assert step[32] == pytest.approx(TRUE[3] + 8 * TRUE[4] + 24 * TRUE[5] + 32 * 65 * TRUE[6])
+
+
+def test_a_profile_of_the_earlier_format_predicts_as_it_did():
+    """Earlier profiles stored one slope for every decode row and an extra one past 8."""
+    old = {"features": ["prompt_forward", "prompt_rows", "prompt_keys", "decode_forward",
+                        "decode_rows", "decode_rows_past_8", "decode_keys"],
+           "coefficients": [4e-3, 1.2e-4, 2e-9, 3e-3, 6e-4, 1e-4, 2e-7], "min_step_s": 0.0}
+    model = StepModel.from_json(old)
+    for rows in (1, 8, 9, 40):
+        shape = StepShape(decode_rows=rows, decode_keys=rows * 100)
+        by_hand = 3e-3 + 6e-4 * rows + 1e-4 * max(0, rows - 8) + 2e-7 * rows * 100
+        assert model.predict(shape) == pytest.approx(by_hand, rel=1e-12)
+    with pytest.raises(ValueError, match="measure again"):
+        StepModel.from_json(old | {"features": old["features"][:-1] + ["keys"]})
 
 
 def test_a_negative_coefficient_is_dropped_and_the_rest_refitted():
@@ -129,7 +160,7 @@ def test_predict_adds_each_forward_that_runs_and_keeps_the_floor():
     prompt, decode = StepShape(100, 5050), StepShape(decode_rows=10, decode_keys=1000)
     both = StepShape(100, 5050, 10, 1000)
     assert model.predict(prompt) == pytest.approx(4e-3 + 100 * 1.2e-4 + 5050 * 2e-9)
-    assert model.predict(decode) == pytest.approx(3e-3 + 10 * 6e-4 + 2 * 2e-4 + 1000 * 2e-7)
+    assert model.predict(decode) == pytest.approx(3e-3 + 8 * 6e-4 + 2 * 2e-4 + 1000 * 2e-7)
     assert model.predict(both) == pytest.approx(model.predict(prompt) + model.predict(decode))
     assert StepModel((0.0,) * 7, min_step_s=0.5e-3).predict(decode) == 0.5e-3
 
@@ -189,6 +220,43 @@ def test_fit_overhead_under_noise_and_disturbed_intervals():
     assert got.per_token_s == pytest.approx(PER_TOKEN, rel=0.15)
     assert got.residuals["with"]["left_out"] == len(range(0, len(shapes), 10))
     assert got.residuals["with"]["median_abs"] < got.residuals["without"]["median_abs"]
+    # the spread keeps the disturbed intervals: its top tenth is theirs, about 3x
+    assert got.spread[50] == pytest.approx(1.0, abs=0.03)
+    assert got.spread[85] < 1.1 and got.spread[95] == pytest.approx(3.0, rel=0.1)
+
+
+def test_the_spread_is_the_intervals_scatter_around_the_served_prediction():
+    """Intervals of the served prediction times factors 0.6, 0.7, ... 1.6 in turn: the
+    spread is the percentiles of interval / prediction with the fitted overhead, over every
+    interval, so its ends are the factors' ends over the fit's typical factor."""
+    shapes, tokens = served_steps()
+    shapes, tokens = shapes * 4, tokens * 4
+    truth = StepModel(TRUE)
+    factors = [0.6 + 0.1 * (i % 11) for i in range(len(shapes))]
+    seconds = [(truth.predict(s) + PER_STEP + PER_TOKEN * n) * f
+               for s, n, f in zip(shapes, tokens, factors)]
+    got = fit_overhead(truth, shapes, tokens, seconds, interference=1.5)
+    ratios = sorted(y / (truth.predict(s) + got.seconds(n))
+                    for s, n, y in zip(shapes, tokens, seconds))
+    assert len(got.spread) == 101 and list(got.spread) == sorted(got.spread)
+    assert got.spread[0] == pytest.approx(ratios[0], abs=1e-4)
+    assert got.spread[100] == pytest.approx(ratios[-1], abs=1e-4)   # kept or left out
+    assert got.spread[100] / got.spread[0] > 2.0   # the scatter is kept, not averaged away
+
+
+def test_step_factors_follow_the_spread_with_a_median_of_one():
+    """Draws from a spread rising from 1 to its median 2, to 4 at the 90th percentile and 10
+    at the top: factors from 0.5 to 5, a median of 1 and 1.75 at the 80th percentile."""
+    spread = [1.0 + q / 50 if q <= 50 else 2.0 + (q - 50) / 20 if q <= 90 else
+              4.0 + (q - 90) * 0.6 for q in range(101)]
+    factors = sorted(StepSpread(spread, seed=1).factors)
+    n = len(factors)
+    assert factors[0] >= 0.5 and factors[-1] <= 5.0
+    assert factors[n // 2] == pytest.approx(1.0, rel=0.03)
+    assert factors[int(n * 0.8)] == pytest.approx(1.75, rel=0.03)
+    assert StepSpread(spread, seed=1).factors == StepSpread(spread, seed=1).factors
+    assert StepSpread(spread, seed=2).factors != StepSpread(spread, seed=1).factors
+    assert StepSpread(spread, seed=1).factor(3) == StepSpread(spread, seed=1).factor(3 + 4096)
 
 
 def test_an_overhead_never_comes_out_negative():
@@ -213,3 +281,8 @@ def test_a_serving_overhead_adds_per_step_and_per_token():
     assert ServingOverhead().seconds(64) == 0.0
     both = overhead.plus(ServingOverhead(0.5e-3, 1e-4, measured=True))
     assert both.seconds(5) == pytest.approx(overhead.seconds(5) + 0.5e-3 + 5e-4)
+    spread = replace(overhead, spread=(0.8, 1.0, 1.6))
+    assert ServingOverhead.from_json(json.loads(json.dumps(spread.to_json()))) == spread
+    relayed = ServingOverhead(0.5e-3, 1e-4, measured=True, spread=(0.7, 1.0, 2.5))
+    assert spread.plus(relayed).spread == relayed.spread   # measured with both at work
+    assert spread.plus(ServingOverhead()).spread == spread.spread
