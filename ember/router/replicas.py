@@ -248,13 +248,14 @@ class LocalLauncher:
     (None: the gateway's environment; the fleet sets it once it knows how many local
     replicas share the machine), and, where a replica is several ranks, the `--cpu-bind` of
     a slot of cores no running replica holds (`cpu_binds`, set by the fleet too). Their
-    output goes to a log file per replica in `log_dir`."""
+    output goes to a log file per replica in `log_dir` (by default a temporary folder, made
+    when the first replica starts)."""
 
     def __init__(self, serve_args: list[str], host: str = "127.0.0.1",
                  log_dir: str | None = None, cpus: tuple[int, ...] | None = None) -> None:
         self.serve_args = list(serve_args)
         self.host = host
-        self.log_dir = log_dir or tempfile.mkdtemp(prefix="ember-fleet-")
+        self._log_dir = log_dir
         self.env: dict[str, str] | None = None
         self.cpus = cpus        # the cores its replicas run on (None: the gateway's)
         self.cpu_binds: list[str] | None = None
@@ -263,6 +264,12 @@ class LocalLauncher:
     def command(self, port: int) -> list[str]:
         return [sys.executable, "-m", "ember.cli", "serve", "--host", self.host,
                 "--port", str(port), *self.serve_args]
+
+    @property
+    def log_dir(self) -> str:
+        if self._log_dir is None:
+            self._log_dir = tempfile.mkdtemp(prefix="ember-fleet-")
+        return self._log_dir
 
     def start(self, replica_id: str) -> ProcessHandle:
         port = free_port(self.host)
