@@ -87,7 +87,7 @@ def reduce_cases(rank: int, world_size: int, store: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 5])   # 5: the sum for any number of ranks
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(5, marks=pytest.mark.heavy)])
 def test_shm_and_gloo_equal_the_rank_order_sum(tmp_path: Path, world_size: int) -> None:
     mp.spawn(reduce_cases, args=(world_size, str(tmp_path / "store"), str(tmp_path)),
              nprocs=world_size)

@@ -606,8 +606,9 @@ def test_tiny_llama_float32_greedy_tokens_equal_with_and_without_kernels(tiny_ll
 
 
 @pytest.mark.parametrize(("chunk", "kv_cache_dtype"), [
-    (None, "model"), pytest.param(32, "model", marks=pytest.mark.heavy),   # chunked prompts
-    (32, "int8")])                    # an int8 cache: written, read in the kernels
+    pytest.param(None, "model", marks=pytest.mark.heavy),
+    pytest.param(32, "model", marks=pytest.mark.heavy),   # chunked prompts
+    (32, "int8")])       # chunked, and an int8 cache: written, read in the kernels
 def test_smollm_bfloat16_kernels_agree_by_the_closeness_rule(smollm_path, chunk,
                                                              kv_cache_dtype):
     """bfloat16 with and without the kernels (decode and, with AVX-512 BF16, prefill
@@ -644,7 +645,8 @@ def kernels_have_bf16_dot(llm: LLM) -> bool:
     return kernels is not None and kernels.has_bf16_dot
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["model", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", [pytest.param("model", marks=pytest.mark.heavy),
+                                            "int8"])   # (the default cache)
 def test_smollm_decode_stack_equals_the_layers(smollm_path, kv_cache_dtype):
     """The default weights on AVX-512 BF16: decode-only steps run every layer in one
     compiled call (decode_stack). Up to 8 rows the layers run the same int4 kernels in the
@@ -684,7 +686,8 @@ def test_smollm_decode_stack_equals_the_layers(smollm_path, kv_cache_dtype):
     assert_greedy_close(layered[2], stacked[2])
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["model", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", [pytest.param("model", marks=pytest.mark.heavy),
+                                            "int8"])   # (the default cache)
 def test_smollm_prompt_steps_through_the_stack_equal_the_layers(smollm_path, kv_cache_dtype):
     """With the int8 prompt matmuls (AVX-512 VNNI), steps with prompt chunks run every layer
     in one call too (forward_mixed): fresh chunks, chunks continued over the cache and
@@ -723,8 +726,14 @@ def test_smollm_prompt_steps_through_the_stack_equal_the_layers(smollm_path, kv_
         assert got.outputs[0].logprobs == want.outputs[0].logprobs
 
 
-def test_decode_stack_refuses_inputs_that_do_not_fit(smollm_path):
-    llm = LLM(str(smollm_path), kv_cache_dtype="model")  # bfloat16 caches, no scales
+@pytest.fixture(scope="module")
+def bf16_cache_llm(smollm_path):
+    """The default model over bfloat16 KV caches (no scales)."""
+    return LLM(str(smollm_path), kv_cache_dtype="model")
+
+
+def test_decode_stack_refuses_inputs_that_do_not_fit(bf16_cache_llm):
+    llm = bf16_cache_llm
     stack = llm.engine.runner.model.decode_stack
     if stack is None:
         pytest.skip("the decode stack needs AVX-512 BF16")
@@ -757,11 +766,11 @@ def test_decode_stack_refuses_inputs_that_do_not_fit(smollm_path):
                             torch.tensor([[0, 1, 1, 1]]), [torch.tensor([1 << 40])])
 
 
-def test_decode_stack_looks_rope_rows_up_at_positions(smollm_path):
+def test_decode_stack_looks_rope_rows_up_at_positions(bf16_cache_llm):
     """Given positions, the stack takes each row's cos and sin from the tables (the model's
     RoPE cache) itself: the same output, bit for bit, as given the rows; a position outside
     the tables, or a count that is not the rows', is refused."""
-    llm = LLM(str(smollm_path), kv_cache_dtype="model")
+    llm = bf16_cache_llm
     model = llm.engine.runner.model
     stack = model.decode_stack
     if stack is None:

@@ -103,11 +103,11 @@ def test_unsupported_types_and_tensors_are_named(tmp_path):
 
 
 def test_cli_prints_the_report(smollm_path, capsys):
+    report = inspect_gguf(smollm_path)
     assert main(["models", "inspect", str(smollm_path)]) == 0
-    assert capsys.readouterr().out.strip() == format_report(inspect_gguf(smollm_path))
+    assert capsys.readouterr().out.strip() == format_report(report)
     assert main(["models", "inspect", str(smollm_path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == json.loads(
-        json.dumps(asdict(inspect_gguf(smollm_path))))
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(asdict(report)))
 
 
 def test_cli_refuses_what_is_not_a_gguf_file(tmp_path, capsys):
