@@ -50,6 +50,20 @@ def smollm_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm_chat(smollm_path: Path):
+    """messages -> the token ids `LLM.chat_prompt` gives them, from the GGUF's tokenizer and
+    chat template alone (no model loaded)."""
+    from ember.router.prompts import load_tokenizer
+    from ember.tokenizer.chat import ChatTemplate
+    tokenizer = load_tokenizer(str(smollm_path))
+    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+
+    def chat(messages: list[dict]) -> list[int]:
+        return tokenizer.encode(template.render(messages, True), add_special_tokens=False)
+    return chat
+
+
+@pytest.fixture(scope="session")
 def hf_smollm(smollm_path: Path):
     """transformers' LlamaForCausalLM from the same GGUF, in float32: the reference."""
     return hf_from_gguf(smollm_path.parent / DEFAULT_MODEL_FILE)

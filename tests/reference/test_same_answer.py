@@ -35,9 +35,8 @@ def engine_answer(request: Request) -> tuple[list[int], list]:
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm_path) -> list[list[int]]:
-    llm = LLM(str(smollm_path))
-    chats = [llm.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:4]]
+def prompts(smollm_chat) -> list[list[int]]:
+    chats = [smollm_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:4]]
     # a prompt that extends another (a partial-block hit) and one of odd ids
     return chats + [chats[0] + chats[1][5:], list(range(500, 537))]
 
