@@ -1,8 +1,8 @@
 """Executors: where the ranks of one model run, and how each step reaches them.
 
     engine process (rank 0, the driver)             worker process (rank r)
-    scheduler -> runner.forward(plan)               receive_object(group) -> step
-      peers.send(step)  --- broadcast (gloo) --->   runner.run_step(step)
+    scheduler -> runner.forward(plan)               steps.receive() -> step
+      peers.send(step)  --- broadcast (shm) ---->   runner.run_step(step)
       forward on rank 0's part  <-- all-reduces -->   forward on rank r's part
       logits (gathered here) -> sampler                (no logits, no sampling)
 
@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 import ember
-from ember.distributed.collectives import (HOST, RankCollectives, broadcast_object,
+from ember.distributed.collectives import (HOST, GlooSteps, RankCollectives, ShmSteps,
                                            join_groups, open_store)
 from ember.distributed.parallel import format_cpus
 from ember.errors import ConfigError, EngineDead
@@ -133,7 +133,7 @@ class WorkerRanks:
         self.vocab_widths = vocab_widths
         self.collectives = RankCollectives()   # rank 0's, bound by connect()
         self.broken: str | None = None   # why the ranks are out of step, once they are
-        self.group = None
+        self.steps: GlooSteps | ShmSteps | None = None   # the plans' way to the workers
         self.host = host              # where the workers reach this process
         self.store = open_store(self.world_size, timeout_s, host)
 
@@ -172,18 +172,19 @@ class WorkerRanks:
                 raise ConfigError(f"tensor-parallel ranks {sorted(pending)} did not load in "
                                   f"{LOAD_TIMEOUT_S:.0f} s")
             time.sleep(0.02)
-        self.group, self.all_reduce = join_groups(
+        self.steps, self.all_reduce = join_groups(
             self.store, 0, self.stage_size, self.world_size // self.stage_size,
             timedelta(seconds=self.timeout_s), self.all_reduce_kind, self.timeout_s,
             self.vocab_widths, self.collectives, self.host)
         if self.all_reduce is not None:
             log.info("tensor parallel: all-reduce over %s", self.all_reduce.kind)
+        log.info("model parallel: steps' plans over %s", self.steps.kind)
 
     def send(self, step: ForwardStep) -> None:
         if self.broken is not None:
             raise EngineDead(f"the engine's ranks are out of step ({self.broken}); restart "
                              "the server")
-        broadcast_object(self.group, plain_step(step))
+        self.steps.send(plain_step(step))
 
     def failed(self, error: BaseException) -> EngineDead:
         gone = self._gone()
@@ -206,14 +207,16 @@ class WorkerRanks:
     def shutdown(self) -> None:
         """Tell the workers to stop (unless the ranks are out of step), wait for them, kill
         any that stays, and release what the executor holds."""
-        if self.group is not None and self.broken is None:
+        if self.steps is not None and self.broken is None:
             try:
-                broadcast_object(self.group, None)
+                self.steps.send(None)
             except RuntimeError as e:   # a worker already gone: it is killed below
                 log.warning("tensor parallel: stopping the workers: %s", e)
-        self._wait_stopped(STOP_WAIT_S if self.group is not None else 0.0)
+        self._wait_stopped(STOP_WAIT_S if self.steps is not None else 0.0)
         self.broken = self.broken or "shut down"
-        self.group = None
+        if self.steps is not None:
+            self.steps.close()
+        self.steps = None
         if self.all_reduce is not None:
             self.all_reduce.close()
         self._release()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ember.distributed.allreduce import make_all_reduce
+from ember.distributed.collectives import ShmSteps
 from ember.kernels import build_cpu_ops
 
 SLOT = 4096   # a small slot: float32 tensors above 1024 elements go in chunks
@@ -148,3 +149,100 @@ def test_a_lost_peer_makes_the_survivor_raise(tmp_path: Path, how: str) -> None:
             p.join(60)
     assert errors[0] and "rank 1" in errors[0], errors
     assert "failed before" in errors[1], errors
+
+
+# -- rank 0's broadcast through the same segment (the steps' plans) ------------------------
+
+BROADCAST_SIZES = (0, 1, SLOT - 1, SLOT, SLOT + 1, 3 * SLOT + 5)   # below, at, above a slot
+
+
+def broadcast_bytes(call: int, size: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(31 * call + size)
+    return torch.randint(0, 256, (size,), generator=g, dtype=torch.uint8)
+
+
+def broadcast_cases(rank: int, world_size: int, store: str, out_dir: str) -> None:
+    init_group(rank, world_size, store)
+    shm = make_all_reduce(None, rank, world_size, "shm", slot_bytes=SLOT)
+    nothing = torch.empty(0, dtype=torch.uint8)
+    results: dict = {}
+    for call in range(CALLS):   # broadcasts and all-reduces interleaved, as steps make them
+        size = BROADCAST_SIZES[call % len(BROADCAST_SIZES)]
+        sent = broadcast_bytes(call, size) if rank == 0 else nothing
+        results["bytes", call] = shm.handle.broadcast(sent, 60.0, 50.0).clone()
+        x = rank_tensor(rank, 2000 + call, SEQUENCE[call % 3], torch.float32)
+        shm(x)
+        results["sum", call] = x
+    steps = ShmSteps(shm.handle, 60.0, owned=False)
+    for i in range(20):   # pickles from ~100 bytes to several slots
+        obj = {"step": i, "token_ids": list(range(i * 200))}
+        results["object", i] = pass_step(steps, rank, obj)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_broadcast_gives_every_rank_rank0s_bytes_in_order(tmp_path: Path, world_size: int):
+    mp.spawn(broadcast_cases, args=(world_size, str(tmp_path / "store"), str(tmp_path)),
+             nprocs=world_size)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+    for call in range(CALLS):
+        want = broadcast_bytes(call, BROADCAST_SIZES[call % len(BROADCAST_SIZES)])
+        want_sum = rank_order_sum([rank_tensor(r, 2000 + call, SEQUENCE[call % 3],
+                                               torch.float32) for r in range(world_size)])
+        for rank, got in enumerate(results):
+            assert torch.equal(got["bytes", call], want), f"call {call} rank {rank}"
+            assert same_bits(got["sum", call], want_sum), f"call {call} rank {rank}"
+    for i in range(20):
+        want = {"step": i, "token_ids": list(range(i * 200))}
+        assert all(got["object", i] == want for got in results), i
+
+
+def pass_step(steps: ShmSteps, rank: int, obj: object) -> object:
+    """Rank 0 sends `obj`, another rank receives what rank 0 sends; both return it."""
+    if rank == 0:
+        steps.send(obj)
+        return obj
+    return steps.receive()
+
+
+def lose_a_broadcast_peer(rank: int, store: str, lost: int, how: str, outcome) -> None:
+    """Rank `lost` goes (`how`) after one step; the other, rank 0 sending or rank 1 waiting
+    for its next step (with no time limit, as an idle worker), must raise."""
+    init_group(rank, 2, store)
+    steps = ShmSteps(make_all_reduce(None, rank, 2, "shm", timeout_s=3.0).handle, 3.0,
+                     owned=True)
+    pass_step(steps, rank, "first")
+    if rank == lost:
+        if how == "exit":
+            os._exit(0)
+        if how == "close":
+            steps.close()
+        time.sleep(600)
+    errors = []
+    for _ in range(4):   # rank 0 writes on until a buffer the lost rank has not read
+        try:
+            pass_step(steps, rank, "next")
+        except RuntimeError as e:
+            errors.append(str(e))
+    outcome.put(errors)
+
+
+@pytest.mark.parametrize("lost,how", [(0, "exit"), (0, "close"), (1, "exit"), (1, "stall"),
+                                      (1, "close")])
+def test_a_lost_peer_ends_the_broadcast(tmp_path: Path, lost: int, how: str) -> None:
+    ctx = mp.get_context("spawn")
+    outcome = ctx.Queue()
+    procs = [ctx.Process(target=lose_a_broadcast_peer,
+                         args=(r, str(tmp_path / "store"), lost, how, outcome))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        errors = outcome.get(timeout=300)   # a hang fails here instead of stalling the suite
+    finally:
+        procs[lost].kill()
+        for p in procs:
+            p.join(60)
+    assert errors and f"rank {lost}" in errors[0], errors
+    assert all("failed before" in e for e in errors[1:]), errors
