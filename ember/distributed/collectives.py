@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ember.distributed.allreduce import AllReduceFn, make_all_reduce
+from ember.distributed.allreduce import AllReduceFn, ShmAllReduce, make_all_reduce
 
 HOST = "127.0.0.1"   # mp ranks share a host; Ray's ranks use their nodes' addresses
 # a worker waits this long for the next step: an idle engine is not a failed one
@@ -75,7 +75,7 @@ def join_groups(store: dist.Store, rank: int, stage_size: int, num_stages: int,
             connect(store, local, stage_size, timeout, prefix=f"stage{stage}", host=host)
         reduce = make_all_reduce(group, local, stage_size, all_reduce,
                                  timeout_s=all_reduce_timeout_s)
-        gather = gather_by_all_reduce(reduce, local, vocab_widths) if reduce.kind == "shm" \
+        gather = gather_through_shm(reduce, local, vocab_widths) if reduce.kind == "shm" \
             else gather_logits(group, local, vocab_widths)
         collectives.bind(reduce, gather)
     if num_stages > 1:
@@ -119,6 +119,27 @@ def gather_logits(group: dist.ProcessGroup, rank: int, widths: list[int]
         if rank != 0:
             return local.new_empty((rows, 0))
         return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
+    return gather
+
+
+def gather_through_shm(reduce: ShmAllReduce, rank: int, widths: list[int]
+                       ) -> Callable[[Tensor], Tensor]:
+    """A Gather through the shared-memory segment of `reduce`: each rank's logits [N,
+    widths[rank]] side by side on rank 0 as [N, sum(widths)] ([N, 0] on the others), copied
+    as they are (no zeros added, and the other ranks need not wait for rank 0); by the
+    all-reduce (gather_by_all_reduce) where a row of the widest does not fit a slot."""
+    widest = max(widths)
+    if widest * 4 > reduce.slot_bytes:   # float32 logits
+        return gather_by_all_reduce(reduce, rank, widths)
+    handle, timeout_s, spin_us = reduce.handle, reduce.timeout_s, reduce.spin_us
+    total = sum(widths)
+    nothing = torch.empty((0, 0))
+
+    def gather(local: Tensor) -> Tensor:
+        local = local.contiguous()
+        out = local.new_empty((local.shape[0], total)) if rank == 0 else nothing
+        handle.gather(local, out, widest, timeout_s, spin_us)
+        return out if rank == 0 else local.new_empty((local.shape[0], 0))
     return gather
 
 

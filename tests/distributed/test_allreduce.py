@@ -151,7 +151,7 @@ def test_a_lost_peer_makes_the_survivor_raise(tmp_path: Path, how: str) -> None:
     assert "failed before" in errors[1], errors
 
 
-# -- rank 0's broadcast through the same segment (the steps' plans) ------------------------
+# -- rank 0's broadcast (the steps' plans) and gather (logits), through the same segment ----
 
 BROADCAST_SIZES = (0, 1, SLOT - 1, SLOT, SLOT + 1, 3 * SLOT + 5)   # below, at, above a slot
 
@@ -159,6 +159,17 @@ BROADCAST_SIZES = (0, 1, SLOT - 1, SLOT, SLOT + 1, 3 * SLOT + 5)   # below, at, 
 def broadcast_bytes(call: int, size: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(31 * call + size)
     return torch.randint(0, 256, (size,), generator=g, dtype=torch.uint8)
+
+
+# (rows, dtype) of rank 0's gather: none, one, and several chunks of rows (a row of the
+# widest is 4000 bytes in float32: one row a slot), all interleaved with the calls above
+GATHER_CASES = [(0, torch.float32), (1, torch.float32), (3, torch.bfloat16),
+                (11, torch.float32), (11, torch.bfloat16)]
+
+
+def gather_widths(world_size: int) -> list[int]:
+    """Uneven widths, as the vocabulary's ranges are: rank r has 1000 - 7 r columns."""
+    return [1000 - 7 * r for r in range(world_size)]
 
 
 def broadcast_cases(rank: int, world_size: int, store: str, out_dir: str) -> None:
@@ -173,16 +184,32 @@ def broadcast_cases(rank: int, world_size: int, store: str, out_dir: str) -> Non
         x = rank_tensor(rank, 2000 + call, SEQUENCE[call % 3], torch.float32)
         shm(x)
         results["sum", call] = x
+        rows, dtype = GATHER_CASES[call % len(GATHER_CASES)]
+        widths = gather_widths(world_size)
+        local = rank_tensor(rank, 3000 + call, rows * widths[rank], dtype)
+        local = local.view(rows, widths[rank])
+        out = torch.empty((rows, sum(widths)), dtype=dtype) if rank == 0 else \
+            torch.empty((0, 0))
+        shm.handle.gather(local, out, max(widths), 60.0, 50.0)
+        results["gather", call] = out
     steps = ShmSteps(shm.handle, 60.0, owned=False)
     for i in range(20):   # pickles from ~100 bytes to several slots
         obj = {"step": i, "token_ids": list(range(i * 200))}
         results["object", i] = pass_step(steps, rank, obj)
+    fresh = make_all_reduce(None, rank, world_size, "shm", slot_bytes=SLOT)
+    try:   # rank 1 sends another dtype: rank 0 must say so
+        local = torch.ones((2, 10), dtype=torch.bfloat16 if rank == 1 else torch.float32)
+        out = torch.empty((2, 10 * world_size)) if rank == 0 else torch.empty((0, 0))
+        fresh.handle.gather(local, out, 10, 60.0, 50.0)
+        results["mismatch"] = ""
+    except RuntimeError as e:
+        results["mismatch"] = str(e)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_broadcast_gives_every_rank_rank0s_bytes_in_order(tmp_path: Path, world_size: int):
+def test_broadcast_and_gather_move_every_ranks_bytes_in_order(tmp_path: Path, world_size: int):
     mp.spawn(broadcast_cases, args=(world_size, str(tmp_path / "store"), str(tmp_path)),
              nprocs=world_size)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
@@ -193,9 +220,15 @@ def test_broadcast_gives_every_rank_rank0s_bytes_in_order(tmp_path: Path, world_
         for rank, got in enumerate(results):
             assert torch.equal(got["bytes", call], want), f"call {call} rank {rank}"
             assert same_bits(got["sum", call], want_sum), f"call {call} rank {rank}"
+        rows, dtype = GATHER_CASES[call % len(GATHER_CASES)]
+        widths = gather_widths(world_size)
+        want_gather = torch.cat([rank_tensor(r, 3000 + call, rows * widths[r], dtype)
+                                 .view(rows, widths[r]) for r in range(world_size)], dim=1)
+        assert same_bits(results[0]["gather", call], want_gather), f"gather call {call}"
     for i in range(20):
         want = {"step": i, "token_ids": list(range(i * 200))}
         assert all(got["object", i] == want for got in results), i
+    assert "rank 1 sent" in results[0]["mismatch"], results[0]["mismatch"]
 
 
 def pass_step(steps: ShmSteps, rank: int, obj: object) -> object:

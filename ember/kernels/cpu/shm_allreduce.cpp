@@ -529,4 +529,76 @@ at::Tensor ShmAllReduce::broadcast(const at::Tensor& data, double timeout_s, dou
   return out;
 }
 
+// Every chunk of rows: another rank puts its rows in its slot and marks them sent and read
+// (it reads nothing); rank 0 copies its own rows and then each rank's, in rank order, into
+// their columns of `out` and marks the chunk read.
+void ShmAllReduce::gather(const at::Tensor& local, at::Tensor& out, int64_t widest,
+                          double timeout_s, double spin_us) {
+  begin_call(timeout_s, spin_us);
+  TORCH_CHECK(local.device().is_cpu() && local.is_contiguous() && local.dim() == 2,
+              "gather takes a contiguous 2-d tensor on the CPU");
+  const int64_t rows = local.size(0), width = local.size(1), size = local.element_size();
+  TORCH_CHECK(width <= widest && widest > 0 && widest * size <= slot_bytes_,
+              "gather: ", width, " columns, widest ", widest, ": a row of the widest must fit ",
+              "a slot of ", slot_bytes_, " bytes");
+  const int64_t total = rank_ == 0 ? out.size(1) : 0;
+  if (rank_ == 0) {
+    TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2 &&
+                    out.size(0) == rows && out.scalar_type() == local.scalar_type(),
+                "gather: out must be a contiguous [", rows, ", sum of widths] tensor of ",
+                local.scalar_type());
+  }
+  const int64_t per_chunk = slot_bytes_ / (widest * size);
+  RankState* me = state(rank_);
+  const char* mine = static_cast<const char*>(local.data_ptr());
+  int64_t first = 0;
+  do {  // one chunk at least, so that every rank makes as many calls with 0 rows
+    const int64_t n = std::min(per_chunk, rows - first);
+    const uint64_t seq = ++seq_;
+    const int buffer = static_cast<int>(seq % 2);
+    await_buffer(seq);
+    const ChunkInfo info{static_cast<uint64_t>(rows * width * size),
+                         static_cast<uint32_t>(n * width * size),
+                         static_cast<uint32_t>(local.scalar_type())};
+    if (rank_ != 0) {
+      copy_to_slot(slot(rank_, buffer), mine + first * width * size, n * width * size);
+      me->chunk[buffer] = info;
+      publish(me, &me->ready, seq);
+      publish(me, &me->done, seq);
+    } else {
+      char* dst = static_cast<char*>(out.data_ptr()) + first * total * size;
+      int64_t column = 0;
+      for (int64_t p = 0; p < world_size_; ++p) {
+        const char* src = mine + first * width * size;
+        int64_t w = width;
+        if (p != 0) {
+          wait_for(p, &state(p)->ready, seq, "send");
+          const ChunkInfo theirs = state(p)->chunk[buffer];
+          w = n == 0 ? 0 : theirs.chunk_bytes / (n * size);
+          if (theirs.dtype != info.dtype || (n > 0 && theirs.chunk_bytes != w * n * size) ||
+              column + w > total) {
+            fail("gather: rank " + std::to_string(p) + " sent " +
+                 std::to_string(theirs.chunk_bytes) + " bytes of " +
+                 c10::toString(static_cast<at::ScalarType>(theirs.dtype)) + " for " +
+                 std::to_string(n) + " rows of " + std::to_string(total - column) +
+                 " columns left; every rank must gather the same rows and dtype, and their "
+                 "widths add up to out's");
+          }
+          src = slot(p, buffer);
+        }
+        for (int64_t r = 0; r < n; ++r) {
+          std::memcpy(dst + (r * total + column) * size, src + r * w * size, w * size);
+        }
+        column += w;
+      }
+      if (rows > 0 && column != total) {
+        fail("gather: the ranks sent " + std::to_string(column) + " columns where out has " +
+             std::to_string(total));
+      }
+      publish(me, &me->done, seq);
+    }
+    first += n;
+  } while (first < rows);
+}
+
 }  // namespace ember

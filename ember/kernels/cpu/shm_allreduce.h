@@ -40,6 +40,15 @@ class ShmAllReduce {
   // waiting for its next step), and a peer that exits or closes still ends the wait.
   at::Tensor broadcast(const at::Tensor& data, double timeout_s, double spin_us);
 
+  // Every rank's `local` [N, w_rank] (contiguous, on the CPU; every rank the same N and
+  // dtype) side by side into rank 0's `out` [N, sum of w] (contiguous, that dtype), at the
+  // columns of the ranks before; the others pass an empty `out`. `widest`: the largest
+  // w_rank, the same on every rank (rows go in chunks of slot_bytes / (widest * element
+  // size), one row at least). The others do not wait for rank 0 to read, but, as
+  // all_reduce, before they overwrite a buffer. Waits, raises and fails as all_reduce.
+  void gather(const at::Tensor& local, at::Tensor& out, int64_t widest, double timeout_s,
+              double spin_us);
+
   // This rank leaves the group: the others' waits on it raise at once, instead of at their
   // timeout. The destructor closes too.
   void close();
