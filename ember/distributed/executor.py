@@ -30,7 +30,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -308,7 +308,11 @@ def plain_step(step: ForwardStep) -> ForwardStep:
     """`step` with each Request cut down to the step's own token ids (a RowRequest); its
     adapters as they are (whole: each rank cuts its part)."""
     plan = step.plan
-    scheduled = [replace(item, request=_row_request(item)) for item in plan.scheduled]
+    # every field but the request, by the constructor: dataclasses.replace takes 1.5x the
+    # time, at every step
+    scheduled = [ScheduledRequest(_row_request(item), item.start, item.num_new_tokens,
+                                  item.block_ids, item.samples, item.draft_token_ids)
+                 for item in plan.scheduled]
     return ForwardStep(step.method, SchedulerOutput(scheduled, frozenset(), plan.block_copies),
                        step.adapters)
 

@@ -4,7 +4,7 @@ numbers."""
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -167,6 +167,9 @@ def test_a_step_as_plain_data_builds_the_same_inputs():
     assert torch.equal(a.positions, b.positions)
     assert torch.equal(a.attn.slot_mapping, b.attn.slot_mapping)
     assert TokenWindow(5, [1, 2, 3])[6:8] == [2, 3]
+    for name in (f.name for f in fields(ScheduledRequest) if f.name != "request"):
+        assert [getattr(s, name) for s in sent.scheduled] == \
+            [getattr(s, name) for s in plan.scheduled], name   # every field travels
 
 
 def test_stages_take_consecutive_layers_the_first_ones_more():
