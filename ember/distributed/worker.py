@@ -16,7 +16,7 @@ import torch
 
 from ember.distributed.collectives import (HOST, IDLE_WAIT, GlooSteps, RankCollectives,
                                            ShmSteps, join_groups, join_store)
-from ember.distributed.executor import WorkerPayload, pin_process
+from ember.distributed.executor import WorkerPayload, pin_process, received_step
 from ember.runner.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -67,4 +67,4 @@ def serve_steps(steps: GlooSteps | ShmSteps, runner: ModelRunner) -> None:
         step = steps.receive()
         if step is None:
             return
-        runner.run_step(step)
+        runner.run_step(received_step(step))
