@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ember.distributed.allreduce import make_all_reduce
-from ember.distributed.collectives import ShmSteps
+from ember.distributed.collectives import ShmSteps, gather_through_shm
 from ember.kernels import build_cpu_ops
 
 SLOT = 4096   # a small slot: float32 tensors above 1024 elements go in chunks
@@ -196,6 +196,11 @@ def broadcast_cases(rank: int, world_size: int, store: str, out_dir: str) -> Non
     for i in range(20):   # pickles from ~100 bytes to several slots
         obj = {"step": i, "token_ids": list(range(i * 200))}
         results["object", i] = pass_step(steps, rank, obj)
+    for wide in (False, True):   # a row of the widest within a slot (copied), or not (summed)
+        widths = [w + (SLOT // 4 if wide else 0) for w in gather_widths(world_size)]
+        gather = gather_through_shm(shm, rank, widths)
+        local = rank_tensor(rank, 4000 + wide, 3 * widths[rank], torch.bfloat16)
+        results["gather_through_shm", wide] = gather(local.view(3, widths[rank]))
     fresh = make_all_reduce(None, rank, world_size, "shm", slot_bytes=SLOT)
     try:   # rank 1 sends another dtype: rank 0 must say so
         local = torch.ones((2, 10), dtype=torch.bfloat16 if rank == 1 else torch.float32)
@@ -229,6 +234,14 @@ def test_broadcast_and_gather_move_every_ranks_bytes_in_order(tmp_path: Path, wo
         want = {"step": i, "token_ids": list(range(i * 200))}
         assert all(got["object", i] == want for got in results), i
     assert "rank 1 sent" in results[0]["mismatch"], results[0]["mismatch"]
+    for wide in (False, True):
+        widths = [w + (SLOT // 4 if wide else 0) for w in gather_widths(world_size)]
+        want = torch.cat([rank_tensor(r, 4000 + wide, 3 * widths[r], torch.bfloat16)
+                          .view(3, widths[r]) for r in range(world_size)], dim=1)
+        if wide:   # a sum with zeros: the same values, but -0.0 becomes +0.0
+            want = (want.float() + 0.0).to(torch.bfloat16)
+        assert same_bits(results[0]["gather_through_shm", wide], want), wide
+        assert all(got["gather_through_shm", wide].shape == (3, 0) for got in results[1:])
 
 
 def pass_step(steps: ShmSteps, rank: int, obj: object) -> object:
