@@ -147,9 +147,9 @@ def gather_by_all_reduce(all_reduce: AllReduceFn, rank: int, widths: list[int]
                          ) -> Callable[[Tensor], Tensor]:
     """A Gather through the shared-memory all-reduce (a decode step's gather over gloo cost
     as much as the rest of the step on two busy cores): each rank's logits [N, widths[rank]]
-    at its columns of zeros [N, sum(widths)], summed; adding zeros is exact, so rank 0 gets
-    every rank's logits as they were ([N, 0] on the others). Logits of a dtype the
-    all-reduce does not take go as float32, then back."""
+    at its columns of zeros [N, sum(widths)], summed; adding zeros is exact (but for -0.0,
+    which becomes +0.0), so rank 0 gets every rank's logits as they were ([N, 0] on the
+    others). Logits of a dtype the all-reduce does not take go as float32, then back."""
     start = sum(widths[:rank])
 
     def gather(local: Tensor) -> Tensor:
