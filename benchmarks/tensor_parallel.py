@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/tensor_parallel.py --tp 2 memory
     .venv/bin/python benchmarks/tensor_parallel.py --tp 1 speed
     .venv/bin/python benchmarks/tensor_parallel.py --tp 2 speed [--all-reduce gloo]
+    .venv/bin/python benchmarks/tensor_parallel.py --tp 2 --kv-cache-gib 0.5 throughput
 
 memory: the bytes of every tensor each rank's model holds (the packed int4 panels, the dense
 copies prompt rows run on, the int8 output projection; rank 1's counted by loading its part
@@ -11,6 +12,8 @@ in this process), and each process's resident and peak memory after loading and 
 generation. speed: one request, greedy, 128 tokens; the median step of each of 3 rounds, as
 tokens/s, and at T > 1 the time a step spends in the all-reduces called from Python (not those
 the decode stack makes itself, in C++, over shared memory) and in the logits gather.
+throughput: --requests requests of 128 tokens, --concurrency at once, output tokens/s of
+each of 3 rounds.
 Prints one JSON line.
 """
 from __future__ import annotations
@@ -107,6 +110,29 @@ def speed(llm: LLM) -> dict:
     return result
 
 
+def throughput(llm: LLM, num_requests: int, concurrency: int) -> dict:
+    """`num_requests` requests of 128 greedy tokens, at most `concurrency` in the engine at
+    once (a finished one replaced at once), after a warm-up at that concurrency: output
+    tokens per second of wall time (prompts included), of each of 3 rounds."""
+    core = llm.engine
+    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+
+    def prompt(i: int) -> str:
+        return llm.chat_prompt([{"role": "user", "content": f"Write story {i} about a dragon."}])
+
+    def run(tag: str, count: int) -> float:
+        start, sent, done = time.perf_counter(), 0, 0
+        while done < count:
+            while sent < count and sent - done < concurrency:
+                core.add_request(f"{tag}-{sent}", prompt(sent), params)
+                sent += 1
+            done += sum(r.is_finished for r in core.step())
+        return count * params.max_tokens / (time.perf_counter() - start)
+    run("warm", concurrency)
+    return {"output_tok_s": [round(run(f"r{i}", num_requests), 1) for i in range(3)],
+            "requests": num_requests, "concurrency": concurrency}
+
+
 def timed(collectives: RankCollectives, name: str, waits: Counter) -> None:
     """Wrap one of rank 0's bound collectives to add up the time spent in it."""
     inner = getattr(collectives, name)
@@ -122,11 +148,13 @@ def timed(collectives: RankCollectives, name: str, waits: Counter) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=("memory", "speed"))
+    parser.add_argument("what", choices=("memory", "speed", "throughput"))
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--prefill-matmul", default="auto")
     parser.add_argument("--kv-cache-gib", type=float, default=0.05)
     parser.add_argument("--all-reduce", default="auto", choices=("auto", "shm", "gloo"))
+    parser.add_argument("--requests", type=int, default=64, help="throughput: requests")
+    parser.add_argument("--concurrency", type=int, default=32, help="throughput: at once")
     args = parser.parse_args()
     llm = LLM(tensor_parallel_size=args.tp, prefill_matmul=args.prefill_matmul,
               kv_cache_gib=args.kv_cache_gib, all_reduce=args.all_reduce)
@@ -134,8 +162,10 @@ def main() -> None:
         if args.what == "memory":
             llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))
             result = memory(llm)
-        else:
+        elif args.what == "speed":
             result = speed(llm)
+        else:
+            result = throughput(llm, args.requests, args.concurrency)
         print(json.dumps({"tp": args.tp, args.what: result}))
     finally:
         llm.close()

@@ -87,8 +87,9 @@ class ShmAllReduce:
 
     kind = "shm"
 
-    def __init__(self, handle: Any, timeout_s: float, spin_us: float) -> None:
+    def __init__(self, handle: Any, timeout_s: float, spin_us: float, slot_bytes: int) -> None:
         self.handle, self.timeout_s, self.spin_us = handle, timeout_s, spin_us
+        self.slot_bytes = slot_bytes
 
     def __call__(self, x: Tensor) -> None:
         # the kernel checks x itself (a RuntimeError): a check here costs a decode step's
@@ -122,7 +123,7 @@ def make_all_reduce(group: Any, rank: int, world_size: int, kind: str = "auto", 
         return GlooAllReduce(group)
     handle, why_not = open_shm(group, rank, world_size, slot_bytes)
     if handle is not None:
-        return ShmAllReduce(handle, timeout_s, spin_us)
+        return ShmAllReduce(handle, timeout_s, spin_us, slot_bytes)
     if kind == "shm":
         raise ConfigError(f"the shared-memory all-reduce cannot run here: {why_not}; use "
                           "kind 'auto' or 'gloo'")

@@ -4,10 +4,13 @@ engines), the all-reduce and logits gather the model calls, and each step's plan
 from the driver.
 
 The all-reduce comes from ember/distributed/allreduce.py (shared memory on one host, else
-gloo; both add in rank order, so the result does not depend on the transport).
+gloo; both add in rank order, so the result does not depend on the transport). The plans
+take the same way: through the shared-memory segment where the ranks share a host, else a
+gloo broadcast.
 """
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Callable
 from datetime import timedelta
@@ -17,13 +20,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ember.distributed.allreduce import AllReduceFn, make_all_reduce
+from ember.distributed.allreduce import AllReduceFn, ShmAllReduce, make_all_reduce
 
 HOST = "127.0.0.1"   # mp ranks share a host; Ray's ranks use their nodes' addresses
 # a worker waits this long for the next step: an idle engine is not a failed one
 IDLE_WAIT = timedelta(days=365)
 HEADER_BYTES = 8
-STEP_BUFFER_BYTES = 1 << 16   # a step's plan fits one broadcast up to this size
+STEP_BUFFER_BYTES = 1 << 16   # a step's plan fits one gloo broadcast up to this size
+STEP_SLOT_BYTES = 1 << 16     # a pipeline's plan segment: a larger plan goes in chunks
+STEP_SPIN_US = 1000.0         # a worker spins this long for its next step, then sleeps
 
 
 def open_store(world_size: int, timeout_s: float, host: str = HOST) -> dist.TCPStore:
@@ -54,14 +59,15 @@ def connect(store: dist.Store, rank: int, world_size: int, timeout: timedelta,
 def join_groups(store: dist.Store, rank: int, stage_size: int, num_stages: int,
                 timeout: timedelta, all_reduce: str, all_reduce_timeout_s: float,
                 vocab_widths: list[int], collectives: RankCollectives, host: str = HOST
-                ) -> tuple[dist.ProcessGroup, Any]:
+                ) -> tuple[GlooSteps | ShmSteps, Any]:
     """Every rank calls it, once its part of the model is built: the group of all ranks
     (stage by stage, `stage_size` ranks each), then, with tensor parallel, its stage's group
     for the all-reduce and the logits gather (the group of all ranks itself where there is
-    one stage), bound into `collectives` with the pipeline's sends. Returns the group of all
-    ranks (the steps' broadcast) and the all-reduce (to close), or None. `host`: this
+    one stage), bound into `collectives` with the pipeline's sends. Returns the channel of
+    the steps' plans (step_channel) and the all-reduce (to close), or None. `host`: this
     rank's address the others reach it at."""
-    world = connect(store, rank, stage_size * num_stages, timeout, host=host)
+    world_size = stage_size * num_stages
+    world = connect(store, rank, world_size, timeout, host=host)
     reduce = None
     if stage_size > 1:
         stage, local = divmod(rank, stage_size)
@@ -69,12 +75,31 @@ def join_groups(store: dist.Store, rank: int, stage_size: int, num_stages: int,
             connect(store, local, stage_size, timeout, prefix=f"stage{stage}", host=host)
         reduce = make_all_reduce(group, local, stage_size, all_reduce,
                                  timeout_s=all_reduce_timeout_s)
-        gather = gather_by_all_reduce(reduce, local, vocab_widths) if reduce.kind == "shm" \
+        gather = gather_through_shm(reduce, local, vocab_widths) if reduce.kind == "shm" \
             else gather_logits(group, local, vocab_widths)
         collectives.bind(reduce, gather)
     if num_stages > 1:
         collectives.bind_pipeline(StagePipe(world, rank, stage_size, num_stages))
-    return world, reduce
+    steps = step_channel(world, rank, world_size, reduce if num_stages == 1 else None,
+                         all_reduce, all_reduce_timeout_s)
+    return steps, reduce
+
+
+def step_channel(world: dist.ProcessGroup, rank: int, world_size: int, reduce: Any,
+                 kind: str, timeout_s: float) -> GlooSteps | ShmSteps:
+    """How each step's plan goes from the driver to every rank: through shared memory where
+    the ranks' all-reduce does (`reduce`, the all-reduce of every rank, shares its segment)
+    or, on a pipeline, where a segment of all ranks opens (the same rule: one host, kind not
+    gloo); else a broadcast over the group of all ranks `world`. Collective."""
+    if reduce is not None:
+        return ShmSteps(reduce.handle, timeout_s, owned=False) if reduce.kind == "shm" \
+            else GlooSteps(world)
+    if kind != "gloo":
+        channel = make_all_reduce(world, rank, world_size, "auto", slot_bytes=STEP_SLOT_BYTES,
+                                  timeout_s=timeout_s)
+        if channel.kind == "shm":
+            return ShmSteps(channel.handle, timeout_s, owned=True)
+    return GlooSteps(world)
 
 
 def gather_logits(group: dist.ProcessGroup, rank: int, widths: list[int]
@@ -97,13 +122,34 @@ def gather_logits(group: dist.ProcessGroup, rank: int, widths: list[int]
     return gather
 
 
+def gather_through_shm(reduce: ShmAllReduce, rank: int, widths: list[int]
+                       ) -> Callable[[Tensor], Tensor]:
+    """A Gather through the shared-memory segment of `reduce`: each rank's logits [N,
+    widths[rank]] side by side on rank 0 as [N, sum(widths)] ([N, 0] on the others), copied
+    as they are (no zeros added, and the other ranks need not wait for rank 0); by the
+    all-reduce (gather_by_all_reduce) where a row of the widest does not fit a slot."""
+    widest = max(widths)
+    if widest * 4 > reduce.slot_bytes:   # float32 logits
+        return gather_by_all_reduce(reduce, rank, widths)
+    handle, timeout_s, spin_us = reduce.handle, reduce.timeout_s, reduce.spin_us
+    total = sum(widths)
+    nothing = torch.empty((0, 0))
+
+    def gather(local: Tensor) -> Tensor:
+        local = local.contiguous()
+        out = local.new_empty((local.shape[0], total)) if rank == 0 else nothing
+        handle.gather(local, out, widest, timeout_s, spin_us)
+        return out if rank == 0 else local.new_empty((local.shape[0], 0))
+    return gather
+
+
 def gather_by_all_reduce(all_reduce: AllReduceFn, rank: int, widths: list[int]
                          ) -> Callable[[Tensor], Tensor]:
     """A Gather through the shared-memory all-reduce (a decode step's gather over gloo cost
     as much as the rest of the step on two busy cores): each rank's logits [N, widths[rank]]
-    at its columns of zeros [N, sum(widths)], summed; adding zeros is exact, so rank 0 gets
-    every rank's logits as they were ([N, 0] on the others). Logits of a dtype the
-    all-reduce does not take go as float32, then back."""
+    at its columns of zeros [N, sum(widths)], summed; adding zeros is exact (but for -0.0,
+    which becomes +0.0), so rank 0 gets every rank's logits as they were ([N, 0] on the
+    others). Logits of a dtype the all-reduce does not take go as float32, then back."""
     start = sum(widths[:rank])
 
     def gather(local: Tensor) -> Tensor:
@@ -150,6 +196,53 @@ def receive_object(group: dist.ProcessGroup, timeout: timedelta = IDLE_WAIT) -> 
         group.broadcast(rest, 0).wait()
         data += rest.numpy().tobytes()
     return pickle.loads(data)
+
+
+class GlooSteps:
+    """The steps' plans over the ranks' gloo group (ranks on several hosts)."""
+
+    kind = "gloo"
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def send(self, obj: Any) -> None:
+        """`obj` to every other rank's receive() (rank 0)."""
+        broadcast_object(self.group, obj)
+
+    def receive(self) -> Any:
+        """The next object rank 0 sends, however long the driver idles first."""
+        return receive_object(self.group)
+
+    def close(self) -> None:
+        """Nothing to release: the group is the executor's."""
+
+
+class ShmSteps:
+    """The steps' plans through a shared-memory segment of every rank (its broadcast): rank
+    0 hands a step over in microseconds, not a gloo receiver's wake-up. A waiting worker
+    spins STEP_SPIN_US, then sleeps until the plan comes, however long the driver idles; it
+    still raises within ~10 ms of the driver exiting or closing the segment."""
+
+    kind = "shm"
+
+    def __init__(self, handle: Any, timeout_s: float, owned: bool) -> None:
+        self.handle, self.timeout_s, self.owned = handle, timeout_s, owned
+        self._nothing = torch.empty(0, dtype=torch.uint8)
+
+    def send(self, obj: Any) -> None:
+        data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        self.handle.broadcast(torch.frombuffer(data, dtype=torch.uint8), self.timeout_s,
+                              STEP_SPIN_US)
+
+    def receive(self) -> Any:
+        return pickle.loads(self.handle.broadcast(self._nothing, math.inf,
+                                                  STEP_SPIN_US).numpy())
+
+    def close(self) -> None:
+        """Leave the segment if it is the channel's own (else its all-reduce's owner does)."""
+        if self.owned:
+            self.handle.close()
 
 
 ACTIVATIONS_TAG = 1   # stage -> next stage

@@ -1,8 +1,8 @@
 """Executors: where the ranks of one model run, and how each step reaches them.
 
     engine process (rank 0, the driver)             worker process (rank r)
-    scheduler -> runner.forward(plan)               receive_object(group) -> step
-      peers.send(step)  --- broadcast (gloo) --->   runner.run_step(step)
+    scheduler -> runner.forward(plan)               steps.receive() -> step
+      peers.send(step)  --- broadcast (shm) ---->   runner.run_step(step)
       forward on rank 0's part  <-- all-reduces -->   forward on rank r's part
       logits (gathered here) -> sampler                (no logits, no sampling)
 
@@ -30,7 +30,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 import ember
-from ember.distributed.collectives import (HOST, RankCollectives, broadcast_object,
+from ember.distributed.collectives import (HOST, GlooSteps, RankCollectives, ShmSteps,
                                            join_groups, open_store)
 from ember.distributed.parallel import format_cpus
 from ember.errors import ConfigError, EngineDead
@@ -133,7 +133,7 @@ class WorkerRanks:
         self.vocab_widths = vocab_widths
         self.collectives = RankCollectives()   # rank 0's, bound by connect()
         self.broken: str | None = None   # why the ranks are out of step, once they are
-        self.group = None
+        self.steps: GlooSteps | ShmSteps | None = None   # the plans' way to the workers
         self.host = host              # where the workers reach this process
         self.store = open_store(self.world_size, timeout_s, host)
 
@@ -172,18 +172,19 @@ class WorkerRanks:
                 raise ConfigError(f"tensor-parallel ranks {sorted(pending)} did not load in "
                                   f"{LOAD_TIMEOUT_S:.0f} s")
             time.sleep(0.02)
-        self.group, self.all_reduce = join_groups(
+        self.steps, self.all_reduce = join_groups(
             self.store, 0, self.stage_size, self.world_size // self.stage_size,
             timedelta(seconds=self.timeout_s), self.all_reduce_kind, self.timeout_s,
             self.vocab_widths, self.collectives, self.host)
         if self.all_reduce is not None:
             log.info("tensor parallel: all-reduce over %s", self.all_reduce.kind)
+        log.info("model parallel: steps' plans over %s", self.steps.kind)
 
     def send(self, step: ForwardStep) -> None:
         if self.broken is not None:
             raise EngineDead(f"the engine's ranks are out of step ({self.broken}); restart "
                              "the server")
-        broadcast_object(self.group, plain_step(step))
+        self.steps.send(step_message(step))
 
     def failed(self, error: BaseException) -> EngineDead:
         gone = self._gone()
@@ -206,14 +207,16 @@ class WorkerRanks:
     def shutdown(self) -> None:
         """Tell the workers to stop (unless the ranks are out of step), wait for them, kill
         any that stays, and release what the executor holds."""
-        if self.group is not None and self.broken is None:
+        if self.steps is not None and self.broken is None:
             try:
-                broadcast_object(self.group, None)
+                self.steps.send(None)
             except RuntimeError as e:   # a worker already gone: it is killed below
                 log.warning("tensor parallel: stopping the workers: %s", e)
-        self._wait_stopped(STOP_WAIT_S if self.group is not None else 0.0)
+        self._wait_stopped(STOP_WAIT_S if self.steps is not None else 0.0)
         self.broken = self.broken or "shut down"
-        self.group = None
+        if self.steps is not None:
+            self.steps.close()
+        self.steps = None
         if self.all_reduce is not None:
             self.all_reduce.close()
         self._release()
@@ -301,21 +304,39 @@ class RowRequest:
     lora: str | None = None
 
 
-def plain_step(step: ForwardStep) -> ForwardStep:
-    """`step` with each Request cut down to the step's own token ids (a RowRequest); its
-    adapters as they are (whole: each rank cuts its part)."""
+# A step on the wire: (method, rows, block copies, adapters), a row per scheduled request
+# (its id, prompt length, the step's token ids, pooling, adapter, start, new tokens, block
+# table, whether it samples, drafts). Tuples of plain values pickle and load several times
+# faster than the dataclasses, on ranks whose caches the forward has just flushed.
+StepMessage = tuple[str, list[tuple], list, Any]
+
+
+def step_message(step: ForwardStep) -> StepMessage:
+    """What the driver sends of `step`: each Request cut down to the step's own token ids;
+    its adapters as they are (whole: each rank cuts its part)."""
     plan = step.plan
-    scheduled = [replace(item, request=_row_request(item)) for item in plan.scheduled]
-    return ForwardStep(step.method, SchedulerOutput(scheduled, frozenset(), plan.block_copies),
-                       step.adapters)
+    return step.method, [_row(item) for item in plan.scheduled], plan.block_copies, \
+        step.adapters
 
 
-def _row_request(item: ScheduledRequest) -> RowRequest:
+def _row(item: ScheduledRequest) -> tuple:
     request = item.request
     end = item.end - len(item.draft_token_ids)   # the drafts travel in the item itself
-    window = TokenWindow(item.start, request.all_token_ids[item.start:end])
-    return RowRequest(request.request_id, request.num_prompt_tokens, window,
-                      request.pooling, request.lora)
+    return (request.request_id, request.num_prompt_tokens,
+            request.all_token_ids[item.start:end], request.pooling, request.lora, item.start,
+            item.num_new_tokens, item.block_ids, item.samples, item.draft_token_ids)
+
+
+def received_step(message: StepMessage) -> ForwardStep:
+    """A worker's ForwardStep from the driver's step_message: each request a RowRequest."""
+    method, rows, block_copies, adapters = message
+    scheduled = [ScheduledRequest(RowRequest(request_id, num_prompt, TokenWindow(start, ids),
+                                             pooling, lora),
+                                  start, num_new, block_ids, samples, drafts)
+                 for (request_id, num_prompt, ids, pooling, lora, start, num_new, block_ids,
+                      samples, drafts) in rows]
+    return ForwardStep(method, SchedulerOutput(scheduled, frozenset(), block_copies),
+                       adapters)
 
 
 # -- CPU binding ----------------------------------------------------------------------------

@@ -14,9 +14,9 @@ import traceback
 
 import torch
 
-from ember.distributed.collectives import (HOST, IDLE_WAIT, RankCollectives, join_groups,
-                                           join_store, receive_object)
-from ember.distributed.executor import WorkerPayload, pin_process
+from ember.distributed.collectives import (HOST, IDLE_WAIT, GlooSteps, RankCollectives,
+                                           ShmSteps, join_groups, join_store)
+from ember.distributed.executor import WorkerPayload, pin_process, received_step
 from ember.runner.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -54,17 +54,17 @@ def run_worker(payload: WorkerPayload, host: str) -> None:
         raise
     store.set(f"ready/{rank}", "1")
     # waits as long as the driver may idle: the driver's own timeout bounds a step
-    group, _ = join_groups(store, rank, payload.stage_size,
+    steps, _ = join_groups(store, rank, payload.stage_size,
                            payload.world_size // payload.stage_size, IDLE_WAIT,
                            payload.all_reduce, payload.timeout_s, list(payload.vocab_widths),
                            collectives, host)
-    serve_steps(group, runner)
+    serve_steps(steps, runner)
 
 
-def serve_steps(group, runner: ModelRunner) -> None:
-    """Run the driver's steps until it broadcasts None."""
+def serve_steps(steps: GlooSteps | ShmSteps, runner: ModelRunner) -> None:
+    """Run the driver's steps until it sends None."""
     while True:
-        step = receive_object(group)
+        step = steps.receive()
         if step is None:
             return
-        runner.run_step(step)
+        runner.run_step(received_step(step))

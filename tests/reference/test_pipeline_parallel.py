@@ -65,6 +65,7 @@ def test_two_stages_match_one_process_step_by_step(tiny_folder):
         assert len(staged.runner.model.model.layers) == len(staged.runner.kv_caches) == 2
         assert not any(name.startswith("lm_head.")
                        for name, _ in staged.runner.model.named_parameters())
+        assert staged.executor.steps.kind == "shm"   # the plans' own segment: one host
         assert_same_steps(one, staged, NUM_STEPS)
     finally:
         staged.close()

@@ -47,7 +47,7 @@ def test_ranks_on_two_nodes_match_one_process_over_gloo(two_nodes, llama_folder)
                                                  tensor_parallel_size=2, **RAY))
     try:
         assert len(set(split.executor.nodes)) == 2          # one rank on each node
-        assert split.executor.all_reduce.kind == "gloo"
+        assert split.executor.all_reduce.kind == split.executor.steps.kind == "gloo"
         assert_same_steps(one, split, NUM_STEPS)
     finally:
         split.close()

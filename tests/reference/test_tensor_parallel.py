@@ -12,11 +12,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+import ember
 from ember import LLM, EngineConfig, SamplingParams
 from ember.engine.async_engine import AsyncEngine, EngineState
 from ember.engine.core import EngineCore
@@ -160,6 +165,49 @@ def test_an_idle_engine_dies_with_its_worker(llama_folder):
         assert isinstance(engine.error, EngineDead)
     finally:
         engine.shutdown()
+
+
+# an engine whose process is killed while idle, after a step: prints its worker's pid
+KILLED_DRIVER = """
+import os, signal, sys
+from ember import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", quantization="none",
+          kv_cache_gib=0.05)
+llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2))
+executor = llm.engine.executor
+print(executor.workers[0].pid, executor.steps.kind, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _exited(pid: int) -> bool:
+    """Whether process `pid` has ended (gone, or a zombie no one has reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_a_killed_driver_ends_its_idle_worker(llama_folder):
+    """The worker waits for its next step with no time limit (an idle engine is not a
+    failed one), yet ends once its driver is gone; the plans went over shared memory."""
+    root = str(Path(ember.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    driver = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, str(llama_folder)],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pid, kind = driver.stdout.readline().split()
+        assert driver.wait(DEADLINE_S) == -signal.SIGKILL
+        assert kind == "shm"
+        deadline = time.monotonic() + DEADLINE_S
+        while not _exited(int(pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _exited(int(pid)), f"the worker still runs {DEADLINE_S} s after its driver died"
+    finally:
+        driver.kill()
+        driver.stdout.close()
 
 
 def test_more_ranks_than_query_heads_fail_at_start_naming_them(llama_folder):

@@ -49,6 +49,7 @@ def run(folder, all_reduce: str, prompts: list[list[int]]) -> tuple[list, bool]:
         if not has_stack_kernels(llm):
             pytest.skip("the decode stack needs AVX-512 BF16")
         stacked = llm.engine.runner.model.decode_stack is not None
+        assert llm.engine.executor.steps.kind == all_reduce   # the plans go the same way
         return [llm.generate(p, PARAMS, COLD) for p in prompts], stacked
     finally:
         llm.close()

@@ -3,15 +3,16 @@ parallel.py), against the split written out by hand; and the start-up errors tha
 numbers."""
 from __future__ import annotations
 
+import pickle
 import re
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
 
 from ember.cli import build_parser, engine_config
 from ember.config import EngineConfig, ModelConfig, ParallelConfig, parse_cpu_bind
-from ember.distributed.executor import TokenWindow, plain_step
+from ember.distributed.executor import TokenWindow, received_step, step_message
 from ember.distributed.parallel import (even_ranges, plan_shards, plan_stages, rank_cpus,
                                         ray_rank_cpus, split_heads)
 from ember.errors import ConfigError
@@ -161,12 +162,16 @@ def test_a_step_as_plain_data_builds_the_same_inputs():
     prompt = Request("b", list(range(300, 320)), SamplingParams(), frozenset(), max_tokens=8)
     plan = SchedulerOutput([ScheduledRequest(request, 42, 3, [3, 4, 5], True, (11, 12)),
                             ScheduledRequest(prompt, 16, 4, [6, 7], True)])
-    sent = plain_step(ForwardStep("forward", plan)).plan
+    message = pickle.loads(pickle.dumps(step_message(ForwardStep("forward", plan))))
+    sent = received_step(message).plan
     a, b = (prepare_inputs(p, 16, torch.device("cpu")) for p in (plan, sent))
     assert a.input_ids.tolist() == [9, 11, 12, 316, 317, 318, 319] == b.input_ids.tolist()
     assert torch.equal(a.positions, b.positions)
     assert torch.equal(a.attn.slot_mapping, b.attn.slot_mapping)
     assert TokenWindow(5, [1, 2, 3])[6:8] == [2, 3]
+    for name in (f.name for f in fields(ScheduledRequest) if f.name != "request"):
+        assert [getattr(s, name) for s in sent.scheduled] == \
+            [getattr(s, name) for s in plan.scheduled], name   # every field travels
 
 
 def test_stages_take_consecutive_layers_the_first_ones_more():

@@ -64,6 +64,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("all_reduce", &ShmAllReduce::all_reduce,
            "in place, the sum over the ranks, added in rank order", py::arg("x"),
            py::arg("timeout_s"), py::arg("spin_us"), no_gil)
+      .def("broadcast", &ShmAllReduce::broadcast,
+           "rank 0's bytes (uint8) to every rank: rank 0 passes them, the others get them",
+           py::arg("data"), py::arg("timeout_s"), py::arg("spin_us"), no_gil)
+      .def("gather", &ShmAllReduce::gather,
+           "every rank's [N, w] side by side into rank 0's out [N, sum of w]", py::arg("local"),
+           py::arg("out"), py::arg("widest"), py::arg("timeout_s"), py::arg("spin_us"), no_gil)
       .def("close", &ShmAllReduce::close, "leave the group: the others' waits on it raise")
       .def("segment_bytes", &ShmAllReduce::segment_bytes)
       .def_static("unlink", &ShmAllReduce::unlink, "remove a segment's name", py::arg("name"));

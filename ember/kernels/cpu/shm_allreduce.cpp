@@ -14,6 +14,10 @@
 // alike on every rank, since every rank makes the same calls); chunk s uses buffer s % 2, so
 // a rank may write chunk s + 1 while the others still read chunk s. Before it overwrites its
 // buffer (chunk s + 2) it waits until every rank has read chunk s (their `done`).
+// A broadcast (rank 0's bytes to the others, a step's plan) takes the same sequence numbers
+// and buffers: rank 0 writes its slot and marks the chunk sent and read; the others copy it
+// out and mark it read, so rank 0 may go on at once and waits only before it reuses a
+// buffer, as an all-reduce does.
 // Waiting spins for spin_us, then sleeps on a futex of the awaited word, which its writer
 // wakes when it has sleepers (`waiters`): a waiting rank leaves its core to the others (two
 // ranks on a two-core machine) and still wakes within microseconds. It raises after
@@ -21,6 +25,7 @@
 #include "shm_allreduce.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -420,15 +425,38 @@ void ShmAllReduce::await_chunks(uint64_t seq, const Chunk& chunk) {
   }
 }
 
-void ShmAllReduce::all_reduce(at::Tensor& x, double timeout_s, double spin_us) {
+// Before any wait of a call: the call's limits, and the peers to watch.
+void ShmAllReduce::begin_call(double timeout_s, double spin_us) {
   TORCH_CHECK(failed_.empty(), "this all-reduce failed before and cannot be used again: ",
               failed_);
   TORCH_CHECK(base_ != nullptr, "this all-reduce is closed");
+  timeout_s_ = timeout_s;
+  spin_us_ = spin_us;
+  if (!watching_) watch_peers();
+}
+
+// Watch the pids of the peers that this process can see. Every rank has written its pid
+// by now: the ranks open the segment together (allreduce.py open_shm) before any call.
+void ShmAllReduce::watch_peers() {
+  for (int64_t p = 0; p < world_size_; ++p) {
+    const int32_t pid = __atomic_load_n(&state(p)->pid, __ATOMIC_ACQUIRE);
+    pid_checked_[p] = p != rank_ && pid > 0 && (kill(pid, 0) == 0 || errno == EPERM);
+  }
+  watching_ = true;
+}
+
+// Every other rank has read chunk seq - 2, the last one in the buffer chunk seq takes.
+void ShmAllReduce::await_buffer(uint64_t seq) {
+  for (int64_t p = 0; seq > 2 && p < world_size_; ++p) {
+    if (p != rank_) wait_for(p, &state(p)->done, seq - 2, "read");
+  }
+}
+
+void ShmAllReduce::all_reduce(at::Tensor& x, double timeout_s, double spin_us) {
+  begin_call(timeout_s, spin_us);
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "all_reduce takes a contiguous float32 or bfloat16 tensor on the CPU");
-  timeout_s_ = timeout_s;
-  spin_us_ = spin_us;
   const int64_t size = x.element_size(), numel = x.numel(), per_chunk = slot_bytes_ / size;
   RankState* me = state(rank_);
   char* data = static_cast<char*>(x.data_ptr());
@@ -438,22 +466,139 @@ void ShmAllReduce::all_reduce(at::Tensor& x, double timeout_s, double spin_us) {
     const Chunk chunk{static_cast<int>(seq % 2),
                       {static_cast<uint64_t>(numel * size), static_cast<uint32_t>(n * size),
                        static_cast<uint32_t>(x.scalar_type())}};
-    for (int64_t p = 0; seq > 2 && p < world_size_; ++p) {  // all have read the buffer's last
-      if (p != rank_) wait_for(p, &state(p)->done, seq - 2, "read");
-    }
+    await_buffer(seq);
     copy_to_slot(slot(rank_, chunk.buffer), data + first * size, n * size);
     me->chunk[chunk.buffer] = chunk.info;
     publish(me, &me->ready, seq);
     await_chunks(seq, chunk);
     reduce(chunk.buffer, data + first * size, n, x.scalar_type() == at::kBFloat16);
     publish(me, &me->done, seq);
-    if (seq == 1) {  // every peer is alive now: watch the pids that this process can see
-      for (int64_t p = 0; p < world_size_; ++p) {
-        const int32_t pid = __atomic_load_n(&state(p)->pid, __ATOMIC_ACQUIRE);
-        pid_checked_[p] = p != rank_ && pid > 0 && (kill(pid, 0) == 0 || errno == EPERM);
-      }
-    }
   }
+}
+
+// Rank 0 fills its slot chunk by chunk and marks each sent and read (by itself); another
+// rank takes each chunk from rank 0's slot and marks it read. A chunk's info says the
+// whole call's bytes, so a receiver learns how many chunks follow from the first.
+at::Tensor ShmAllReduce::broadcast(const at::Tensor& data, double timeout_s, double spin_us) {
+  begin_call(timeout_s, spin_us);
+  RankState* me = state(rank_);
+  if (rank_ == 0) {
+    TORCH_CHECK(data.device().is_cpu() && data.is_contiguous() &&
+                    data.scalar_type() == at::kByte && data.dim() == 1,
+                "broadcast sends a contiguous 1-d uint8 tensor on the CPU");
+    const int64_t total = data.numel();
+    const char* bytes = static_cast<const char*>(data.data_ptr());
+    int64_t first = 0;
+    do {
+      const int64_t n = std::min(slot_bytes_, total - first);
+      const uint64_t seq = ++seq_;
+      const int buffer = static_cast<int>(seq % 2);
+      await_buffer(seq);
+      copy_to_slot(slot(rank_, buffer), bytes + first, n);
+      me->chunk[buffer] = {static_cast<uint64_t>(total), static_cast<uint32_t>(n),
+                           static_cast<uint32_t>(at::kByte)};
+      publish(me, &me->ready, seq);
+      publish(me, &me->done, seq);
+      first += n;
+    } while (first < total);
+    return data;
+  }
+  at::Tensor out;
+  int64_t total = -1, got = 0;
+  do {
+    const uint64_t seq = ++seq_;
+    const int buffer = static_cast<int>(seq % 2);
+    wait_for(0, &state(0)->ready, seq, "send");
+    const ChunkInfo info = state(0)->chunk[buffer];
+    if (info.dtype != static_cast<uint32_t>(at::kByte) ||
+        (total >= 0 && info.call_bytes != static_cast<uint64_t>(total)) ||
+        info.chunk_bytes > std::min<uint64_t>(info.call_bytes - got, slot_bytes_)) {
+      fail("broadcast: rank 0 sent " + std::to_string(info.call_bytes) + " bytes of " +
+           c10::toString(static_cast<at::ScalarType>(info.dtype)) + " where rank " +
+           std::to_string(rank_) + " receives a broadcast; every rank must make the same " +
+           "calls in the same order");
+    }
+    if (total < 0) {
+      total = static_cast<int64_t>(info.call_bytes);
+      out = at::empty({total}, at::TensorOptions().dtype(at::kByte));
+    }
+    std::memcpy(static_cast<char*>(out.data_ptr()) + got, slot(0, buffer), info.chunk_bytes);
+    got += info.chunk_bytes;
+    publish(me, &me->done, seq);
+  } while (got < total);
+  return out;
+}
+
+// Every chunk of rows: another rank puts its rows in its slot and marks them sent and read
+// (it reads nothing); rank 0 copies its own rows and then each rank's, in rank order, into
+// their columns of `out` and marks the chunk read.
+void ShmAllReduce::gather(const at::Tensor& local, at::Tensor& out, int64_t widest,
+                          double timeout_s, double spin_us) {
+  begin_call(timeout_s, spin_us);
+  TORCH_CHECK(local.device().is_cpu() && local.is_contiguous() && local.dim() == 2,
+              "gather takes a contiguous 2-d tensor on the CPU");
+  const int64_t rows = local.size(0), width = local.size(1), size = local.element_size();
+  TORCH_CHECK(width <= widest && widest > 0 && widest * size <= slot_bytes_,
+              "gather: ", width, " columns, widest ", widest, ": a row of the widest must fit ",
+              "a slot of ", slot_bytes_, " bytes");
+  const int64_t total = rank_ == 0 ? out.size(1) : 0;
+  if (rank_ == 0) {
+    TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2 &&
+                    out.size(0) == rows && out.scalar_type() == local.scalar_type(),
+                "gather: out must be a contiguous [", rows, ", sum of widths] tensor of ",
+                local.scalar_type());
+  }
+  const int64_t per_chunk = slot_bytes_ / (widest * size);
+  RankState* me = state(rank_);
+  const char* mine = static_cast<const char*>(local.data_ptr());
+  int64_t first = 0;
+  do {  // one chunk at least, so that every rank makes as many calls with 0 rows
+    const int64_t n = std::min(per_chunk, rows - first);
+    const uint64_t seq = ++seq_;
+    const int buffer = static_cast<int>(seq % 2);
+    await_buffer(seq);
+    const ChunkInfo info{static_cast<uint64_t>(rows * width * size),
+                         static_cast<uint32_t>(n * width * size),
+                         static_cast<uint32_t>(local.scalar_type())};
+    if (rank_ != 0) {
+      copy_to_slot(slot(rank_, buffer), mine + first * width * size, n * width * size);
+      me->chunk[buffer] = info;
+      publish(me, &me->ready, seq);
+      publish(me, &me->done, seq);
+    } else {
+      char* dst = static_cast<char*>(out.data_ptr()) + first * total * size;
+      int64_t column = 0;
+      for (int64_t p = 0; p < world_size_; ++p) {
+        const char* src = mine + first * width * size;
+        int64_t w = width;
+        if (p != 0) {
+          wait_for(p, &state(p)->ready, seq, "send");
+          const ChunkInfo theirs = state(p)->chunk[buffer];
+          w = n == 0 ? 0 : theirs.chunk_bytes / (n * size);
+          if (theirs.dtype != info.dtype || (n > 0 && theirs.chunk_bytes != w * n * size) ||
+              column + w > total) {
+            fail("gather: rank " + std::to_string(p) + " sent " +
+                 std::to_string(theirs.chunk_bytes) + " bytes of " +
+                 c10::toString(static_cast<at::ScalarType>(theirs.dtype)) + " for " +
+                 std::to_string(n) + " rows of " + std::to_string(total - column) +
+                 " columns left; every rank must gather the same rows and dtype, and their "
+                 "widths add up to out's");
+          }
+          src = slot(p, buffer);
+        }
+        for (int64_t r = 0; r < n; ++r) {
+          std::memcpy(dst + (r * total + column) * size, src + r * w * size, w * size);
+        }
+        column += w;
+      }
+      if (rows > 0 && column != total) {
+        fail("gather: the ranks sent " + std::to_string(column) + " columns where out has " +
+             std::to_string(total));
+      }
+      publish(me, &me->done, seq);
+    }
+    first += n;
+  } while (first < rows);
 }
 
 }  // namespace ember

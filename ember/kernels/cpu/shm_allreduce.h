@@ -31,6 +31,24 @@ class ShmAllReduce {
   // raise, where a rank does not come, has exited or sent another size or type.
   void all_reduce(at::Tensor& x, double timeout_s, double spin_us);
 
+  // Rank 0's bytes to every rank, through the same slots and sequence numbers (every rank
+  // makes its broadcasts and all-reduces in one order): rank 0 passes `data` (uint8,
+  // contiguous, on the CPU) and gets it back; the others pass an empty tensor and get a new
+  // one of rank 0's bytes, however many (more than a slot go as chunks). Rank 0 does not
+  // wait for the others to read, but, as all_reduce, for them to have read the buffer it
+  // overwrites. Waits, raises and fails as all_reduce; timeout_s may be infinite (a worker
+  // waiting for its next step), and a peer that exits or closes still ends the wait.
+  at::Tensor broadcast(const at::Tensor& data, double timeout_s, double spin_us);
+
+  // Every rank's `local` [N, w_rank] (contiguous, on the CPU; every rank the same N and
+  // dtype) side by side into rank 0's `out` [N, sum of w] (contiguous, that dtype), at the
+  // columns of the ranks before; the others pass an empty `out`. `widest`: the largest
+  // w_rank, the same on every rank (rows go in chunks of slot_bytes / (widest * element
+  // size), one row at least). The others do not wait for rank 0 to read, but, as
+  // all_reduce, before they overwrite a buffer. Waits, raises and fails as all_reduce.
+  void gather(const at::Tensor& local, at::Tensor& out, int64_t widest, double timeout_s,
+              double spin_us);
+
   // This rank leaves the group: the others' waits on it raise at once, instead of at their
   // timeout. The destructor closes too.
   void close();
@@ -44,6 +62,9 @@ class ShmAllReduce {
   char* slot(int64_t rank, int buffer) const;
   void wait_for(int64_t peer, uint64_t* word, uint64_t target, const char* what);
   void await_chunks(uint64_t seq, const Chunk& chunk);
+  void await_buffer(uint64_t seq);
+  void begin_call(double timeout_s, double spin_us);
+  void watch_peers();
   void reduce(int buffer, void* out, int64_t elements, bool bf16);
   void check_peers_alive();
   void leave(uint64_t state);
@@ -56,6 +77,7 @@ class ShmAllReduce {
   double timeout_s_ = 0, spin_us_ = 0;
   std::string failed_;          // why this end stopped working; empty while it works
   std::vector<int8_t> pid_checked_;  // per peer: its pid seen alive from here (same pid space)
+  bool watching_ = false;            // pid_checked_ is filled in (at the first call)
 };
 
 }  // namespace ember
