@@ -186,14 +186,16 @@ class SimReplica:
         num_rows = len(running)
         keys = sum(r.num_computed_tokens for r in running)
         runner = self.runner
-        predict, scattered = runner.model.predict, runner.scattered
+        predict = runner.model.predict
         serving = runner.serving.seconds(num_rows)   # (every row streams a token)
+        factors, pool = (runner.spread.factors, len(runner.spread.factors)) \
+            if runner.spread is not None else (None, 1)
         self.ahead_start, end = now, now
-        for k in range(room):
+        for k in range(runner.num_steps, runner.num_steps + room):
             keys += num_rows   # each row at position p reads p + 1 keys
-            duration = scattered(
-                predict(StepShape(decode_rows=num_rows, decode_keys=keys)) + serving,
-                runner.num_steps + k)
+            duration = predict(StepShape(decode_rows=num_rows, decode_keys=keys)) + serving
+            if factors is not None:   # (as runner.scattered, inline: the hot loop)
+                duration *= factors[k % pool]
             end += duration
             self.ahead.append((end, duration))
         return end
