@@ -15,7 +15,10 @@ query heads (4 ranks: KV 0 on ranks 0-1 with query heads 0-1 and 2, KV 1 on rank
 rank 3). A rank needs at least one query head, so there can be at most as many ranks as
 query heads. Ranks before others get the larger share where a count does not divide evenly;
 MLP columns and vocabulary rows go in whole units (UNIT_*), so that int4's groups of 32
-inputs and the int8 output projection's tiles of 16 rows stay whole on every rank.
+inputs and the int8 output projection's tiles of 16 rows stay whole on every rank. Where the
+heads split unevenly, the columns and rows do too, so that every rank reads about as many
+weights per decoded token (balanced_split; the default model over 2 ranks: MLP columns
+672 + 864, vocabulary rows 25,536 + 23,616, 67.2M parameters each).
 
 A mixture of experts' experts are cut like the dense MLP (each rank a slice of every
 expert's columns), or, with expert parallel, shared out whole (each rank a contiguous range
@@ -75,12 +78,77 @@ def even_ranges(count: int, parts: int, unit: int = 1) -> list[Range]:
 def split_columns(count: int, parts: int, unit: int, what: str) -> list[Range]:
     """even_ranges in units of `unit` where `count` is made of at least `parts` of them,
     else of single columns; every part gets at least one."""
-    if count % unit or count // unit < parts:
-        unit = 1
+    return even_ranges(count, parts, column_unit(count, parts, unit, what))
+
+
+def column_unit(count: int, parts: int, unit: int, what: str) -> int:
+    """`unit` where `count` is made of at least `parts` of them, else 1 (single columns); a
+    ConfigError where there are fewer columns than parts."""
     if count < parts:
         raise ConfigError(f"{what} has {count} columns, fewer than tensor_parallel_size="
                           f"{parts}; lower tensor_parallel_size to {count} or less")
-    return even_ranges(count, parts, unit)
+    return 1 if count % unit or count // unit < parts else unit
+
+
+def decode_params(config: ModelConfig, q_heads: int, kv_heads: int, columns: int,
+                  vocab_rows: int) -> int:
+    """Weights (parameters) a rank holding these parts reads per decoded token: in each layer
+    q and o for its query heads, k and v for its KV heads, gate, up and down for its MLP
+    columns; and its output projection's vocabulary rows (its embedding rows are the same
+    ones, of which a token reads one). Biases and norms are left out (vectors)."""
+    h, d = config.hidden_size, config.head_dim
+    return config.num_layers * h * (2 * d * (q_heads + kv_heads) + 3 * columns) + h * vocab_rows
+
+
+def balance_units(loads: list[int], units: list[int], cost: int) -> list[int]:
+    """`units` (each rank's, each adding `cost` to its load) moved one at a time from the
+    heaviest rank that has more than one to the lightest while their gap exceeds `cost`:
+    each move lowers the sum of the loads' squares, so it ends, with the gaps at most a
+    unit's cost where the units allow."""
+    loads, units = list(loads), list(units)
+    while True:
+        order = sorted(range(len(loads)), key=loads.__getitem__)
+        low = order[0]
+        high = next((r for r in reversed(order) if units[r] > 1), low)
+        if loads[high] - loads[low] <= cost:
+            return units
+        units[high] -= 1
+        units[low] += 1
+        loads[high] -= cost
+        loads[low] += cost
+
+
+def balanced_split(config: ModelConfig, heads: list[tuple[Range, Range]]
+                   ) -> tuple[list[Range], list[Range]]:
+    """Each rank's MLP columns and vocabulary rows, so that the ranks read about as many
+    weights per decoded token (decode_params; every rank holds the same format, so bytes
+    follow parameters). Decode is weight-bandwidth bound and each all-reduce waits for the
+    slowest rank, so where the heads split unevenly (9 query heads over 2 ranks: 6 + 3 with
+    2 + 1 KV heads) the ranks with fewer heads take more MLP columns, then vocabulary rows
+    make up what whole column units cannot (balance_units). Ranges stay contiguous in rank
+    order and in whole units (UNIT_COLUMNS, UNIT_VOCAB). The even split stands where the
+    heads split evenly, and for mixtures of experts (what a token reads there follows its
+    routing)."""
+    parts = len(heads)
+    mlp_unit = column_unit(config.intermediate_size, parts, UNIT_COLUMNS, "the MLP")
+    vocab_unit = column_unit(config.vocab_size, parts, UNIT_VOCAB, "the vocabulary")
+    mlp = [(b - a) // mlp_unit for a, b in even_ranges(config.intermediate_size, parts,
+                                                        mlp_unit)]
+    vocab = [(b - a) // vocab_unit for a, b in even_ranges(config.vocab_size, parts, vocab_unit)]
+    counts = [(q1 - q0, k1 - k0) for (q0, q1), (k0, k1) in heads]
+    if not config.num_experts and len(set(counts)) > 1:
+        def loads() -> list[int]:
+            return [decode_params(config, q, kv, m * mlp_unit, v * vocab_unit)
+                    for (q, kv), m, v in zip(counts, mlp, vocab)]
+        mlp = balance_units(loads(), mlp, decode_params(config, 0, 0, mlp_unit, 0))
+        vocab = balance_units(loads(), vocab, decode_params(config, 0, 0, 0, vocab_unit))
+    return _ranges(mlp, mlp_unit), _ranges(vocab, vocab_unit)
+
+
+def _ranges(units: list[int], unit: int) -> list[Range]:
+    """Contiguous ranges of `units[i]` units of `unit` each, in order from 0."""
+    ends = [unit * sum(units[:i + 1]) for i in range(len(units))]
+    return list(zip([0, *ends[:-1]], ends))
 
 
 def split_experts(num_experts: int, parts: int) -> list[Range]:
@@ -210,7 +278,7 @@ def plan_shards(config: ModelConfig, world_size: int,
                           "(qk_norm 'full'), which tensor parallel does not split yet; use "
                           "tensor_parallel_size=1")
     heads = split_heads(config.num_heads, config.num_kv_heads, world_size)
-    mlp = split_columns(config.intermediate_size, world_size, UNIT_COLUMNS, "the MLP")
+    mlp, vocab = balanced_split(config, heads)
     experts: list[Range | None] = [None] * world_size
     if expert_parallel:
         if not config.num_experts:
@@ -226,7 +294,6 @@ def plan_shards(config: ModelConfig, world_size: int,
     shared = split_columns(config.shared_expert_intermediate_size, world_size, UNIT_COLUMNS,
                            "the shared expert") \
         if config.shared_expert_intermediate_size else [(0, 0)] * world_size
-    vocab = split_columns(config.vocab_size, world_size, UNIT_VOCAB, "the vocabulary")
     widest = max(b - a for a, b in vocab)
     return [TensorShard(rank, world_size, q, kv, config.head_dim, mlp[rank], moe[rank],
                         shared[rank], vocab[rank], widest, config.num_heads, config.num_kv_heads,
@@ -234,17 +301,24 @@ def plan_shards(config: ModelConfig, world_size: int,
             for rank, (q, kv) in enumerate(heads)]
 
 
-def describe_shards(shards: list[TensorShard]) -> str:
-    """E.g. 'rank 0: query heads 0-5, KV heads 0-1, MLP columns 0-767; rank 1: ...', with
-    each rank's whole experts under expert parallel."""
+def describe_shards(shards: list[TensorShard], config: ModelConfig) -> str:
+    """E.g. 'rank 0: query heads 0-5, KV heads 0-1, MLP columns 0-671, vocabulary 0-25535,
+    67.2M parameters read a token; rank 1: ...', with each rank's whole experts under expert
+    parallel (a mixture's reads follow its routing, so none are counted there)."""
     def span(r: Range) -> str:
         return f"{r[0]}-{r[1] - 1}" if r[1] - r[0] > 1 else str(r[0])
 
     def experts(s: TensorShard) -> str:
         return "" if s.experts is None else f", experts {span(s.experts)}"
+
+    def reads(s: TensorShard) -> str:
+        if config.num_experts:
+            return ""
+        size = [b - a for a, b in (s.q_heads, s.kv_heads, s.intermediate, s.vocab)]
+        return f", {decode_params(config, *size) / 1e6:.1f}M parameters read a token"
     return "; ".join(f"rank {s.rank}: query heads {span(s.q_heads)}, KV heads "
                      f"{span(s.kv_heads)}, MLP columns {span(s.intermediate)}{experts(s)}, "
-                     f"vocabulary {span(s.vocab)}" for s in shards)
+                     f"vocabulary {span(s.vocab)}{reads(s)}" for s in shards)
 
 
 def rank_cpus(parallel: ParallelConfig, available: list[int],

@@ -117,7 +117,7 @@ def plan_ranks(config: EngineConfig, model: ModelConfig, quantization: str) -> R
                               f"of {odd} inputs, not multiples of {GROUP}; use --quantization "
                               "int8 or another tensor_parallel_size")
     if size > 1:
-        log.info("tensor parallel over %d ranks: %s", size, describe_shards(shards))
+        log.info("tensor parallel over %d ranks: %s", size, describe_shards(shards, model))
     if num_stages > 1:
         micro = config.parallel.num_micro_batches
         log.info("pipeline parallel over %d stages of %d rank(s): %s; steps cut into up to "

@@ -130,10 +130,11 @@ def test_a_gguf_rank_reads_only_its_stacked_experts(tmp_path):
 
 
 def test_describe_shards_names_each_ranks_experts():
-    text = describe_shards(plan_shards(replace(MOE, num_experts=3), 2, expert_parallel=True))
+    three = replace(MOE, num_experts=3)
+    text = describe_shards(plan_shards(three, 2, expert_parallel=True), three)
     assert "rank 0: query heads 0-1, KV heads 0, MLP columns 0-63, experts 0-1" in text
     assert "rank 1: query heads 2-3, KV heads 1, MLP columns 64-127, experts 2," in text
-    assert "experts" not in describe_shards(plan_shards(MOE, 2))
+    assert "experts" not in describe_shards(plan_shards(MOE, 2), MOE)
 
 
 def test_more_ranks_than_experts_fail_naming_both():

@@ -13,8 +13,8 @@ import torch
 from ember.cli import build_parser, engine_config
 from ember.config import EngineConfig, ModelConfig, ParallelConfig, parse_cpu_bind
 from ember.distributed.executor import TokenWindow, received_step, step_message
-from ember.distributed.parallel import (even_ranges, plan_shards, plan_stages, rank_cpus,
-                                        ray_rank_cpus, split_heads)
+from ember.distributed.parallel import (describe_shards, even_ranges, plan_shards, plan_stages,
+                                        rank_cpus, ray_rank_cpus, split_heads)
 from ember.errors import ConfigError
 from ember.request import Request, SamplingParams
 from ember.runner.inputs import micro_batches, prepare_inputs
@@ -48,20 +48,74 @@ def test_more_ranks_than_query_heads_is_an_error_naming_both():
 
 
 def test_mlp_columns_and_vocabulary_split_in_whole_units():
-    shards = plan_shards(SMOLLM, 2)
-    assert [s.intermediate for s in shards] == [(0, 768), (768, 1536)]
-    assert [s.vocab for s in shards] == [(0, 24576), (24576, 49152)]
-    # 1536 columns = 48 units of 32, over 5 ranks: 10 + 10 + 10 + 9 + 9 units
-    assert [b - a for a, b in (s.intermediate for s in plan_shards(SMOLLM, 5))] == \
-        [320, 320, 320, 288, 288]
+    # 1536 columns = 48 units of 32 over 5 ranks, 49152 rows = 3072 units of 16: contiguous
+    # and whole, however the heads weigh
+    for shards in (plan_shards(SMOLLM, 5), plan_shards(replace(SMOLLM, num_heads=10,
+                                                               num_kv_heads=5), 5)):
+        for ranges, unit, total in (([s.intermediate for s in shards], 32, 1536),
+                                    ([s.vocab for s in shards], 16, 49152)):
+            assert [a for a, _ in ranges] == [0] + [b for _, b in ranges[:-1]]
+            assert ranges[-1][1] == total
+            assert all((b - a) % unit == 0 and b > a for a, b in ranges)
+    # heads even over 5 ranks: the even split, 10 + 10 + 10 + 9 + 9 units
+    even = plan_shards(replace(SMOLLM, num_heads=10, num_kv_heads=5), 5)
+    assert [b - a for a, b in (s.intermediate for s in even)] == [320, 320, 320, 288, 288]
     assert even_ranges(5, 2) == [(0, 3), (3, 5)]
 
 
-def test_a_rank_config_is_its_part():
-    local = plan_shards(SMOLLM, 2)[1].local_config(SMOLLM)
-    assert (local.num_heads, local.num_kv_heads, local.intermediate_size, local.vocab_size) == \
-        (3, 1, 768, 24576)
-    assert (local.hidden_size, local.head_dim, local.num_layers) == (576, 64, 30)
+def _reads(q_heads: int, kv_heads: int, columns: int, rows: int) -> int:
+    """The default model's weights a rank reads per decoded token, written out: 30 layers of
+    q + o (576 x 64 each per query head), k + v (576 x 64 each per KV head), gate + up +
+    down (576 each per column), then 576 per output-projection row."""
+    return 30 * (2 * 576 * 64 * q_heads + 2 * 576 * 64 * kv_heads + 3 * 576 * columns) + \
+        576 * rows
+
+
+def test_uneven_heads_get_columns_and_rows_that_even_out_each_ranks_reads():
+    """The default model over 2 ranks: 6 + 3 query heads, 2 + 1 KV heads. The even split
+    (768 + 768 columns, 24,576 + 24,576 rows) has rank 0 read 53% of the weights; moving 3
+    column units and 60 row units to rank 1 and back evens them exactly."""
+    assert _reads(6, 2, 768, 24576) / (_reads(6, 2, 768, 24576) + _reads(3, 1, 768, 24576)) \
+        == pytest.approx(0.533, abs=1e-3)
+    shards = plan_shards(SMOLLM, 2)
+    assert [s.intermediate for s in shards] == [(0, 672), (672, 1536)]
+    assert [s.vocab for s in shards] == [(0, 25536), (25536, 49152)]
+    assert _reads(6, 2, 672, 25536) == _reads(3, 1, 864, 23616) == 67_239_936
+    assert shards[0].max_vocab_rows == 25536
+    assert "MLP columns 0-671, vocabulary 0-25535, 67.2M parameters read a token; rank 1: " \
+        "query heads 6-8, KV heads 2, MLP columns 672-1535, vocabulary 25536-49151, 67.2M" \
+        in describe_shards(shards, SMOLLM)
+
+
+def test_heads_split_evenly_keep_the_even_split():
+    # the default model over 3 ranks: 3 query heads and a KV head each
+    shards = plan_shards(SMOLLM, 3)
+    assert [s.intermediate for s in shards] == [(0, 512), (512, 1024), (1024, 1536)]
+    assert [s.vocab for s in shards] == [(0, 16384), (16384, 32768), (32768, 49152)]
+    # 8 query heads over 4 KV heads, 2 ranks
+    even = plan_shards(replace(SMOLLM, num_heads=8, num_kv_heads=4), 2)
+    assert [s.intermediate for s in even] == [(0, 768), (768, 1536)]
+    assert [s.vocab for s in even] == [(0, 24576), (24576, 49152)]
+
+
+def test_four_ranks_sharing_kv_heads_read_within_a_row_unit_of_each_other():
+    """9 query heads over 4 ranks: 2, 1, 3, 3 query heads with a KV head each (rank 0 and 1
+    share KV head 0), so rank 1 takes the most columns."""
+    shards = plan_shards(SMOLLM, 4)
+    reads = [_reads(q1 - q0, 1, c1 - c0, v1 - v0)
+             for (q0, q1), (c0, c1), (v0, v1) in ((s.q_heads, s.intermediate, s.vocab)
+                                                  for s in shards)]
+    assert max(reads) - min(reads) <= 576 * 16   # one vocabulary unit
+    columns = [b - a for a, b in (s.intermediate for s in shards)]
+    assert columns[1] == max(columns) and columns[2] == columns[3] < columns[0]
+
+
+def test_a_mixture_of_experts_keeps_the_even_split():
+    moe = replace(SMOLLM, architecture="MixtralForCausalLM", num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=1536)
+    shards = plan_shards(moe, 2)
+    assert [s.intermediate for s in shards] == [(0, 768), (768, 1536)]
+    assert [s.vocab for s in shards] == [(0, 24576), (24576, 49152)]
 
 
 def test_take_cuts_each_tensor_as_the_fused_model_needs():
