@@ -44,7 +44,9 @@ LAYOUTS = {"P=2": dict(pipeline_parallel_size=2),
                            oversubscribe=True)}
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=[  # every case on -m heavy (tensor parallel runs them)
+    pytest.param(c, marks=pytest.mark.heavy) if c in ("qwen2-bias-tied", "gemma2-softcap")
+    else c for c in CASES])
 def tiny_folder(request, tmp_path_factory, tokenizer_files):
     model = CASES[request.param]()
     return save_tiny_model(tmp_path_factory.mktemp(request.param), model, tokenizer_files)

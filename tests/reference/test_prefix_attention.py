@@ -113,7 +113,7 @@ def test_chunks_refuse_rows_outside_q_or_in_two_chunks(kernels):
 
 
 @pytest.mark.parametrize(("kv_cache_dtype", "suffix_len"),
-                         [("model", 20), ("int8", 20),
+                         [pytest.param("model", 20, marks=pytest.mark.heavy), ("int8", 20),
                           pytest.param("int8", 6, marks=pytest.mark.heavy)])
 def test_shared_prefix_steps_through_the_stack_equal_the_layers(smollm_path, kv_cache_dtype,
                                                                 suffix_len):

@@ -74,7 +74,7 @@ HEAVY = pytest.mark.heavy   # 7-token chunks and self-drafts take hundreds of st
 @pytest.mark.parametrize("options", [
     pytest.param(dict(max_num_batched_tokens=7, max_num_seqs=8), marks=HEAVY),
     dict(max_num_batched_tokens=64, max_num_seqs=3),
-    dict(speculative="ngram", max_num_seqs=2),
+    pytest.param(dict(speculative="ngram", max_num_seqs=2), marks=HEAVY),
     dict(speculative="self", max_num_seqs=1),
     pytest.param(dict(max_num_batched_tokens=7, deterministic=True), marks=HEAVY),
     # preemption and recompute (room for the 256-token calibration prompt, not every request)

@@ -46,7 +46,8 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=[  # softcapped Gemma 2 on -m heavy
+    pytest.param(c, marks=pytest.mark.heavy) if c == "gemma2-softcap" else c for c in CASES])
 def tiny_folder(request, tmp_path_factory, tokenizer_files):
     model = CASES[request.param]()
     return save_tiny_model(tmp_path_factory.mktemp(request.param), model, tokenizer_files)

@@ -131,7 +131,13 @@ def smollm_metadata(smollm_path) -> dict:
     return GGUFFile(smollm_path).metadata
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
+# the default run writes a GGUF of four kinds (dense with qk-norm, Gemma 3, Mixtral, a MoE
+# with qk-norm); -m heavy writes every one
+DEFAULT_RUN = ("qwen3", "gemma3", "mixtral", "qwen3moe")
+
+
+@pytest.fixture(scope="module", params=[a if a in DEFAULT_RUN else
+                                        pytest.param(a, marks=pytest.mark.heavy) for a in ARCHS])
 def gguf_pair(request, tmp_path_factory, smollm_metadata):
     kind, options = CASES[request.param]
     model = tiny_variant(kind, **(options | GGUF_OVERRIDES.get(request.param, {})))

@@ -183,6 +183,7 @@ def test_a_ray_replicas_server_killed_under_load_comes_back_under_its_id(ray_fle
     assert served(gw, "p1") == routed + 2
 
 
+@pytest.mark.heavy
 def test_an_actor_ray_gave_up_on_is_replaced_under_its_id(ray_fleet):
     gw = ray_fleet
     before = replica(wait_fleet(gw, lambda f: ready_count(f) == 2, "both ready"), "p2")

@@ -183,7 +183,7 @@ EXPLICIT = {
     "/v1/embeddings": [{"input": "Hi", field: value} for field in ("dimensions", "priority")
                        for value in EXTREMES] + [{"input": [[value]]} for value in EXTREMES],
 }
-DEFAULT_EXAMPLES = 25   # per endpoint: 125 in all
+DEFAULT_EXAMPLES = 15   # per endpoint: 75 in all
 FUZZ_EXAMPLES = 500     # per endpoint under -m fuzz: 2500 in all
 
 
