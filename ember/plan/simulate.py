@@ -188,14 +188,13 @@ class SimReplica:
         runner = self.runner
         predict = runner.model.predict
         serving = runner.serving.seconds(num_rows)   # (every row streams a token)
-        factors, pool = (runner.spread.factors, len(runner.spread.factors)) \
-            if runner.spread is not None else (None, 1)
+        spread = runner.spread
         self.ahead_start, end = now, now
         for k in range(runner.num_steps, runner.num_steps + room):
             keys += num_rows   # each row at position p reads p + 1 keys
             duration = predict(StepShape(decode_rows=num_rows, decode_keys=keys)) + serving
-            if factors is not None:   # (as runner.scattered, inline: the hot loop)
-                duration *= factors[k % pool]
+            if spread is not None:   # (runner.scattered, without a call per step when off)
+                duration *= spread.factor(k)
             end += duration
             self.ahead.append((end, duration))
         return end

@@ -204,7 +204,7 @@ class ServingOverhead:
                                spread=other.spread or self.spread)
 
     def to_json(self) -> dict[str, object]:
-        return asdict(self) | {"spread": list(self.spread)}
+        return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict) -> "ServingOverhead":
