@@ -4,14 +4,31 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
 from ember.errors import ModelLoadError
 
 
+class _PlainArrayReader(GGUFReader):
+    """GGUFReader over a plain ndarray view of its memory map. The reader slices the map once
+    per metadata item (about a million slices for a 49k-token vocabulary), and a slice of an
+    np.memmap costs several times a plain array's (memmap's __getitem__ and
+    __array_finalize__): 2.0 s against 0.7 s for the default model. The view keeps the map
+    open through its base, so tensor data stays a zero-copy window on the file."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain = value.view(np.ndarray)
+
+
 def open_reader(path: Path) -> GGUFReader:
     try:
-        return GGUFReader(path)
+        return _PlainArrayReader(path)
     except (ValueError, OSError, IndexError, KeyError) as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file ({e}); check that "
                              "the download finished and the file is a .gguf model") from e

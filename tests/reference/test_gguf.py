@@ -17,6 +17,7 @@ from ember import LLM, EngineConfig, SamplingParams
 from ember.errors import ModelLoadError, UnsupportedModel
 from ember.quant.formats import dequantize
 from ember.weights.gguf import GGUFFile, hf_name, unpermute_rows
+from ember.weights.gguf_metadata import open_reader
 from ember.weights.loader import open_model_files
 from tests.conftest import tiny_hf_model
 from tests.reference.test_llama_vs_hf import PROMPTS, hf_logits
@@ -45,6 +46,20 @@ def test_shipped_model_tensors_dequantize_exactly(smollm_path):
         want = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).astype(np.float32))
         assert torch.equal(dequantize(t.data, t.tensor_type, shape), want.reshape(shape)), t.name
     assert {Q.Q4_1, Q.Q8_0, Q.F32} <= seen
+
+
+def test_reader_reads_what_the_gguf_package_reads(smollm_path):
+    stock, ours = GGUFReader(smollm_path), open_reader(smollm_path)
+    assert list(ours.fields) == list(stock.fields)
+    for key, field in stock.fields.items():
+        assert ours.fields[key].types == field.types, key
+        assert ours.fields[key].contents() == field.contents(), key
+    assert [(t.name, t.tensor_type, t.shape.tolist()) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.shape.tolist()) for t in stock.tensors]
+    for mine, theirs in zip(ours.tensors, stock.tensors):
+        assert np.array_equal(mine.data, theirs.data), mine.name
+        # a window on the file, not a copy: the loader reads weights straight from the map
+        assert np.shares_memory(mine.data, ours.data), mine.name
 
 
 def test_plain_types_keep_their_values():
