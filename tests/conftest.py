@@ -56,7 +56,7 @@ def smollm_chat(smollm_path: Path):
     from ember.router.prompts import load_tokenizer
     from ember.tokenizer.chat import ChatTemplate
     tokenizer = load_tokenizer(str(smollm_path))
-    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    template = ChatTemplate.of(tokenizer)
 
     def chat(messages: list[dict]) -> list[int]:
         return tokenizer.encode(template.render(messages, True), add_special_tokens=False)

@@ -57,8 +57,7 @@ class LLM:
     @property
     def chat_template(self) -> ChatTemplate:
         if self._chat_template is None:
-            tok = self.tokenizer
-            self._chat_template = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+            self._chat_template = ChatTemplate.of(self.tokenizer)
         return self._chat_template
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

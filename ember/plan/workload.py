@@ -56,7 +56,7 @@ def sim_requests(requests: list[BenchRequest], tokenizer: Tokenizer, block_size:
                  known: dict[str, list[int]] | None = None) -> list[SimRequest]:
     """Each request's prompt token ids, as `ember serve` makes them, and its block keys.
     `known`: plain prompts' ids already made (as `ember serve` makes them)."""
-    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    template = ChatTemplate.of(tokenizer)
     known = known or {}
     chats = [i for i, r in enumerate(requests) if r.messages is not None]
     plain = [i for i, r in enumerate(requests)

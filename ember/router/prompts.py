@@ -51,8 +51,7 @@ class PromptKeys:
                  text_chunk_chars: int, session_header: str) -> None:
         self.tokenizer = tokenizer
         # a model without a chat template (a base model) is asked plain prompts only
-        self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token,
-                                     tokenizer.eos_token) \
+        self.template = ChatTemplate.of(tokenizer) \
             if tokenizer is not None and tokenizer.chat_template else None
         self.salts = tenant_salts(keys)
         self.text_chunk_chars = text_chunk_chars

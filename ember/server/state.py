@@ -53,8 +53,7 @@ class ServerState:
 
     def chat_template(self) -> ChatTemplate:
         if self._chat_template is None:
-            tok = self.engine.tokenizer
-            self._chat_template = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+            self._chat_template = ChatTemplate.of(self.engine.tokenizer)
         return self._chat_template
 
     def answers(self) -> AnswerTokens:

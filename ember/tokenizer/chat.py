@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ember.errors import InvalidRequest, UnsupportedModel
+
+if TYPE_CHECKING:
+    from ember.tokenizer.tokenizer import Tokenizer
 
 Message = dict[str, Any]
 
@@ -53,6 +56,11 @@ class ChatTemplate:
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
         self.knows_tools = "tools" in source  # the template renders tool definitions itself
+
+    @classmethod
+    def of(cls, tokenizer: "Tokenizer") -> "ChatTemplate":
+        """The chat template a model's tokenizer files carry, with their special tokens."""
+        return cls(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
 
     def render(self, messages: list[Message], add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None, **extra: Any) -> str:

@@ -42,7 +42,7 @@ def client(sim):
 
 
 def chat_ids(tokenizer) -> list[int]:
-    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    template = ChatTemplate.of(tokenizer)
     return tokenizer.encode(template.render(MESSAGES, True), add_special_tokens=False)
 
 

@@ -93,8 +93,7 @@ MESSAGES = [
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(ember_tokenizer, hf_smollm_tokenizer,
                                             add_generation_prompt):
-    template = ChatTemplate(ember_tokenizer.chat_template, ember_tokenizer.bos_token,
-                            ember_tokenizer.eos_token)
+    template = ChatTemplate.of(ember_tokenizer)
     for messages in MESSAGES:
         want = hf_smollm_tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt)
