@@ -78,6 +78,10 @@ class PipelineBubble:
 
 
 class ModelRunner:
+    # where other processes map this rank's KV cache (kv_transfer/shm.py SharedKV.describe):
+    # a worker rank of a prefill or decode replica, whose driver moves its blocks
+    kv_segment: dict | None = None
+
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKV], block_size: int,
                  device: str, seed: int, kernels: CpuKernels | None = None,
                  loras: LoraRegistry | None = None, spec: SpecConfig = SpecConfig(),
