@@ -11,6 +11,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from ember import EngineConfig
+from ember.errors import ConfigError
 from tests.conftest import save_tiny_model, tiny_hf_model
 from tests.server.conftest import LiveServer
 from tests.server.test_disaggregated import PROMPTS, assert_all_free, complete
@@ -40,6 +42,10 @@ class Fleet:
             self.add(f"decode{size}", folder, role="decode", tensor_parallel_size=size)
         self.add("decode2-http", folder, role="decode", tensor_parallel_size=2,
                  kv_transport="http")
+        # two pipeline stages, a layer each (the decode group's pulls over HTTP)
+        self.add("prefill-p2", folder, role="prefill", pipeline_parallel_size=2)
+        self.add("decode-p2", folder, role="decode", pipeline_parallel_size=2,
+                 kv_transport="http")
 
     def add(self, name: str, folder, **options) -> None:
         self.servers[name] = LiveServer(folder, engine_options=BASE | options)
@@ -68,6 +74,11 @@ def through(prefill: LiveServer, decode: LiveServer, prompt: str) -> tuple[str, 
     return first["choices"][0]["text"] + rest["choices"][0]["text"], rest["usage"]
 
 
+def layout(server: LiveServer) -> str:
+    parallel = server.engine.config.parallel
+    return f"T={parallel.tensor_parallel_size} P={parallel.pipeline_parallel_size}"
+
+
 def metric(server: LiveServer, name: str, **labels: str) -> float:
     fields = {"model_name": server.state.model_name} | labels
     return server.metric(name + "{" + ",".join(f'{k}="{v}"' for k, v in fields.items()) + "}")
@@ -75,16 +86,17 @@ def metric(server: LiveServer, name: str, **labels: str) -> float:
 
 @pytest.mark.parametrize("prefill,decode,transport", [
     ("prefill2", "decode2", "shm"), ("prefill2", "decode2-http", "http"),
-    ("prefill2", "decode1", "shm"), ("prefill1", "decode2", "shm")])
+    ("prefill2", "decode1", "shm"), ("prefill1", "decode2", "shm"),
+    ("prefill-p2", "decode2", "shm"), ("prefill2", "decode-p2", "http")])
 def test_groups_of_any_size_answer_as_one_replica(fleet, prefill, decode, transport):
-    """Two ranks to two (shared memory and HTTP), two to one and one to two: every rank's
-    heads land where the decode group holds them."""
+    """Two ranks to two (shared memory and HTTP), two to one and one to two, two stages to
+    two tensor-parallel ranks and back: every rank's layers and heads land where the decode
+    group holds them."""
     prefill, decode = fleet[prefill], fleet[decode]
     loads = metric(decode, "ember_kv_transfer_loads_total")
     moved = metric(decode, "ember_kv_transfer_bytes_total", transport=transport)
     for prompt in PROMPTS:
-        prompt = f"{prompt} ({transport}, {prefill.engine.config.parallel.world_size} -> " \
-                 f"{decode.engine.config.parallel.world_size})"   # new to every cache
+        prompt = f"{prompt} ({transport}, {layout(prefill)} -> {layout(decode)})"   # (new)
         want = complete(fleet["single"].url, prompt)
         text, usage = through(prefill, decode, prompt)
         assert text == want["choices"][0]["text"]
@@ -131,3 +143,11 @@ def test_a_two_rank_prefill_group_gone_before_the_pull(folder, fleet):
     assert metric(decode, "ember_kv_transfer_fallbacks_total", reason="unreachable") == \
         before + 1
     assert_all_free(decode)
+
+
+def test_roles_over_ray_ranks_are_refused_naming_the_fix():
+    """The driver maps each rank's cache: ranks elsewhere (Ray) cannot be mapped."""
+    with pytest.raises(ConfigError, match="--distributed-executor mp"):
+        EngineConfig.from_options(role="decode", tensor_parallel_size=2,
+                                  distributed_executor="ray")
+    EngineConfig.from_options(role="decode", tensor_parallel_size=2)   # (mp: fine)
