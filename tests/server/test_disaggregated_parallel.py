@@ -151,3 +151,27 @@ def test_roles_over_ray_ranks_are_refused_naming_the_fix():
         EngineConfig.from_options(role="decode", tensor_parallel_size=2,
                                   distributed_executor="ray")
     EngineConfig.from_options(role="decode", tensor_parallel_size=2)   # (mp: fine)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy   # three two-rank replicas of the shipped model: a minute or more of CPU
+def test_default_model_two_rank_groups_answer_as_a_two_rank_replica(smollm_path):
+    """The shipped int4 model (its own KV cache dtype, the compiled kernels): a two-rank
+    prefill group's KV, moved bit for bit into a two-rank decode group, gives the greedy
+    tokens of one ordinary two-rank replica (itself within the closeness rule of one
+    process: tests/reference/test_tensor_parallel.py)."""
+    options = {"max_model_len": 512, "kv_cache_gib": 0.1, "tensor_parallel_size": 2,
+               "oversubscribe": True}
+    servers = [LiveServer(smollm_path, engine_options=options | extra)
+               for extra in ({}, {"role": "prefill"}, {"role": "decode"})]
+    try:
+        single, prefill, decode = servers
+        for prompt in ("What is the capital of France? Answer in one sentence.",
+                       "Write a haiku about the sea, then explain it."):
+            text, usage = through(prefill, decode, prompt)
+            assert text == complete(single.url, prompt)["choices"][0]["text"]
+        assert metric(decode, "ember_kv_transfer_loads_total") == 2
+        assert_all_free(prefill, decode)
+    finally:
+        for server in reversed(servers):
+            server.close()
