@@ -98,11 +98,17 @@ def pair_pieces(src: list[RankKV], dst: list[RankKV]) -> tuple[list[Tensor], lis
         return [t for r in src for t in r.tensors], [t for r in dst for t in r.tensors]
     src_out: list[Tensor] = []
     dst_out: list[Tensor] = []
-    for target in dst:
-        for layer in range(target.part.first_layer, target.part.end_layer):
-            for a, b in _layer_pieces(src, target, layer):
-                src_out.append(a)
-                dst_out.append(b)
+    try:
+        for target in dst:
+            for layer in range(target.part.first_layer, target.part.end_layer):
+                for a, b in _layer_pieces(src, target, layer):
+                    src_out.append(a)
+                    dst_out.append(b)
+    except TransferFailed as e:
+        detail = str(e).removeprefix("incompatible: ")
+        raise TransferFailed("incompatible", f"{detail}; the prefill replica holds "
+                             f"{describe_layout([r.part for r in src])}, this one "
+                             f"{describe_layout([r.part for r in dst])}") from e
     return src_out, dst_out
 
 
@@ -115,8 +121,7 @@ def _layer_pieces(src: list[RankKV], target: RankKV, layer: int) -> list[tuple[T
         source = next((r for r in src if r.part.first_layer <= layer < r.part.end_layer
                        and r.part.first_head <= head < r.part.end_head), None)
         if source is None:
-            raise TransferFailed("incompatible", f"no rank of the prefill replica holds layer "
-                                 f"{layer}, KV head {head}")
+            raise TransferFailed("incompatible", f"no rank holds layer {layer}, KV head {head}")
         stop = min(end, source.part.end_head)
         for a, b in zip(source.layer(layer), target.layer(layer)):
             for kv in range(a.shape[0]):

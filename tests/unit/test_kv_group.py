@@ -109,6 +109,8 @@ def test_any_layout_pulls_into_any_other(src_layout, dst_layout, int8):
 def test_a_head_no_source_rank_holds_is_incompatible():
     whole = whole_cache(4, False, seed=3)
     src = [r for r in cut(whole, "T2") if r.part.first_head == 0]   # heads 0-1 only
-    with pytest.raises(TransferFailed, match="KV head 2") as failed:
+    layouts = r"^incompatible: no rank holds layer 0, KV head 2; the prefill replica holds " \
+        r"1 rank\(s\): layers 0-4 heads 0-2, this one 1 rank\(s\): layers 0-4 heads 0-3$"
+    with pytest.raises(TransferFailed, match=layouts) as failed:
         pair_pieces(src, cut(whole, "one"))
     assert failed.value.reason == "incompatible"
