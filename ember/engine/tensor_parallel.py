@@ -214,8 +214,7 @@ def build_worker_runner(setup: RankSetup, rank: int,
                          kernels, batch_invariant=config.deterministic, vocab_size=0,
                          micro_batches=config.parallel.num_micro_batches,
                          lora_part=setup.lora_part(rank))
-    if shared is not None:
-        runner.kv_segment = shared.describe()   # (the memory file lives with the process)
+    runner.kv_shared = shared   # (held: its memory file stays open as long as the rank)
     return runner
 
 
