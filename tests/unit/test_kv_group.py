@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from ember.kernels import CpuKernels, build_cpu_ops
 from ember.kv_transfer.blocks import copy_blocks, read_blocks
 from ember.kv_transfer.connector import HttpTransport
 from ember.kv_transfer.group import RankKV, RankPart, pair_pieces, unit_nbytes
@@ -114,3 +115,16 @@ def test_a_head_no_source_rank_holds_is_incompatible():
     with pytest.raises(TransferFailed, match=layouts) as failed:
         pair_pieces(src, cut(whole, "one"))
     assert failed.value.reason == "incompatible"
+
+
+@pytest.mark.parametrize("src_layout,dst_layout", [("T2", "one"), ("one", "T4-replicated"),
+                                                   ("T2xP2", "T2")])
+def test_the_compiled_copy_moves_the_pieces_as_torch_does(src_layout, dst_layout):
+    kernels = CpuKernels(build_cpu_ops())   # a failed build is a failure here, not a skip
+    whole = whole_cache(12, True, seed=4)
+    src = cut(whole, src_layout)
+    before = cut(whole_cache(10, True, seed=5), dst_layout)
+    pairs = [(3, 0), (4, 1), (5, 2), (11, 7), (0, 9)]
+    got = [RankKV(r.part, [t.clone() for t in r.tensors]) for r in before]
+    copy_blocks(*pair_pieces(src, got), pairs, kernels)
+    assert_same(got, expected(whole, before, pairs))
