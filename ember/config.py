@@ -502,6 +502,12 @@ class EngineConfig:
             raise ConfigError(f"--role {self.kv_transfer.role} moves the model's KV only; a "
                               f"drafting model's would stay behind: leave out --speculative "
                               f"{self.spec.speculative} (ngram drafts need no KV)")
+        if self.kv_transfer.role != "both" and self.parallel.world_size > 1 and \
+                self.parallel.distributed_executor != "mp":
+            raise ConfigError(f"--role {self.kv_transfer.role} over {self.parallel.world_size} "
+                              "ranks needs every rank on this host (the driver maps each "
+                              "rank's KV cache to move its blocks): use --distributed-executor "
+                              "mp, or --role both")
         if self.parallel.tensor_parallel_size > 1:
             self._check_tensor_parallel()
         if self.parallel.pipeline_parallel_size > 1:
@@ -515,9 +521,7 @@ class EngineConfig:
                        (self.spec.proposer == "self", "speculative='self' (the target's "
                         "first layers are split over the ranks; draft:PATH or ngram works)"),
                        (self.prefill_matmul == "int8", "prefill_matmul='int8' (its "
-                        "calibration runs in one process; use bfloat16)"),
-                       (self.kv_transfer.role != "both", f"role={self.kv_transfer.role!r} "
-                        "(each rank holds only its KV heads)")]
+                        "calibration runs in one process; use bfloat16)")]
         named = [what for bad, what in unsupported if bad]
         if named:
             raise ConfigError(f"tensor_parallel_size={size} does not run with "
@@ -532,9 +536,7 @@ class EngineConfig:
                        (self.spec.proposer == "self", "--speculative self (the target's "
                         "first layers are split over the stages; draft:PATH or ngram works)"),
                        (self.prefill_matmul == "int8", "--prefill-matmul int8 (its "
-                        "calibration runs in one process; use bfloat16)"),
-                       (self.kv_transfer.role != "both", f"--role {self.kv_transfer.role} "
-                        "(each stage holds only its layers' KV)")]
+                        "calibration runs in one process; use bfloat16)")]
         named = [what for bad, what in unsupported if bad]
         if named:
             raise ConfigError(f"--pipeline-parallel-size {size} does not run with "

@@ -22,6 +22,7 @@ exit. An idle engine checks its workers are alive (check_alive) between steps.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -179,6 +180,11 @@ class WorkerRanks:
         if self.all_reduce is not None:
             log.info("tensor parallel: all-reduce over %s", self.all_reduce.kind)
         log.info("model parallel: steps' plans over %s", self.steps.kind)
+
+    def kv_segments(self) -> list[dict]:
+        """Where ranks 1..N-1 keep their KV caches in shared memory (published before they
+        said ready: a prefill or decode replica's), rank by rank."""
+        return [json.loads(self.store.get(f"kv/{rank}")) for rank in range(1, self.world_size)]
 
     def send(self, step: ForwardStep) -> None:
         if self.broken is not None:

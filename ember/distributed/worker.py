@@ -7,6 +7,7 @@ goes away (a collective raises: a process exits 1, an actor's call fails).
 """
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 import sys
@@ -52,6 +53,8 @@ def run_worker(payload: WorkerPayload, host: str) -> None:
         log.error("loading failed", exc_info=e)
         store.set(f"error/{rank}", "".join(traceback.format_exception_only(e)).strip())
         raise
+    if runner.kv_shared is not None:   # the driver maps this rank's KV cache
+        store.set(f"kv/{rank}", json.dumps(runner.kv_shared.describe()))
     store.set(f"ready/{rank}", "1")
     # waits as long as the driver may idle: the driver's own timeout bounds a step
     steps, _ = join_groups(store, rank, payload.stage_size,

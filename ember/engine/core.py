@@ -24,8 +24,9 @@ from ember.engine.memory import (advise_huge_pages, fault_in, huge_page_copies,
                                  return_free_memory, temporaries_from_the_heaps)
 from ember.distributed.executor import Executor, SingleProcess, WorkerRanks
 from ember.engine.tensor_parallel import (RankPlan, RankSetup, describe_kv_gain,
-                                          load_rank_model, plan_ranks, single_process_cpus,
-                                          start_ranks, tensor_parallel_prefill)
+                                          load_rank_model, plan_ranks, rank_parts,
+                                          single_process_cpus, start_ranks,
+                                          tensor_parallel_prefill)
 from ember.errors import ConfigError, ContextTooLong, EngineDead, InvalidRequest
 from ember.kernels import CpuKernels, load_kernels
 from ember.kv.kv_manager import KVCacheManager
@@ -33,7 +34,8 @@ from ember.kv.prefix_cache import adapter_salt, prompt_block_keys
 from ember.kv_transfer.blocks import cache_tensors
 from ember.kv_transfer.connector import KVConnector
 from ember.kv_transfer.params import Export, KVFormat, RemotePrefill
-from ember.kv_transfer.shm import shared_kv_caches
+from ember.kv_transfer.group import RankKV, RankPart
+from ember.kv_transfer.shm import GroupSegments, SharedKV, shared_kv_caches
 from ember.lora.registry import LoraRegistry
 from ember.quant.packed import step_weights, use_brgemm_prefill
 from ember.request import (FinishReason, PoolingParams, Request, RequestOptions,
@@ -188,7 +190,6 @@ class EngineCore:
                             self.model_config.window_of_every_layer(),
                             share_generated=False, max_events=config.cache.max_kv_events)
         self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len, config.spec)
-        self._init_kv_transfer(kv_caches, shared)
         self.loras = LoraRegistry(self.model_config, config.max_loras, config.max_lora_rank)
         self.loras.in_use = self._loras_in_use
         drafter = build_drafter(config, model, kv_caches, self.tokenizer, self.dtype, kernels,
@@ -204,6 +205,7 @@ class EngineCore:
                          if model.decode_stack is not None else "steps run layer by layer "
                          "(the whole-model decode stack needs the shared-memory all-reduce "
                          "and one pipeline stage)")
+        self._init_kv_transfer(kv_caches, shared)   # (after connect: the ranks' caches)
         # a step's LoRA factors in huge pages: read every step, a TLB miss per 4 KiB page else
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
                                   kernels, self.loras, config.spec, drafter, huge_page_copies,
@@ -301,8 +303,23 @@ class EngineCore:
         fmt = KVFormat(self.model_path.name, self.cache_info.dtype, self.cache_info.block_size,
                        self.model_config.num_layers, self.model_config.num_kv_heads,
                        self.model_config.head_dim)
-        self.kv_connector = KVConnector(transfer, cache_tensors(kv_caches), fmt, shared,
-                                        self.kernels)
+        group, segments = self._kv_group(cache_tensors(kv_caches), shared)
+        self.kv_connector = KVConnector(transfer, group, fmt, segments, self.kernels)
+
+    def _kv_group(self, tensors: list[torch.Tensor], shared: SharedKV | None
+                  ) -> tuple[list[RankKV], list[dict] | None]:
+        """This replica's ranks' caches (this process's, then the workers', mapped here) and
+        where other processes map each (None where this one's is not shared)."""
+        if not isinstance(self.executor, WorkerRanks):
+            whole = RankPart(0, self.model_config.num_layers, 0, self.model_config.num_kv_heads)
+            return [RankKV(whole, tensors)], None if shared is None else [shared.describe()]
+        workers = self.executor.kv_segments()
+        self._worker_kv = GroupSegments(workers)   # mapped as long as the engine lives
+        parts = rank_parts(self.rank_setup)
+        group = [RankKV(parts[0], tensors)] + [
+            RankKV(part, rank_tensors)
+            for part, rank_tensors in zip(parts[1:], self._worker_kv.tensors)]
+        return group, None if shared is None else [shared.describe(), *workers]
 
     def advise_kv_huge_pages(self) -> None:
         """Ask for huge pages under the KV cache (engine/memory.py); called after the

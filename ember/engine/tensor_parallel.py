@@ -32,6 +32,8 @@ from ember.engine.memory import (large_blocks_mapped_alone, lazy_zeros, move_to_
 from ember.engine.prefill_choice import PrefillChoice
 from ember.errors import ConfigError
 from ember.kernels import CpuKernels, load_kernels
+from ember.kv_transfer.group import RankPart
+from ember.kv_transfer.shm import shared_kv_caches
 from ember.lora.ranks import AdapterPart
 from ember.models.llama import LlamaForCausalLM
 from ember.quant.packed import GROUP, step_weights, use_brgemm_prefill
@@ -198,13 +200,28 @@ def build_worker_runner(setup: RankSetup, rank: int,
     model = load_rank_model(files, model_config, setup, rank, kernels, collectives)
     del files
     gc.collect()
-    kv_caches = allocate_kv_caches(setup.rank_config(model_config, rank), setup.num_blocks,
-                                   config.cache.block_size, setup.torch_dtype, config.device,
-                                   setup.kv_cache_dtype, zeros=lazy_zeros)
-    return ModelRunner(model, kv_caches, config.cache.block_size, config.device, config.seed,
-                       kernels, batch_invariant=config.deterministic, vocab_size=0,
-                       micro_batches=config.parallel.num_micro_batches,
-                       lora_part=setup.lora_part(rank))
+    rank_config = setup.rank_config(model_config, rank)
+    shared = None
+    if config.kv_transfer.role != "both":   # the driver moves this rank's blocks: shared
+        kv_caches, shared = shared_kv_caches(rank_config, setup.num_blocks,
+                                             config.cache.block_size, setup.torch_dtype,
+                                             setup.kv_cache_dtype)
+    else:
+        kv_caches = allocate_kv_caches(rank_config, setup.num_blocks, config.cache.block_size,
+                                       setup.torch_dtype, config.device, setup.kv_cache_dtype,
+                                       zeros=lazy_zeros)
+    runner = ModelRunner(model, kv_caches, config.cache.block_size, config.device, config.seed,
+                         kernels, batch_invariant=config.deterministic, vocab_size=0,
+                         micro_batches=config.parallel.num_micro_batches,
+                         lora_part=setup.lora_part(rank))
+    runner.kv_shared = shared   # (held: its memory file stays open as long as the rank)
+    return runner
+
+
+def rank_parts(setup: RankSetup) -> list[RankPart]:
+    """Which layers and KV heads each rank's cache holds, rank by rank (stage by stage)."""
+    return [RankPart(stage.first_layer, stage.end_layer, *shard.kv_heads)
+            for stage in setup.stages for shard in setup.shards]
 
 
 def describe_kv_gain(model: ModelConfig, plan: RankPlan, dtype: torch.dtype,

@@ -17,6 +17,13 @@ shared memory where the prefill replica's cache can be mapped from here (shm.py)
 server's stream (http.py). Another (NIXL, Mooncake) is one more KVTransport, chosen from
 what the claim's answer offers.
 
+A replica whose model is split over ranks is a group (group.py): each rank's cache holds its
+layers' and KV heads' share of every block, in shared memory that the driver maps, so this
+connector, on the driver, reads and writes every rank's share itself. A pin is the driver's
+alone: its block ids are the same slots on every rank, and the driver's scheduler frees
+them. A claim's answer names each rank's part and segment; a decode group of another size
+copies each head of each layer from a rank that holds it.
+
 Threads: save, take_releasable, start_load and take_finished run on the engine thread; the
 server calls claim, read and release from its own; pulls run in this connector's workers.
 The block pool is touched only by the engine thread (it frees what take_releasable gives).
@@ -39,9 +46,11 @@ from torch import Tensor
 from ember.config import KVTransferConfig
 from ember.kernels import CpuKernels
 from ember.kv.prefix_cache import prompt_block_keys
-from ember.kv_transfer.blocks import BlockWriter, block_nbytes, copy_blocks, read_blocks
+from ember.kv_transfer.blocks import BlockWriter, copy_blocks, read_blocks
+from ember.kv_transfer.group import (RankKV, RankPart, describe_parts, pair_pieces,
+                                     parse_parts, staging, unit_nbytes)
 from ember.kv_transfer.params import Export, KVFormat, RemotePrefill, TransferFailed
-from ember.kv_transfer.shm import Mappings, SharedKV
+from ember.kv_transfer.shm import Mappings
 from ember.request import Request
 from ember.scheduler.output import KVLoad
 
@@ -54,38 +63,52 @@ log = logging.getLogger(__name__)
 class KVTransport(Protocol):
     name: str
 
-    def pull(self, client: PrefillClient, claim: dict, pairs: list[tuple[int, int]],
-             deadline: float) -> int | None:
-        """Copy the claimed transfer's blocks (remote id, local id) into the local cache;
-        the bytes moved, or None when this transport cannot reach that replica."""
+    def pull(self, client: PrefillClient, claim: dict, source: list[RankPart],
+             pairs: list[tuple[int, int]], deadline: float) -> int | None:
+        """Copy the claimed transfer's blocks (remote id, local id) from the prefill
+        replica's ranks (`source`: what each holds) into the local group's caches; the bytes
+        moved, or None when this transport cannot reach that replica."""
 
 
 class ShmTransport:
     name = "shm"
 
-    def __init__(self, tensors: list[Tensor], kernels: CpuKernels | None) -> None:
-        self.tensors = tensors
+    def __init__(self, group: list[RankKV], kernels: CpuKernels | None) -> None:
+        self.group = group
         self.kernels = kernels   # the compiled copy, or None for torch's
         self.mappings = Mappings()
 
-    def pull(self, client: PrefillClient, claim: dict, pairs: list[tuple[int, int]],
-             deadline: float) -> int | None:
-        where = claim.get("shm")
-        src = self.mappings.tensors(where) if where else None
-        if src is None or not _same_blocks(src, self.tensors):
+    def pull(self, client: PrefillClient, claim: dict, source: list[RankPart],
+             pairs: list[tuple[int, int]], deadline: float) -> int | None:
+        segments = claim.get("shm")
+        if not isinstance(segments, list) or len(segments) != len(source):
             return None
-        return copy_blocks(src, self.tensors, pairs, self.kernels)
+        mapped = [self.mappings.tensors(where) if isinstance(where, dict) else None
+                  for where in segments]
+        if any(m is None for m in mapped):
+            return None
+        src = [RankKV(part, tensors) for part, tensors in zip(source, mapped)]
+        src_pieces, dst_pieces = pair_pieces(src, self.group)
+        if not _same_blocks(src_pieces, dst_pieces):
+            return None
+        return copy_blocks(src_pieces, dst_pieces, pairs, self.kernels)
 
 
 class HttpTransport:
     name = "http"
 
-    def __init__(self, tensors: list[Tensor]) -> None:
-        self.tensors = tensors
+    def __init__(self, group: list[RankKV]) -> None:
+        self.group = group
 
-    def pull(self, client: PrefillClient, claim: dict, pairs: list[tuple[int, int]],
-             deadline: float) -> int | None:
-        writer = BlockWriter(self.tensors, [d for _, d in pairs])
+    def pull(self, client: PrefillClient, claim: dict, source: list[RankPart],
+             pairs: list[tuple[int, int]], deadline: float) -> int | None:
+        """The prefill group's stream, written straight into this group's slots where the
+        two groups have one layout; else into staging caches of the prefill group's layout,
+        whose pieces are then copied into this group's."""
+        same = source == [r.part for r in self.group]
+        landing = self.group if same else staging(source, self.group, len(pairs))
+        writer = BlockWriter([t for r in landing for t in r.tensors],
+                             [d for _, d in pairs] if same else list(range(len(pairs))))
         moved = 0
         for chunk in client.blocks([s for s, _ in pairs]):
             try:
@@ -96,6 +119,9 @@ class HttpTransport:
                 raise TransferFailed("timeout", "the pull ran past --kv-pull-timeout")
         if not writer.complete:
             raise TransferFailed("transfer_failed", "the stream ended before its last block")
+        if not same:
+            src_pieces, dst_pieces = pair_pieces(landing, self.group)
+            copy_blocks(src_pieces, dst_pieces, [(i, d) for i, (_, d) in enumerate(pairs)])
         return moved
 
 
@@ -132,12 +158,16 @@ class _Pin:
 
 
 class KVConnector:
-    def __init__(self, config: KVTransferConfig, tensors: list[Tensor], kv_format: KVFormat,
-                 shared: SharedKV | None = None, kernels: CpuKernels | None = None) -> None:
+    def __init__(self, config: KVTransferConfig, group: list[RankKV], kv_format: KVFormat,
+                 segments: list[dict] | None = None, kernels: CpuKernels | None = None) -> None:
+        """`group`: this replica's ranks' caches (group.py; one for a one-process replica);
+        `segments`: where other processes on this host map each rank's cache
+        (SharedKV.describe, rank by rank), or None where they cannot."""
         self.config = config
-        self.tensors = tensors
+        self.group = group
+        self.tensors = [t for r in group for t in r.tensors]   # the group's, rank by rank
         self.kv_format = kv_format
-        self.shared = shared
+        self.segments = segments
         self.replica_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.on_ready: Callable[[], None] = lambda: None   # wakes the engine thread
         self.stats = TransferStats()
@@ -145,9 +175,9 @@ class KVConnector:
         self._pins: dict[str, _Pin] = {}
         self._unpinned: list[tuple[int, ...]] = []    # blocks for the engine thread to free
         self._finished: list[tuple[str, bool]] = []
-        self._transports: list[KVTransport] = [HttpTransport(tensors)]
+        self._transports: list[KVTransport] = [HttpTransport(group)]
         if config.kv_transport == "auto":
-            self._transports.insert(0, ShmTransport(tensors, kernels))
+            self._transports.insert(0, ShmTransport(group, kernels))
         self._workers = self._http = None
         if config.imports:
             from ember.kv_transfer import http
@@ -185,8 +215,8 @@ class KVConnector:
             if pin is None:
                 return None
             pin.deadline = max(pin.deadline, time.time() + self.config.kv_pull_timeout_s)
-        return {"shm": self.shared.describe() if self.shared is not None else None,
-                "block_nbytes": block_nbytes(self.tensors)}
+        return {"shm": self.segments, "parts": describe_parts(self.group),
+                "unit_nbytes": unit_nbytes(self.group)}
 
     def read(self, transfer_id: str, block_ids: list[int]) -> Iterator[bytes] | None:
         """The stream of a pinned transfer's blocks `block_ids` (blocks.py); None when it is
@@ -318,10 +348,11 @@ class KVConnector:
 
     def _move(self, client: PrefillClient, claim: dict, pairs: list[tuple[int, int]],
               deadline: float) -> tuple[int, str]:
-        if claim.get("block_nbytes") != block_nbytes(self.tensors):
+        if claim.get("unit_nbytes") != unit_nbytes(self.group):
             raise TransferFailed("incompatible", "the two replicas' blocks differ in size")
+        source = parse_parts(claim.get("parts"))   # any layout pairs up with ours: group.py
         for transport in self._transports:
-            moved = transport.pull(client, claim, pairs, deadline)
+            moved = transport.pull(client, claim, source, pairs, deadline)
             if moved is not None:
                 return moved, transport.name
         raise TransferFailed("unreachable", "no transport reaches the prefill replica")

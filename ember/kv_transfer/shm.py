@@ -25,7 +25,7 @@ from ember.models.attention import PagedKV
 from ember.runner.kv_tensors import allocate_kv_caches
 
 ALIGN = 1 << 12   # each tensor starts on a page
-MAX_MAPPINGS = 4  # other replicas' caches a decode replica keeps mapped
+MAX_MAPPINGS = 16  # other ranks' caches a decode replica keeps mapped (a few groups')
 
 
 def boot_id() -> str:
@@ -135,6 +135,26 @@ class Mappings:
         """Drop the mappings of processes that are gone: their memory is freed with them."""
         for key in [k for k in self._maps if not os.path.exists(f"/proc/{k[0]}")]:
             del self._maps[key]
+
+
+class GroupSegments:
+    """A driver's mappings of its own worker ranks' caches (SharedKV.describe each), read
+    and written in place: the driver's connector moves every rank's share of a block. Held
+    until the engine closes; the workers' memory outlives them only as long as it does."""
+
+    def __init__(self, segments: list[dict]) -> None:
+        self._maps: list[mmap.mmap] = []
+        self.tensors: list[list[Tensor]] = []
+        for where in segments:
+            if where.get("boot_id") != boot_id():
+                raise RuntimeError(f"rank (pid {where.get('pid')}) runs on another host: a "
+                                   "rank's KV cache must be mapped from the driver")
+            with open(f"/proc/{where['pid']}/fd/{where['fd']}", "r+b") as f:
+                buffer = mmap.mmap(f.fileno(), where["size"], mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
+            self._maps.append(buffer)
+            self.tensors.append(_views(buffer, [TensorPlace(o, tuple(shape), d)
+                                                for o, shape, d in where["tensors"]]))
 
 
 def shared_kv_caches(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
@@ -34,6 +34,9 @@ from ember.sampling.sampler import Sampler
 from ember.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from ember.spec.ngram import propose_ngram
 from ember.spec.verify import verify
+
+if TYPE_CHECKING:
+    from ember.kv_transfer.shm import SharedKV
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,10 @@ class PipelineBubble:
 
 
 class ModelRunner:
+    # this rank's KV cache in a memory file (kv_transfer/shm.py SharedKV), which the driver
+    # maps: a worker rank of a prefill or decode replica, whose driver moves its blocks
+    kv_shared: SharedKV | None = None
+
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[PagedKV], block_size: int,
                  device: str, seed: int, kernels: CpuKernels | None = None,
                  loras: LoraRegistry | None = None, spec: SpecConfig = SpecConfig(),
