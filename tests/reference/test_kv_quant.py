@@ -14,6 +14,7 @@ from ember import LLM, SamplingParams
 from ember.bench.workloads import default_corpus
 from ember.engine.perplexity import perplexity
 from ember.models.attention import quantize_int8
+from ember.runner.kv_tensors import resolve_kv_cache_dtype
 from tests.conftest import CHAT_PROMPTS, assert_greedy_close
 
 
@@ -87,22 +88,23 @@ def test_int8_kv_perplexity_within_1_percent_of_bf16(bf16_pair):
 
 
 def test_the_default_cache_is_int8_where_the_kernels_read_it_and_stays_close_to_bf16(
-        smollm_path):
+        smollm_path, bf16_pair):
     """kv_cache_dtype auto: int8 with int4 weights (the default) where the compiled attention
     kernels read it (AVX-512 BF16 and VNNI), else the model's dtype (int8 and dense weights
     keep it). Every prompt row reads k and v as the int8 cache holds them (a fresh prompt
     too, so that a cache hit or a later chunk reads what it read): greedy answers stay
-    within the closeness rule of the bfloat16 cache's."""
-    small = dict(kv_cache_gib=0.05, enable_prefix_caching=False)
-    auto = LLM(str(smollm_path), **small)
-    assert LLM(str(smollm_path), quantization="int8", **small).engine.cache_info.dtype == \
-        "bfloat16"
+    within the closeness rule of the bfloat16 cache's (bf16_pair's, prompts in chunks of 32)."""
+    auto = LLM(str(smollm_path), kv_cache_gib=0.05, enable_prefix_caching=False)
     kernels = auto.engine.runner.model.model.norm.kernels
+    head_dim = auto.engine.model_config.head_dim
+    for quantization in ("int8", "none"):
+        assert resolve_kv_cache_dtype("auto", quantization, torch.bfloat16, head_dim,
+                                      kernels) == "model"
     if kernels is None or not kernels.has_bf16_dot:
         assert auto.engine.cache_info.dtype == "bfloat16"
         pytest.skip("this CPU has no AVX-512 BF16 and VNNI: the cache stays bfloat16")
     assert auto.engine.cache_info.dtype == "int8"
-    model = LLM(str(smollm_path), kv_cache_dtype="model", **small)
+    model = bf16_pair["model"]
     assert model.engine.cache_info.dtype == "bfloat16"
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     prompts = [auto.chat_prompt([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]

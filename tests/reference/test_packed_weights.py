@@ -121,15 +121,18 @@ def test_packed_weights_need_bfloat16_and_a_cpu(smollm_path):
 
 @pytest.fixture(scope="module")
 def formats(smollm_path):
-    """The default model's weights as bf16 (dense), int8 and int4 (packed)."""
-    return {q: LLM(str(smollm_path), dtype="bfloat16", quantization=q,
+    """The default model's weights as bf16 (dense), int8 and int4 (packed); int4 as `auto`
+    picks it for the shipped Q4_1 GGUF (test_auto_runs_a_q4_gguf_on_int4)."""
+    asked = {"none": "none", "int8": "int8", "int4": "auto"}
+    return {q: LLM(str(smollm_path), dtype="bfloat16", quantization=asked[q],
                    max_num_batched_tokens=256) for q in ("none", "int8", "int4")}
 
 
-def test_auto_runs_a_q4_gguf_on_int4(smollm_path, formats):
-    llm = LLM(str(smollm_path), dtype="bfloat16")
-    assert llm.engine.quantization == "int4"
+def test_auto_runs_a_q4_gguf_on_int4(formats):
+    assert formats["int4"].config.quantization == "auto"
+    assert formats["int4"].engine.quantization == "int4"
     assert formats["none"].engine.quantization == "none"
+    assert formats["int8"].engine.quantization == "int8"
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
