@@ -202,9 +202,16 @@ def test_bad_cpu_binds_are_refused(spec, message):
 
 
 def test_unsupported_options_fail_before_anything_starts():
-    with pytest.raises(ConfigError, match="speculative='self'"):
-        EngineConfig.from_options(tensor_parallel_size=2, speculative="self")
+    with pytest.raises(ConfigError, match="prefill_matmul='int8'"):
+        EngineConfig.from_options(tensor_parallel_size=2, prefill_matmul="int8")
     assert EngineConfig.from_options(tensor_parallel_size=2).parallel.tensor_parallel_size == 2
+    # the self-draft's layers split as the target's; a pipeline's split them from its head
+    assert EngineConfig.from_options(tensor_parallel_size=2,
+                                     speculative="self").spec.proposer == "self"
+    with pytest.raises(ConfigError, match="--pipeline-parallel-size 2 does not run with "
+                                          "--speculative self"):
+        EngineConfig.from_options(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                  speculative="self")
 
 
 def test_a_step_as_plain_data_builds_the_same_inputs():
