@@ -44,7 +44,9 @@ def test_split_target_with_speculation_matches_one_process_without(models, case)
         llm.close()
 
 
-def test_self_draft_over_two_ranks_drafts_as_one_process(models):  # noqa: F811
+# over gloo the draft runs layer by layer; over shared memory its decode stack all-reduces
+@pytest.mark.parametrize("all_reduce", ["auto", pytest.param("gloo", marks=pytest.mark.heavy)])
+def test_self_draft_over_two_ranks_drafts_as_one_process(models, all_reduce):  # noqa: F811
     """The self-draft's layers split over two ranks, its logits gathered on the driver: the
     same greedy tokens as one process without speculation and with it, and the same drafts
     accepted as one process's (every draft is the same token)."""
@@ -54,7 +56,7 @@ def test_self_draft_over_two_ranks_drafts_as_one_process(models):  # noqa: F811
     want = outputs(LLM(target, quantization="none", **COMMON), REPEATING, GREEDY)
     alone = LLM(target, **options)
     alone_tokens = outputs(alone, REPEATING, GREEDY)
-    llm = LLM(target, tensor_parallel_size=2, **options)
+    llm = LLM(target, tensor_parallel_size=2, all_reduce=all_reduce, **options)
     try:
         got = outputs(llm, REPEATING, GREEDY)
         assert [w[0].token_ids for w in want] == [g[0].token_ids for g in got] == \
