@@ -531,10 +531,6 @@ class EngineConfig:
         size = self.parallel.pipeline_parallel_size
         unsupported = [(not self.device.startswith("cpu"), f"--device {self.device} (ranks "
                         "talk over gloo on the CPU)"),
-                       (self.spec.proposer == "self", "--speculative self (its layers are "
-                        "on the first stage, its final norm and LM head on the last; "
-                        "draft:PATH or ngram works, and self at --tensor-parallel-size > 1 "
-                        "alone)"),
                        (self.prefill_matmul == "int8", "--prefill-matmul int8 (its "
                         "calibration runs in one process; use bfloat16)")]
         named = [what for bad, what in unsupported if bad]

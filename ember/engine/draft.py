@@ -10,6 +10,7 @@ import torch
 
 from ember.config import EngineConfig, ModelConfig
 from ember.distributed.collectives import RankCollectives
+from ember.distributed.parallel import PipelineStage
 from ember.distributed.sharding import stack_all_reduce
 from ember.engine.files_summary import load_tokenizer
 from ember.errors import ConfigError
@@ -18,7 +19,7 @@ from ember.models.attention import PagedKV
 from ember.models.llama import LlamaForCausalLM
 from ember.runner.drafter import Drafter
 from ember.runner.kv_tensors import allocate_kv_caches
-from ember.spec.layer_skip import default_draft_layers, layer_skip_model
+from ember.spec.layer_skip import check_draft_layers, default_draft_layers, first_layers
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.loader import (apply_quantization, load_model, open_model_files,
                                   resolve_quantization)
@@ -30,24 +31,26 @@ def build_drafter(config: EngineConfig, model: LlamaForCausalLM, kv_caches: list
                   tokenizer: Tokenizer, dtype: torch.dtype, kernels: CpuKernels | None,
                   num_blocks: int, kv_dtype: str, max_model_len: int,
                   model_path: Path | None = None, whole_config: ModelConfig | None = None,
-                  collectives: RankCollectives | None = None) -> Drafter | None:
+                  collectives: RankCollectives | None = None,
+                  stage: PipelineStage | None = None) -> Drafter | None:
     """The drafter the spec config asks for, or None (no speculation, or n-gram). A draft
     model that is the target's own file (`model_path`) drafts with the target's loaded
     weights, on caches of its own: the same numerics, so its guesses are the target's.
 
     `whole_config`: the target's, where `model` is only this process's part of it (a model
-    split over ranks, whose `collectives` these are); a draft model then runs whole in this
-    process beside it, loaded from its file even where that is the target's, and a
-    self-draft on every rank (self_drafter)."""
+    split over ranks, whose `collectives` these are, of pipeline `stage`); a draft model
+    then runs whole in this process beside it, loaded from its file even where that is the
+    target's, and a self-draft on every rank (self_drafter)."""
     spec = config.spec
     block_size, device = config.cache.block_size, torch.device(config.device)
     if spec.proposer == "self":
-        drafter = self_drafter(config, model, kv_caches, kernels, max_model_len, collectives)
+        num_layers = (whole_config or model.config).num_layers
         log.info("self-draft: the first %d of %d layers draft %d tokens a step%s",
-                 drafter.model.config.num_layers, model.config.num_layers,
+                 spec.self_draft_layers or default_draft_layers(num_layers), num_layers,
                  spec.num_speculative_tokens,
-                 "" if collectives is None else ", on every rank's part of them")
-        return drafter
+                 "" if collectives is None else ", each rank running its part of them")
+        return self_drafter(config, model, kv_caches, kernels, max_model_len, num_layers,
+                            collectives, stage)
     if spec.proposer != "draft":
         return None
     path = spec.draft_model_path
@@ -78,17 +81,22 @@ def build_drafter(config: EngineConfig, model: LlamaForCausalLM, kv_caches: list
 
 
 def self_drafter(config: EngineConfig, model: LlamaForCausalLM, kv_caches: list[PagedKV],
-                 kernels: CpuKernels | None, max_model_len: int,
-                 collectives: RankCollectives | None = None) -> Drafter:
-    """The target's first layers drafting on their own caches. Every rank of a
-    tensor-parallel model builds one of its part (`collectives`: the rank's), which runs each
-    draft forward the driver's does, with the same all-reduces as the target's layers;
-    where those go through shared memory, the draft's decode stack calls them itself, as
-    the target's does (stack_all_reduce)."""
-    spec = config.spec
-    num_layers = spec.self_draft_layers or default_draft_layers(model.config.num_layers)
-    view = layer_skip_model(model, num_layers, kernels)
-    if collectives is not None:
+                 kernels: CpuKernels | None, max_model_len: int, num_model_layers: int,
+                 collectives: RankCollectives | None = None,
+                 stage: PipelineStage | None = None) -> Drafter:
+    """The target's first layers drafting on their own caches (of a `num_model_layers`-layer
+    model). Every rank of a split model builds one of its part (`collectives`: the rank's),
+    which runs each draft forward the driver's does, with the same all-reduces and sends as
+    the target's layers: a pipeline stage runs those of its layers the draft reaches (maybe
+    none: it passes the activations on, or ends the draft with the final norm and the LM
+    head). Where the all-reduces go through shared memory, the draft's decode stack calls
+    them itself, as the target's does (stack_all_reduce)."""
+    num_layers = config.spec.self_draft_layers or default_draft_layers(num_model_layers)
+    check_draft_layers(num_layers, num_model_layers)
+    if stage is not None:   # this stage's share of them
+        num_layers = max(0, min(num_layers - stage.first_layer, stage.num_layers))
+    view = first_layers(model, num_layers, kernels)
+    if collectives is not None and stage is None:
         collectives.when_bound(lambda all_reduce: stack_all_reduce(view, kernels, all_reduce))
     return Drafter(view, kv_caches[:num_layers], config.cache.block_size,
                    torch.device(config.device), shares_kv=True, max_positions=max_model_len)

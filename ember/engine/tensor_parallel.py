@@ -69,6 +69,10 @@ class RankSetup:
         shard = self.shards[rank % len(self.shards)]
         return self.stages[rank // len(self.shards)].local_config(shard.local_config(model))
 
+    def stage(self, rank: int) -> PipelineStage | None:
+        """Rank `rank`'s pipeline stage, or None without pipeline parallel."""
+        return self.stages[rank // len(self.shards)] if len(self.stages) > 1 else None
+
     def lora_part(self, rank: int) -> AdapterPart | None:
         """Rank `rank`'s part of a whole LoRA adapter: its stage's layers, its heads and
         columns."""
@@ -213,7 +217,8 @@ def build_worker_runner(setup: RankSetup, rank: int,
                                        zeros=lazy_zeros)
     # a self-draft's layers are split as the target's: this rank runs its part of each draft
     drafter = self_drafter(config, model, kv_caches, kernels, setup.max_model_len,
-                           collectives) if config.spec.proposer == "self" else None
+                           model_config.num_layers, collectives, setup.stage(rank)) \
+        if config.spec.proposer == "self" else None
     runner = ModelRunner(model, kv_caches, config.cache.block_size, config.device, config.seed,
                          kernels, drafter=drafter, batch_invariant=config.deterministic,
                          vocab_size=0, micro_batches=config.parallel.num_micro_batches,

@@ -22,10 +22,10 @@ scheduler allots slots ahead for it: SpecConfig.drafts_with_a_model).
   drafts, which the target may reject, and may lie in blocks the scheduler trims: only
   positions up to n are counted valid, and the next drafting starts there.
 
-Split over ranks (tensor parallel), a self-draft's layers are each rank's part of the target's
-first layers, with their all-reduces, and its LM head gathers its logits on the driver:
-`everywhere` then has the other ranks run each of the driver's draft forwards beside it
-(ember/runner/runner.py), and they run it with forward_logits.
+Split over ranks, a self-draft's layers are each rank's part of the target's first layers
+(its heads and columns, its pipeline stage's layers), with their all-reduces and sends, and
+its logits reach the driver as the target's do: `everywhere` then has the other ranks run
+each of the driver's draft forwards beside it (ember/runner/runner.py), with forward_logits.
 
 With `by_kind` (a draft model) a forward runs its prompt rows and its generated ones apart, as
 the target does (ember/runner/inputs.py by_kind_parts): a draft model with the
@@ -167,4 +167,6 @@ class Drafter:
             if inputs.logits_indices is not None:
                 hidden = hidden[inputs.logits_indices]
             out.append((inputs.sampling_requests, self.model.compute_logits(hidden)))
+            if self.model.stage_link is not None:   # this stage's sends taken
+                self.model.stage_link.finish()
         return out

@@ -1,12 +1,11 @@
 """Speculative decoding on a model split over processes: a draft model (whole, in the
 driver's process, beside the target's split) and n-gram drafts, with the target tensor- or
-pipeline-parallel; the self-draft (the target's first layers, split as they are) with the
-target tensor-parallel.
+pipeline-parallel, and the self-draft (the target's first layers, split as they are).
 
 Reference: the target in one process without speculation, float32: greedy tokens identical,
 drafts made and some accepted (a vocabulary of 32 ids makes a random model repeat itself),
-and every block back in the pool once the requests end; a self-draft over two ranks drafts
-what it drafts in one process (the same acceptance counts). The default model's self-draft
+and every block back in the pool once the requests end; a split self-draft drafts what it
+drafts in one process (the same acceptance counts). The default model's self-draft
 over two ranks follows one process's by the closeness rule.
 """
 from __future__ import annotations
@@ -44,19 +43,34 @@ def test_split_target_with_speculation_matches_one_process_without(models, case)
         llm.close()
 
 
-# over gloo the draft runs layer by layer; over shared memory its decode stack all-reduces
-@pytest.mark.parametrize("all_reduce", ["auto", pytest.param("gloo", marks=pytest.mark.heavy)])
-def test_self_draft_over_two_ranks_drafts_as_one_process(models, all_reduce):  # noqa: F811
-    """The self-draft's layers split over two ranks, its logits gathered on the driver: the
-    same greedy tokens as one process without speculation and with it, and the same drafts
-    accepted as one process's (every draft is the same token)."""
+SELF_CASES = {"T=2": dict(tensor_parallel_size=2),
+              # over gloo the draft runs layer by layer (over shared memory the decode stack
+              # all-reduces itself, where there is one)
+              "T=2 gloo": dict(tensor_parallel_size=2, all_reduce="gloo"),
+              # 3 of 4 layers: one stage runs all its layers, the other one and the LM head
+              "P=2": dict(pipeline_parallel_size=2),
+              # 1 of 4: the second stage runs none, only the final norm and the LM head
+              "P=2 one layer": dict(pipeline_parallel_size=2, self_draft_layers=1),
+              "T=2 x P=2": dict(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                oversubscribe=True)}
+
+
+@pytest.mark.parametrize("case", [c if c in ("T=2", "P=2 one layer")
+                                  else pytest.param(c, marks=pytest.mark.heavy)
+                                  for c in SELF_CASES])
+def test_self_draft_over_ranks_drafts_as_one_process(models, case):  # noqa: F811
+    """The self-draft's layers split over ranks as the target's are, its logits gathered on
+    the driver (or sent from the last stage): the same greedy tokens as one process without
+    speculation and with it, and the same drafts accepted as one process's (every draft is
+    the same token)."""
     target = str(models[0])
-    options = dict(speculative="self", self_draft_layers=2, min_acceptance=0.0,
-                   quantization="none", **COMMON)
+    layout = dict(SELF_CASES[case])
+    options = dict(speculative="self", self_draft_layers=layout.pop("self_draft_layers", 3),
+                   min_acceptance=0.0, quantization="none", **COMMON)
     want = outputs(LLM(target, quantization="none", **COMMON), REPEATING, GREEDY)
     alone = LLM(target, **options)
     alone_tokens = outputs(alone, REPEATING, GREEDY)
-    llm = LLM(target, tensor_parallel_size=2, all_reduce=all_reduce, **options)
+    llm = LLM(target, **layout, **options)
     try:
         got = outputs(llm, REPEATING, GREEDY)
         assert [w[0].token_ids for w in want] == [g[0].token_ids for g in got] == \
