@@ -518,8 +518,6 @@ class EngineConfig:
         size = self.parallel.tensor_parallel_size
         unsupported = [(not self.device.startswith("cpu"), f"device={self.device!r} (ranks "
                         "talk over gloo on the CPU)"),
-                       (self.spec.proposer == "self", "speculative='self' (the target's "
-                        "first layers are split over the ranks; draft:PATH or ngram works)"),
                        (self.prefill_matmul == "int8", "prefill_matmul='int8' (its "
                         "calibration runs in one process; use bfloat16)")]
         named = [what for bad, what in unsupported if bad]
@@ -533,8 +531,6 @@ class EngineConfig:
         size = self.parallel.pipeline_parallel_size
         unsupported = [(not self.device.startswith("cpu"), f"--device {self.device} (ranks "
                         "talk over gloo on the CPU)"),
-                       (self.spec.proposer == "self", "--speculative self (the target's "
-                        "first layers are split over the stages; draft:PATH or ngram works)"),
                        (self.prefill_matmul == "int8", "--prefill-matmul int8 (its "
                         "calibration runs in one process; use bfloat16)")]
         named = [what for bad, what in unsupported if bad]

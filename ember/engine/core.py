@@ -194,7 +194,9 @@ class EngineCore:
         self.loras.in_use = self._loras_in_use
         drafter = build_drafter(config, model, kv_caches, self.tokenizer, self.dtype, kernels,
                                 num_blocks, kv_dtype, self.max_model_len, self.model_path,
-                                None if ranks is None else self.model_config)
+                                None if ranks is None else self.model_config,
+                                None if ranks is None else self.executor.collectives,
+                                None if ranks is None else self.rank_setup.stage(0))
         peers = None
         if isinstance(self.executor, WorkerRanks):
             self.executor.connect()   # the other ranks have loaded their parts

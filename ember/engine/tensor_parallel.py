@@ -27,6 +27,7 @@ from ember.distributed.parallel import (PipelineStage, TensorShard, describe_sha
                                         describe_stages, plan_shards, plan_stages, rank_cpus,
                                         ray_rank_cpus)
 from ember.distributed.sharding import link_stage, lora_part, parallelize, stack_all_reduce
+from ember.engine.draft import self_drafter
 from ember.engine.memory import (large_blocks_mapped_alone, lazy_zeros, move_to_huge_pages,
                                  temporaries_from_the_heaps)
 from ember.engine.prefill_choice import PrefillChoice
@@ -67,6 +68,10 @@ class RankSetup:
         """The model as rank `rank` holds it: its stage's layers, its heads and columns."""
         shard = self.shards[rank % len(self.shards)]
         return self.stages[rank // len(self.shards)].local_config(shard.local_config(model))
+
+    def stage(self, rank: int) -> PipelineStage | None:
+        """Rank `rank`'s pipeline stage, or None without pipeline parallel."""
+        return self.stages[rank // len(self.shards)] if len(self.stages) > 1 else None
 
     def lora_part(self, rank: int) -> AdapterPart | None:
         """Rank `rank`'s part of a whole LoRA adapter: its stage's layers, its heads and
@@ -210,9 +215,13 @@ def build_worker_runner(setup: RankSetup, rank: int,
         kv_caches = allocate_kv_caches(rank_config, setup.num_blocks, config.cache.block_size,
                                        setup.torch_dtype, config.device, setup.kv_cache_dtype,
                                        zeros=lazy_zeros)
+    # a self-draft's layers are split as the target's: this rank runs its part of each draft
+    drafter = self_drafter(config, model, kv_caches, kernels, setup.max_model_len,
+                           model_config.num_layers, collectives, setup.stage(rank)) \
+        if config.spec.proposer == "self" else None
     runner = ModelRunner(model, kv_caches, config.cache.block_size, config.device, config.seed,
-                         kernels, batch_invariant=config.deterministic, vocab_size=0,
-                         micro_batches=config.parallel.num_micro_batches,
+                         kernels, drafter=drafter, batch_invariant=config.deterministic,
+                         vocab_size=0, micro_batches=config.parallel.num_micro_batches,
                          lora_part=setup.lora_part(rank))
     runner.kv_shared = shared   # (held: its memory file stays open as long as the rank)
     return runner

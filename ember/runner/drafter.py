@@ -22,12 +22,19 @@ scheduler allots slots ahead for it: SpecConfig.drafts_with_a_model).
   drafts, which the target may reject, and may lie in blocks the scheduler trims: only
   positions up to n are counted valid, and the next drafting starts there.
 
+Split over ranks, a self-draft's layers are each rank's part of the target's first layers
+(its heads and columns, its pipeline stage's layers), with their all-reduces and sends, and
+its logits reach the driver as the target's do: `everywhere` then has the other ranks run
+each of the driver's draft forwards beside it (ember/runner/runner.py), with forward_logits.
+
 With `by_kind` (a draft model) a forward runs its prompt rows and its generated ones apart, as
 the target does (ember/runner/inputs.py by_kind_parts): a draft model with the
 target's numerics then guesses what the target computes.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +77,9 @@ class Drafter:
     shares_kv: bool
     max_positions: int             # positions must stay below it (the RoPE tables' length)
     by_kind: bool = False          # prompt and generated rows apart, as the target runs them
+    # where the draft's layers are split over ranks: has the other ranks run a forward's plan
+    # beside this one's (None: the draft runs in this process alone)
+    everywhere: Callable[[SchedulerOutput], AbstractContextManager[None]] | None = None
     _valid: dict[str, _Valid] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -127,11 +137,23 @@ class Drafter:
         return ScheduledRequest(sequence, first, end - first, table, samples=True)  # type: ignore[arg-type]
 
     def _argmax(self, scheduled: list[ScheduledRequest]) -> list[int]:
-        """One forward of the draft over `scheduled` (two with by_kind: prompt rows, then
-        generated ones); each request's argmax token."""
+        """One forward of the draft over `scheduled` (on every rank, where it is split);
+        each request's argmax token."""
         plan = SchedulerOutput(scheduled)
-        parts = by_kind_parts(plan) if self.by_kind else [(None, plan)]
         tokens: dict[str, int] = {}
+        with nullcontext() if self.everywhere is None else self.everywhere(plan):
+            for requests, logits in self.forward_logits(plan):
+                tokens.update((r.request_id, t)
+                              for r, t in zip(requests, logits.argmax(-1).tolist()))
+        return [tokens[item.request.request_id] for item in scheduled]
+
+    @torch.inference_mode()
+    def forward_logits(self, plan: SchedulerOutput) -> list[tuple[list, Tensor]]:
+        """The draft's forward over `plan` (two with by_kind: prompt rows, then generated
+        ones): each part's sampling requests and their logits [R, vocab] float32 ([R, 0] on
+        a rank whose logits are gathered on the driver)."""
+        parts = by_kind_parts(plan) if self.by_kind else [(None, plan)]
+        out = []
         for prompt, part in parts:
             inputs = prepare_inputs(part, self.block_size, self.device,
                                     self.model.stack_runs_decodes(self.kv_caches),
@@ -144,6 +166,7 @@ class Drafter:
                                             self.kv_caches, inputs.attn)
             if inputs.logits_indices is not None:
                 hidden = hidden[inputs.logits_indices]
-            argmax = self.model.compute_logits(hidden).argmax(-1).tolist()
-            tokens.update((r.request_id, t) for r, t in zip(inputs.sampling_requests, argmax))
-        return [tokens[item.request.request_id] for item in scheduled]
+            out.append((inputs.sampling_requests, self.model.compute_logits(hidden)))
+            if self.model.stage_link is not None:   # this stage's sends taken
+                self.model.stage_link.finish()
+        return out

@@ -41,9 +41,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ForwardStep:
-    """One forward as every rank runs it: the runner method ("forward" or "forward_all"),
-    its plan, plain data (token ids, positions, block tables) from which each rank builds its
-    own tensors, and its LoRA adapters (None: neither any row's nor any to forget)."""
+    """One forward as every rank runs it: the runner method ("forward", "forward_all" or
+    "draft", a self-draft's), its plan, plain data (token ids, positions, block tables) from
+    which each rank builds its own tensors, and its LoRA adapters (None: neither any row's
+    nor any to forget)."""
 
     method: str
     plan: SchedulerOutput
@@ -112,6 +113,9 @@ class ModelRunner:
         self.step_rows = share_step_rows(model)
         self.spec = spec
         self.drafter = drafter   # drafts with a model (self-draft or a draft model), else n-gram
+        if drafter is not None and drafter.shares_kv and peers is not None:
+            # a self-draft's layers are the target's, split over the ranks as they are
+            drafter.everywhere = lambda plan: self._on_every_rank(ForwardStep("draft", plan))
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
@@ -204,6 +208,8 @@ class ModelRunner:
             self._forward(step)
         elif step.method == "forward_all":
             self._forward_all(step)
+        elif step.method == "draft" and self.drafter is not None:
+            self.drafter.forward_logits(step.plan)   # (the driver's drafter takes the argmax)
         else:
             raise ValueError(f"unknown step method {step.method!r}")
 

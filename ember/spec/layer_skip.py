@@ -29,15 +29,20 @@ def default_draft_layers(num_layers: int) -> int:
     return max(1, min(num_layers - 1, round(num_layers * DEFAULT_SHARE)))
 
 
-def layer_skip_model(model: LlamaForCausalLM, num_layers: int,
-                     kernels: CpuKernels | None) -> LlamaForCausalLM:
-    """A view of `model` that runs only its first `num_layers` layers (then the final norm
-    and the LM head), sharing every parameter; give its forward the target's first
-    `num_layers` KV caches."""
-    total = model.config.num_layers
+def check_draft_layers(num_layers: int, total: int) -> None:
+    """A self-draft of `num_layers` of a `total`-layer model must leave some out."""
     if not 1 <= num_layers < total:
         raise ConfigError(f"self_draft_layers={num_layers} must be in [1, {total - 1}] for "
                           f"this {total}-layer model; try {default_draft_layers(total)}")
+
+
+def first_layers(model: LlamaForCausalLM, num_layers: int,
+                 kernels: CpuKernels | None) -> LlamaForCausalLM:
+    """A view of `model` that runs only its first `num_layers` layers (then the final norm
+    and the LM head), sharing every parameter; give its forward the target's first
+    `num_layers` KV caches. On a pipeline stage, its share of the draft's layers (from none
+    to all of the stage's): the stage still receives, sends on, or ends with the final norm
+    and the LM head as the target's does."""
     config = model.config
     sliding = config.sliding_layers[:num_layers] if config.sliding_layers else None
     view = copy.copy(model)
@@ -48,7 +53,10 @@ def layer_skip_model(model: LlamaForCausalLM, num_layers: int,
     inner._modules = dict(model.model._modules)
     inner._modules["layers"] = nn.ModuleList(list(model.model.layers[:num_layers]))
     view._modules["model"] = inner
-    view.config = dataclasses.replace(config, num_layers=num_layers, sliding_layers=sliding)
+    if num_layers:   # (a config has layers: a stage's view of none keeps the stage's,
+        # whose count nothing in a forward reads)
+        view.config = dataclasses.replace(config, num_layers=num_layers,
+                                          sliding_layers=sliding)
     view.int8_decode = False
     view.decode_stack = None if model.decode_stack is None else \
         _build_decode_stack(view, kernels)

@@ -202,9 +202,13 @@ def test_bad_cpu_binds_are_refused(spec, message):
 
 
 def test_unsupported_options_fail_before_anything_starts():
-    with pytest.raises(ConfigError, match="speculative='self'"):
-        EngineConfig.from_options(tensor_parallel_size=2, speculative="self")
+    with pytest.raises(ConfigError, match="prefill_matmul='int8'"):
+        EngineConfig.from_options(tensor_parallel_size=2, prefill_matmul="int8")
     assert EngineConfig.from_options(tensor_parallel_size=2).parallel.tensor_parallel_size == 2
+    # the self-draft's layers are split as the target's are
+    for layout in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                   dict(tensor_parallel_size=2, pipeline_parallel_size=2)):
+        assert EngineConfig.from_options(speculative="self", **layout).spec.proposer == "self"
 
 
 def test_a_step_as_plain_data_builds_the_same_inputs():
@@ -278,7 +282,7 @@ def test_ranks_go_stage_by_stage_one_core_each_unless_oversubscribed():
 
 
 @pytest.mark.parametrize("options, flag", [
-    (dict(speculative="self"), "--speculative self"),
+    (dict(prefill_matmul="int8"), "--prefill-matmul int8"),
 ])
 def test_what_stages_cannot_run_yet_fails_before_anything_starts(options, flag):
     with pytest.raises(ConfigError, match=f"--pipeline-parallel-size 2 does not run with "
