@@ -24,6 +24,7 @@ kernels cannot be built.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -32,7 +33,8 @@ import os
 import platform
 import shutil
 import sys
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -316,10 +318,14 @@ def build_cpu_ops(verbose: bool = False, source: Path = SOURCE, name: str | None
     if built is not None:
         return built
     _put_ninja_on_path()
-    clear_stale_build_lock(name)
-    ops = load(name=name, sources=[str(path) for path in kernel_sources(source)],
-               extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=verbose)
-    (build_dir / STAMP).write_text(stamp)
+    with build_lock(build_dir):
+        clear_dead_build_lock(build_dir)
+        built = import_built(name, build_dir, stamp)   # another process built it meanwhile
+        if built is not None:
+            return built
+        ops = load(name=name, sources=[str(path) for path in kernel_sources(source)],
+                   extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=verbose)
+        (build_dir / STAMP).write_text(stamp)
     return ops
 
 
@@ -360,22 +366,36 @@ def import_built(name: str, build_dir: Path, stamp: str) -> ModuleType | None:
     return module
 
 
-STALE_LOCK_S = 900.0  # a build takes a minute or two; a lock this old outlived its builder
+BUILD_LOCK = "ember.build.lock"   # beside torch's own `lock`, in the build folder
 
 
-def clear_stale_build_lock(name: str, now: float | None = None) -> bool:
-    """torch's build waits, silently and forever, while the build folder holds a `lock` file;
-    a build that was killed leaves one behind, and every later start would hang on it. A lock
-    older than STALE_LOCK_S is removed, with a warning. Returns whether one was removed."""
-    from torch.utils.cpp_extension import _get_build_directory
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
-    except FileNotFoundError:
+@contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Held while this process builds the kernels in `build_dir`: an flock, which the kernel
+    drops when its holder dies, so a build killed mid-way never blocks the next one. Another
+    process's build under way is waited for (logged)."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / BUILD_LOCK, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process's kernel build in %s", build_dir)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def clear_dead_build_lock(build_dir: Path) -> bool:
+    """Called holding build_lock: torch's build waits, silently and forever, while its `lock`
+    file exists, and a build that was killed leaves one behind. Every live build holds
+    build_lock, so a `lock` seen here is a dead build's: removed, with a warning. Returns
+    whether one was removed."""
+    lock = build_dir / "lock"
+    if not lock.exists():
         return False
-    if age < STALE_LOCK_S:
-        return False
-    log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+    log.warning("removing %s, left by a kernel build that did not finish", lock)
     lock.unlink(missing_ok=True)
     return True
 
