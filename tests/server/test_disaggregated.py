@@ -307,8 +307,18 @@ def test_client_gone_mid_pull_frees_both_sides(tiny_llama_dir):
     replicas free everything (the prefill replica's pin is released)."""
     folder, _ = tiny_llama_dir
     servers = Trio(folder, CACHES["int8"], transport="http")
+    try:
+        leave_mid_pull(servers.prefill, servers.decode, PROMPTS[2])
+    finally:
+        servers.close()
+
+
+def leave_mid_pull(prefill: LiveServer, decode: LiveServer, prompt: str) -> None:
+    """Prefill `prompt`, then pull it into `decode` over HTTP with the prefill side's blocks
+    held back, and leave (a client timeout): check the request ends at once while its blocks
+    stay held, and that once the blocks flow both sides free everything."""
     gate = threading.Event()
-    real_read = servers.prefill.engine.kv_read
+    real_read = prefill.engine.kv_read
 
     def gated_read(transfer_id, block_ids):
         chunks = real_read(transfer_id, block_ids)
@@ -320,24 +330,22 @@ def test_client_gone_mid_pull_frees_both_sides(tiny_llama_dir):
             yield from chunks
         return held()
     try:
-        first = complete(servers.prefill.url, PROMPTS[2],
-                         kv_transfer_params={"do_remote_decode": True})
-        servers.prefill.engine.kv_read = gated_read
+        first = complete(prefill.url, prompt, kv_transfer_params={"do_remote_decode": True})
+        prefill.engine.kv_read = gated_read
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(servers.decode.url + "/v1/completions", timeout=1.0, json={
-                "prompt": PROMPTS[2], "kv_transfer_params": first["kv_transfer_params"]}
-                | GREEDY)
-        scheduler, kv = servers.decode.scheduler, servers.decode.scheduler.kv
+            httpx.post(decode.url + "/v1/completions", timeout=1.0, json={
+                "prompt": prompt, "kv_transfer_params": first["kv_transfer_params"]} | GREEDY)
+        scheduler, kv = decode.scheduler, decode.scheduler.kv
         deadline = time.monotonic() + 30
         while scheduler.requests or not scheduler.loading:   # aborted, its copy still going
             assert time.monotonic() < deadline, "the request never ended while loading"
             time.sleep(0.01)
         assert kv.num_free_blocks < kv.num_blocks
         gate.set()
-        assert_all_free(servers.prefill, servers.decode)
+        assert_all_free(prefill, decode)
     finally:
         gate.set()
-        servers.close()
+        prefill.engine.kv_read = real_read
 
 
 def test_prefill_replica_killed_before_the_pull(tiny_llama_dir):

@@ -8,8 +8,6 @@ default model has, so two ranks hold 2 + 1 KV heads. Afterwards every block of e
 is free again: the prefill group's pins are the driver's, whose block ids are every rank's."""
 from __future__ import annotations
 
-import threading
-import time
 
 import httpx
 import pytest
@@ -18,7 +16,8 @@ from ember import EngineConfig
 from ember.errors import ConfigError
 from tests.conftest import save_tiny_model, tiny_hf_model
 from tests.server.conftest import LiveServer
-from tests.server.test_disaggregated import GREEDY, PROMPTS, assert_all_free, complete
+from tests.server.test_disaggregated import (PROMPTS, assert_all_free, complete,
+                                             leave_mid_pull)
 
 UNEVEN = dict(hidden_size=144, num_attention_heads=9, num_key_value_heads=3, head_dim=16)
 # float32, unpacked weights, the torch kernels; every group's ranks may share this host's
@@ -184,34 +183,5 @@ def test_client_gone_mid_pull_holds_the_two_rank_slots_until_the_pull_ends(fleet
     """The decode group's client leaves while its blocks stream in (HTTP, held back here):
     the request ends at once, but its slots, which the pull writes on both ranks, stay held
     until the pull stops; then both groups free everything."""
-    prefill, decode = fleet["prefill2"], fleet["decode2-http"]
-    gate = threading.Event()
-    real_read = prefill.engine.kv_read
-
-    def gated_read(transfer_id, block_ids):
-        chunks = real_read(transfer_id, block_ids)
-        if chunks is None:
-            return None
-
-        def held():
-            gate.wait(30)
-            yield from chunks
-        return held()
-    prompt = PROMPTS[2] + " (its client leaves mid-pull)"
-    try:
-        first = complete(prefill.url, prompt, kv_transfer_params={"do_remote_decode": True})
-        prefill.engine.kv_read = gated_read
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(decode.url + "/v1/completions", timeout=1.0, json={
-                "prompt": prompt, "kv_transfer_params": first["kv_transfer_params"]} | GREEDY)
-        scheduler, kv = decode.scheduler, decode.scheduler.kv
-        deadline = time.monotonic() + 30
-        while scheduler.requests or not scheduler.loading:   # aborted, its copy still going
-            assert time.monotonic() < deadline, "the request never ended while loading"
-            time.sleep(0.01)
-        assert kv.num_free_blocks < kv.num_blocks
-        gate.set()
-        assert_all_free(prefill, decode)
-    finally:
-        gate.set()
-        prefill.engine.kv_read = real_read
+    leave_mid_pull(fleet["prefill2"], fleet["decode2-http"],
+                   PROMPTS[2] + " (its client leaves mid-pull)")
