@@ -149,8 +149,8 @@ def run(a: argparse.Namespace, out_dir: Path) -> dict:
         wait_fleet(urls["whole"], procs[1], 2)
         runs = []
         for rnd in range(a.rounds):
-            for length in map(int, a.lengths.split(",")):
-                order = MODES if (rnd + length // 128) % 2 == 0 else MODES[::-1]
+            for i, length in enumerate(map(int, a.lengths.split(","))):
+                order = MODES if (rnd + i) % 2 == 0 else MODES[::-1]
                 for mode in order:
                     before = counts(urls, role["decode"])
                     salt = f"r{rnd}-L{length}-{mode}"
@@ -162,8 +162,10 @@ def run(a: argparse.Namespace, out_dir: Path) -> dict:
                                  **row(summary, a.stall_ms / 1e3), "paths": delta,
                                  "loadavg": os.getloadavg()})
                     print(json.dumps(runs[-1]), flush=True)
-        return {"cpu": platform.processor() or platform.machine(), "args": vars(a),
-                "runs": runs}
+                    result = {"cpu": platform.processor() or platform.machine(),
+                              "args": vars(a), "runs": runs}
+                    (out_dir / "result.json").write_text(json.dumps(result, indent=2))
+        return result
     finally:
         for proc in reversed(procs):
             proc.terminate()
@@ -207,9 +209,7 @@ def main() -> None:
         return
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = run(a, out_dir)
-    (out_dir / "result.json").write_text(json.dumps(result, indent=2))
-    print(table(result))
+    print(table(run(a, out_dir)))
 
 
 if __name__ == "__main__":
