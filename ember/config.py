@@ -514,8 +514,6 @@ class EngineConfig:
                         "talk over gloo on the CPU)"),
                        (self.spec.proposer == "self", "speculative='self' (the target's "
                         "first layers are split over the ranks; draft:PATH or ngram works)"),
-                       (self.prefill_matmul == "int8", "prefill_matmul='int8' (its "
-                        "calibration runs in one process; use bfloat16)"),
                        (self.kv_transfer.role != "both", f"role={self.kv_transfer.role!r} "
                         "(each rank holds only its KV heads)")]
         named = [what for bad, what in unsupported if bad]
@@ -531,8 +529,6 @@ class EngineConfig:
                         "talk over gloo on the CPU)"),
                        (self.spec.proposer == "self", "--speculative self (the target's "
                         "first layers are split over the stages; draft:PATH or ngram works)"),
-                       (self.prefill_matmul == "int8", "--prefill-matmul int8 (its "
-                        "calibration runs in one process; use bfloat16)"),
                        (self.kv_transfer.role != "both", f"--role {self.kv_transfer.role} "
                         "(each stage holds only its layers' KV)")]
         named = [what for bad, what in unsupported if bad]

@@ -284,6 +284,13 @@ def test_what_stages_cannot_run_yet_fails_before_anything_starts(options, flag):
     with pytest.raises(ConfigError, match=f"--pipeline-parallel-size 2 does not run with "
                                           f"{re.escape(flag)}"):
         EngineConfig.from_options(pipeline_parallel_size=2, **options)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 does not run with "
+                                          r"speculative='self'"):
+        EngineConfig.from_options(tensor_parallel_size=2, speculative="self")
+    # int8 prompt matmuls calibrate on every rank (tests/reference/test_parallel_int8.py)
+    for layout in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):
+        assert EngineConfig.from_options(prefill_matmul="int8", **layout).prefill_matmul == \
+            "int8"
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=0 must be in \[1, 64\]"):
         ParallelConfig(pipeline_parallel_size=0)
 
