@@ -8,6 +8,9 @@ the perplexities). The linears' dense bfloat16 weights are shrunk to plain int8 
 KV cache is allocated (prepare_int8_prefill), the calibration prompt runs on their packed
 weights, and the smoothed int8 ones are made from the plain int8: the bfloat16 copies never
 sit beside the KV cache, which kept `ember serve` under 1.6 GiB while it starts.
+
+A model split over ranks calibrates on all of them at once: the prompt's steps reach every
+rank as any step does, and each rank's RankCalibration records and converts its own part.
 """
 from __future__ import annotations
 
