@@ -179,3 +179,24 @@ def test_default_model_int8_on_two_ranks_is_close_to_one_process():
         assert_greedy_close(ref, llm.generate(prompts, params))
     finally:
         llm.close()
+
+
+def test_two_ranks_stack_runs_big_int8_steps_as_their_layers(int8_folder, one_process):
+    """11 requests at once (decode steps above 8 rows run on the int8 weights): each rank's
+    decode stack (shared-memory all-reduce) and its layers (gloo) give the same greedy
+    tokens and logprobs, bit for bit, and both calibrate alike (the all-reduces add in the
+    same order)."""
+    prompts = [[1, 504 + i, 3458, 282] * (1 + i % 4) for i in range(11)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    outputs = {}
+    for kind in ("shm", "gloo"):
+        llm = LLM(str(int8_folder), prefill_matmul="int8", tensor_parallel_size=2,
+                  all_reduce=kind, **OPTIONS)
+        try:
+            assert llm.engine.runner.model.int8_decode == (kind == "shm")
+            outputs[kind] = llm.generate(prompts, params)
+        finally:
+            llm.close()
+    for stack, layers in zip(outputs["shm"], outputs["gloo"], strict=True):
+        assert stack.outputs[0].token_ids == layers.outputs[0].token_ids
+        assert stack.outputs[0].logprobs == layers.outputs[0].logprobs
