@@ -111,14 +111,19 @@ def test_two_ranks_calibrate_one_process_columns(int8_folder, one_process):
         two.close()
 
 
-def test_two_ranks_int8_logits_err_from_bfloat16_as_one_process(int8_folder, one_process):
-    """At the prompt step, T=2's int8 logits are about as far from T=2's bfloat16 ones as
-    one process's are from its bfloat16 ones (each rank's row scales and activation groups
-    are its part's own, so they are not one process's)."""
+@pytest.mark.parametrize("layout", [
+    dict(tensor_parallel_size=2),
+    dict(tensor_parallel_size=2, pipeline_parallel_size=2, oversubscribe=True)])
+def test_two_ranks_int8_logits_err_from_bfloat16_as_one_process(int8_folder, one_process,
+                                                                layout):
+    """At the prompt step, T=2's int8 logits (alone, and with two stages) are about as far
+    from its bfloat16 ones as one process's are from its bfloat16 ones (each rank's o and
+    down row scales and activation groups are its part's own, so they are not one
+    process's)."""
     one, bf16 = one_process
     runs = {}
     for matmul in ("int8", "bfloat16"):
-        two = engine(int8_folder, prefill_matmul=matmul, tensor_parallel_size=2)
+        two = engine(int8_folder, prefill_matmul=matmul, **layout)
         try:
             runs[matmul] = prompt_logits(two)
         finally:
