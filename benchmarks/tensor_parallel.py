@@ -1,7 +1,7 @@
 """Tensor parallel on the default model: each rank's memory, and single-stream decode speed.
 
     .venv/bin/python benchmarks/tensor_parallel.py --tp 1 --prefill-matmul bfloat16 memory
-    .venv/bin/python benchmarks/tensor_parallel.py --tp 2 memory
+    .venv/bin/python benchmarks/tensor_parallel.py --tp 2 --prefill-matmul bfloat16 memory
     .venv/bin/python benchmarks/tensor_parallel.py --tp 1 speed
     .venv/bin/python benchmarks/tensor_parallel.py --tp 2 speed [--all-reduce gloo]
     .venv/bin/python benchmarks/tensor_parallel.py --tp 2 --kv-cache-gib 0.5 throughput
@@ -14,7 +14,8 @@ tokens/s, and at T > 1 the time a step spends in the all-reduces called from Pyt
 the decode stack makes itself, in C++, over shared memory) and in the logits gather.
 throughput: --requests requests of 128 tokens, --concurrency at once, output tokens/s of
 each of 3 rounds.
-Prints one JSON line.
+Prints one JSON line, with the prompt matmuls the engine chose (--prefill-matmul auto: the
+same at every T).
 """
 from __future__ import annotations
 
@@ -166,7 +167,8 @@ def main() -> None:
             result = speed(llm)
         else:
             result = throughput(llm, args.requests, args.concurrency)
-        print(json.dumps({"tp": args.tp, args.what: result}))
+        print(json.dumps({"tp": args.tp, "prefill_matmul": llm.engine.prefill_choice.describe(),
+                          args.what: result}))
     finally:
         llm.close()
 

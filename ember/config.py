@@ -515,29 +515,19 @@ class EngineConfig:
 
     def _check_tensor_parallel(self) -> None:
         """What tensor parallel does not run yet, refused before anything starts."""
-        size = self.parallel.tensor_parallel_size
-        unsupported = [(not self.device.startswith("cpu"), f"device={self.device!r} (ranks "
-                        "talk over gloo on the CPU)"),
-                       (self.prefill_matmul == "int8", "prefill_matmul='int8' (its "
-                        "calibration runs in one process; use bfloat16)")]
-        named = [what for bad, what in unsupported if bad]
-        if named:
-            raise ConfigError(f"tensor_parallel_size={size} does not run with "
-                              f"{', '.join(named)} yet; drop them or use tensor_parallel_size=1")
+        if not self.device.startswith("cpu"):
+            raise ConfigError(f"tensor_parallel_size={self.parallel.tensor_parallel_size} "
+                              f"does not run with device={self.device!r} yet (ranks talk "
+                              "over gloo on the CPU); use device='cpu' or "
+                              "tensor_parallel_size=1")
 
     def _check_pipeline_parallel(self) -> None:
-        """What pipeline parallel does not run yet, refused before anything starts: whatever
-        needs every layer in one rank."""
-        size = self.parallel.pipeline_parallel_size
-        unsupported = [(not self.device.startswith("cpu"), f"--device {self.device} (ranks "
-                        "talk over gloo on the CPU)"),
-                       (self.prefill_matmul == "int8", "--prefill-matmul int8 (its "
-                        "calibration runs in one process; use bfloat16)")]
-        named = [what for bad, what in unsupported if bad]
-        if named:
-            raise ConfigError(f"--pipeline-parallel-size {size} does not run with "
-                              f"{', '.join(named)} yet; drop them or use "
-                              "--pipeline-parallel-size 1")
+        """What pipeline parallel does not run yet, refused before anything starts."""
+        if not self.device.startswith("cpu"):
+            raise ConfigError(f"--pipeline-parallel-size "
+                              f"{self.parallel.pipeline_parallel_size} does not run with "
+                              f"--device {self.device} yet (ranks talk over gloo on the "
+                              "CPU); use --device cpu or --pipeline-parallel-size 1")
 
     @classmethod
     def from_options(cls, **options: object) -> "EngineConfig":

@@ -77,7 +77,7 @@ def join_groups(store: dist.Store, rank: int, stage_size: int, num_stages: int,
                                  timeout_s=all_reduce_timeout_s)
         gather = gather_through_shm(reduce, local, vocab_widths) if reduce.kind == "shm" \
             else gather_logits(group, local, vocab_widths)
-        collectives.bind(reduce, gather)
+        collectives.bind(reduce, gather, all_reduce_max(group))
     if num_stages > 1:
         collectives.bind_pipeline(StagePipe(world, rank, stage_size, num_stages))
     steps = step_channel(world, rank, world_size, reduce if num_stages == 1 else None,
@@ -160,6 +160,18 @@ def gather_by_all_reduce(all_reduce: AllReduceFn, rank: int, widths: list[int]
         all_reduce(whole)
         return whole.to(dtype) if rank == 0 else local.new_empty((rows, 0))
     return gather
+
+
+def all_reduce_max(group: dist.ProcessGroup) -> Callable[[Tensor], None]:
+    """x -> None, in place: x becomes the elementwise max of every rank's x over `group`
+    (exact in any order). For start-up only (the calibration's weight maxima): a gloo
+    collective."""
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+
+    def reduce(x: Tensor) -> None:
+        group.allreduce([x], options).wait()
+    return reduce
 
 
 def _gather_options(root: int) -> dist.GatherOptions:
@@ -307,11 +319,13 @@ class RankCollectives:
     def __init__(self) -> None:
         self._all_reduce: AllReduceFn | None = None
         self._gather: Callable[[Tensor], Tensor] | None = None
+        self._max: Callable[[Tensor], None] | None = None
         self._pipe: StagePipe | None = None
         self._on_bind: list[Callable[[AllReduceFn], None]] = []
 
-    def bind(self, all_reduce: AllReduceFn, gather: Callable[[Tensor], Tensor]) -> None:
-        self._all_reduce, self._gather = all_reduce, gather
+    def bind(self, all_reduce: AllReduceFn, gather: Callable[[Tensor], Tensor],
+             maximum: Callable[[Tensor], None] | None = None) -> None:
+        self._all_reduce, self._gather, self._max = all_reduce, gather, maximum
         for call in self._on_bind:
             call(all_reduce)
 
@@ -353,6 +367,12 @@ class RankCollectives:
         if self._all_reduce is None:
             raise RuntimeError("a tensor-parallel rank ran its model before joining its group")
         self._all_reduce(x)
+
+    def all_reduce_max(self, x: Tensor) -> None:
+        """x, in place, the elementwise max over the rank's tensor-parallel group."""
+        if self._max is None:
+            raise RuntimeError("a tensor-parallel rank calibrated before joining its group")
+        self._max(x)
 
     def gather(self, logits: Tensor) -> Tensor:
         if self._gather is None:

@@ -8,9 +8,14 @@ the perplexities). The linears' dense bfloat16 weights are shrunk to plain int8 
 KV cache is allocated (prepare_int8_prefill), the calibration prompt runs on their packed
 weights, and the smoothed int8 ones are made from the plain int8: the bfloat16 copies never
 sit beside the KV cache, which kept `ember serve` under 1.6 GiB while it starts.
+
+A model split over ranks calibrates on all of them at once: the prompt's steps reach every
+rank as any step does, and each rank's RankCalibration records and converts its own part.
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +27,7 @@ from ember.kernels import CpuKernels
 from ember.quant.packed import PackedLinear
 from ember.request import RequestOptions, SamplingParams
 
+log = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
@@ -90,47 +96,93 @@ def prepare_int8_prefill(model: torch.nn.Module) -> None:
         module.shrink_dense()
 
 
-def input_amax(core: Engine, token_ids: list[int], modules: list[PackedLinear]
-               ) -> dict[PackedLinear, Tensor]:
-    """Run `token_ids` as one prompt through an idle engine (one prefill step when it fits
-    the step budget) and return max |x| per input channel for each of `modules`."""
-    if core.has_unfinished():
-        raise RuntimeError("calibration needs an idle engine")
-    amax: dict[PackedLinear, Tensor] = {}
+class RankCalibration:
+    """One rank's side of the calibration (the runner calls it on every rank, the driver's
+    and its peers', around the calibration prompt's steps): start() records max |x| per
+    input channel of the rank's int8_prefill_targets as the prompt's rows pass them, finish()
+    makes their SmoothQuant int8 weights from what they saw.
 
-    def record(module: PackedLinear, args: tuple[Tensor, ...]) -> None:
+    Where the model is split over ranks every rank runs the same steps, so each sees the
+    inputs of its own projections: column-parallel q/k/v and gate/up the whole hidden state
+    (the same on every rank, after the all-reduces), row-parallel o and down their slice of
+    heads or MLP columns, the same values one process's linears see in those columns. Each
+    rank's activation groups are its own linear's (int8_act_group of its inputs), so a group
+    never spans two ranks."""
+
+    def __init__(self, model: torch.nn.Module, kernels: CpuKernels | None,
+                 max_over_ranks: Callable[[Tensor], None] | None = None) -> None:
+        """`max_over_ranks`: an elementwise max over the rank's tensor-parallel group (None:
+        the rank holds whole layers)."""
+        self.model, self.kernels, self.max_over_ranks = model, kernels, max_over_ranks
+        self.groups: dict[PackedLinear, int] = {}
+        self.amax: dict[PackedLinear, Tensor] = {}
+        self._hooks: list[Any] = []
+
+    def start(self) -> None:
+        self.groups, self.amax = int8_prefill_targets(self.model), {}
+        self._hooks = [m.register_forward_pre_hook(self._record) for m in self.groups]
+
+    def _record(self, module: PackedLinear, args: tuple[Tensor, ...]) -> None:
         x = args[0]
         if module.dense_rows(x):  # the rows the dense weight takes
             seen = x.detach().abs().amax(dim=0).float()
-            amax[module] = torch.maximum(amax[module], seen) if module in amax else seen
+            self.amax[module] = torch.maximum(self.amax[module], seen) \
+                if module in self.amax else seen
 
-    hooks = [m.register_forward_pre_hook(record) for m in modules]
+    def stop(self) -> None:
+        """Stop recording (finish() does, or a calibration that failed)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def finish(self) -> int:
+        """Give each target its SmoothQuant int8 weight, made from the int8 copy
+        prepare_int8_prefill left, and batched decode steps the same weights. Returns how
+        many linears."""
+        self.stop()
+        missing = [m for m in self.groups if m not in self.amax]
+        if missing:
+            raise ConfigError(f"int8 prefill matmuls: calibration saw no prompt rows in "
+                              f"{len(missing)} linears (a KV cache too small for a prompt?); "
+                              "raise --kv-cache-gib, or use --prefill-matmul bfloat16")
+        split = split_input_linears(self.model)
+        with large_blocks_mapped_alone():
+            for module in self.groups:   # the same order on every rank (max_over_ranks)
+                whole_input = self.max_over_ranks is not None and module not in split
+                module.use_int8_dense(self.kernels, self.amax[module],
+                                      act_group=self.groups[module],
+                                      max_over_ranks=self.max_over_ranks if whole_input
+                                      else None)
+        self.model.use_int8_decode()   # batched decode steps on the same int8 weights
+        log.info("int8 prompt matmuls: %d linears calibrated%s", len(self.amax),
+                 ", batched decode steps on them too" if self.model.int8_decode else "")
+        return len(self.amax)
+
+
+def split_input_linears(model: torch.nn.Module) -> set[torch.nn.Module]:
+    """The row-parallel linears (o and down), whose input each tensor-parallel rank holds a
+    slice of, and all of whose output rows it holds; the others (column-parallel) see the
+    whole input and hold some of the output rows."""
+    return {m for layer in model.model.layers
+            for m in (layer.self_attn.o_proj, getattr(layer.mlp, "down_proj", None))
+            if m is not None}
+
+
+def use_int8_prefill(core: Engine) -> int:
+    """Calibrate on every rank of the model (RankCalibration, through the runner), running
+    one prompt of random token ids through the idle engine (one prefill step when it fits
+    the step budget). Returns how many linears the driver's rank gave int8 weights."""
+    if core.has_unfinished():
+        raise RuntimeError("calibration needs an idle engine")
+    room = min(core.max_model_len, core.scheduler.kv.capacity_tokens) - 1  # 1 output token
+    prompt = calibration_prompt(core.model_config.vocab_size, min(CALIBRATION_TOKENS, room))
+    core.runner.calibrate("start")
     try:
-        core.add_request("calibration", token_ids, SamplingParams(temperature=0, max_tokens=1),
+        core.add_request("calibration", prompt, SamplingParams(temperature=0, max_tokens=1),
                          RequestOptions(prefix_cache=False))
         while core.has_unfinished():
             core.step()
-    finally:
-        for hook in hooks:
-            hook.remove()
-    missing = [m for m in modules if m not in amax]
-    if missing:
-        raise ConfigError(f"int8 prefill matmuls: calibration saw no prompt rows in "
-                          f"{len(missing)} linears (a KV cache too small for a prompt?); "
-                          "raise --kv-cache-gib, or use --prefill-matmul bfloat16")
-    return amax
-
-
-def use_int8_prefill(core: Engine, kernels: CpuKernels) -> int:
-    """Calibrate, then give each int8_prefill_targets linear its SmoothQuant int8 weight,
-    made from the int8 copy prepare_int8_prefill left. Returns how many linears."""
-    room = min(core.max_model_len, core.scheduler.kv.capacity_tokens) - 1  # 1 output token
-    prompt = calibration_prompt(core.model_config.vocab_size, min(CALIBRATION_TOKENS, room))
-    model = core.runner.model
-    groups = int8_prefill_targets(model)
-    amax = input_amax(core, prompt, list(groups))
-    with large_blocks_mapped_alone():
-        for module, seen in amax.items():
-            module.use_int8_dense(kernels, seen, act_group=groups[module])
-    model.use_int8_decode()   # batched decode steps on the same int8 weights
-    return len(amax)
+    except BaseException:
+        core.runner.calibration.stop()
+        raise
+    return core.runner.calibrate("finish")

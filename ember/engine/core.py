@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ember.config import EngineConfig, ModelConfig
-from ember.engine.calibrate import prepare_int8_prefill, use_int8_prefill
+from ember.engine.calibrate import RankCalibration, prepare_int8_prefill, use_int8_prefill
 from ember.engine.cold_start import PhaseClock
 from ember.engine.draft import build_drafter
 from ember.engine.embed import EMBED_PARAMS, check_embedding_input, resolve_pooling
@@ -25,8 +25,7 @@ from ember.engine.memory import (advise_huge_pages, fault_in, huge_page_copies,
 from ember.distributed.executor import Executor, SingleProcess, WorkerRanks
 from ember.engine.tensor_parallel import (RankPlan, RankSetup, describe_kv_gain,
                                           load_rank_model, plan_ranks, rank_parts,
-                                          single_process_cpus, start_ranks,
-                                          tensor_parallel_prefill)
+                                          single_process_cpus, start_ranks)
 from ember.errors import ConfigError, ContextTooLong, EngineDead, InvalidRequest
 from ember.kernels import CpuKernels, load_kernels
 from ember.kv.kv_manager import KVCacheManager
@@ -139,11 +138,13 @@ class EngineCore:
         kernels = load_kernels(config.kernels, config.device)
         self.load_phases.mark("kernels")
         self.kernels = kernels   # compiled CPU kernels, or None (the torch path)
-        cache_dir = None if config.weight_cache_dir is None or ranks is not None or \
+        cache_dir = None if config.weight_cache_dir is None or \
             torch.device(config.device).type != "cpu" else Path(config.weight_cache_dir)
-        self.prefill_choice = tensor_parallel_prefill(config.prefill_matmul) if ranks else \
-            resolve_prefill_choice(config.prefill_matmul, self.quantization, kernels,
-                                   self.model_config, self.model_path, cache_dir)
+        # decided here, before any rank binds its CPUs, for the ranks as for one process: the
+        # whole model's shapes on this process's threads, kept under the same key
+        self.prefill_choice = resolve_prefill_choice(config.prefill_matmul, self.quantization,
+                                                     kernels, self.model_config,
+                                                     self.model_path, cache_dir)
         self.prefill_matmul = self.prefill_choice.prefill_matmul
         self.load_phases.mark("prefill_choice")
         block_size = config.cache.block_size
@@ -208,6 +209,9 @@ class EngineCore:
                          "(the whole-model decode stack needs the shared-memory all-reduce "
                          "and one pipeline stage)")
         self._init_kv_transfer(kv_caches, shared)   # (after connect: the ranks' caches)
+        # column-parallel linears take the whole weight's maxima when calibrating
+        max_over_ranks = peers.collectives.all_reduce_max \
+            if peers is not None and config.parallel.tensor_parallel_size > 1 else None
         # a step's LoRA factors in huge pages: read every step, a TLB miss per 4 KiB page else
         self.runner = ModelRunner(model, kv_caches, block_size, config.device, config.seed,
                                   kernels, self.loras, config.spec, drafter, huge_page_copies,
@@ -216,7 +220,9 @@ class EngineCore:
                                   micro_batches=config.parallel.num_micro_batches,
                                   num_stages=config.parallel.pipeline_parallel_size,
                                   lora_part=None if ranks is None else
-                                  self.rank_setup.lora_part(0))
+                                  self.rank_setup.lora_part(0),
+                                  calibration=RankCalibration(model, kernels,
+                                                              max_over_ranks))
         for name, path in config.loras:
             self.loras.add(name, path)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
@@ -224,7 +230,7 @@ class EngineCore:
         if self.prefill_matmul == "int8" and self.weights_cached:
             model.use_int8_decode()   # the cached int8 weights are calibrated already
         elif self.prefill_matmul == "int8":  # SmoothQuant int8 from a calibration prompt
-            use_int8_prefill(self, kernels)
+            use_int8_prefill(self)   # on every rank
             gc.collect()
             return_free_memory()
         self.load_phases.mark("calibrate")

@@ -30,7 +30,7 @@ from ember.distributed.sharding import link_stage, lora_part, parallelize, stack
 from ember.engine.draft import self_drafter
 from ember.engine.memory import (large_blocks_mapped_alone, lazy_zeros, move_to_huge_pages,
                                  temporaries_from_the_heaps)
-from ember.engine.prefill_choice import PrefillChoice
+from ember.engine.calibrate import RankCalibration, prepare_int8_prefill
 from ember.errors import ConfigError
 from ember.kernels import CpuKernels, load_kernels
 from ember.kv_transfer.group import RankPart
@@ -143,14 +143,6 @@ def _input_sizes(local: ModelConfig) -> tuple[int, ...]:
             *((local.moe_intermediate_size,) if local.moe_intermediate_size else ()))
 
 
-def tensor_parallel_prefill(asked: str) -> PrefillChoice:
-    """Prompt rows' matmuls at tensor_parallel_size > 1: bfloat16 (int8's SmoothQuant
-    calibration runs a prompt through the engine in one process)."""
-    if asked == "auto":
-        return PrefillChoice("bfloat16", "tensor parallel: int8 needs a one-process calibration")
-    return PrefillChoice(asked, "asked")
-
-
 def start_ranks(setup: RankSetup, cpus: list[tuple[int, ...]] | list[int]) -> WorkerRanks:
     """Start ranks 1..T*P-1 loading their parts (this process is rank 0): local processes on
     `cpus` (each rank's CPUs), or Ray actors of `cpus` (each rank's CPU count)."""
@@ -190,7 +182,9 @@ def load_rank_model(files: ModelFiles, model_config: ModelConfig, setup: RankSet
     model.rows_by_kind = True
     model.batch_invariant = config.deterministic
     model.cache_rope(setup.max_model_len, setup.torch_dtype)
-    if setup.prefill_matmul == "bfloat16-brgemm":
+    if setup.prefill_matmul == "int8":   # bfloat16 copies out before the KV cache comes
+        prepare_int8_prefill(model)   # (calibrated with the driver: RankCalibration)
+    elif setup.prefill_matmul == "bfloat16-brgemm":
         use_brgemm_prefill(model, kernels)
     return model
 
@@ -222,7 +216,10 @@ def build_worker_runner(setup: RankSetup, rank: int,
     runner = ModelRunner(model, kv_caches, config.cache.block_size, config.device, config.seed,
                          kernels, drafter=drafter, batch_invariant=config.deterministic,
                          vocab_size=0, micro_batches=config.parallel.num_micro_batches,
-                         lora_part=setup.lora_part(rank))
+                         lora_part=setup.lora_part(rank),
+                         calibration=RankCalibration(model, kernels,
+                                                     collectives.all_reduce_max
+                                                     if len(setup.shards) > 1 else None))
     runner.kv_shared = shared   # (held: its memory file stays open as long as the rank)
     return runner
 

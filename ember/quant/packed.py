@@ -36,7 +36,7 @@ the weight, where it is rounded per output row.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -257,12 +257,16 @@ class PackedLinear(nn.Module):
                               f"{', '.join(METHODS)} or none")
 
     def use_int8_dense(self, kernels: CpuKernels, input_amax: Tensor,
-                       alpha: float = SMOOTH_ALPHA, act_group: int = 0) -> None:
+                       alpha: float = SMOOTH_ALPHA, act_group: int = 0,
+                       max_over_ranks: Callable[[Tensor], None] | None = None) -> None:
         """Make the dense weight SmoothQuant int8 (module docstring), from the dense bfloat16
         weight if one is kept (it is freed), else its int8 copy (shrink_dense), else the
         packed weight: `input_amax` [in_features] is max |x| per input channel on a
         calibration prompt. Activations get one scale per row, or per `act_group` inputs of
-        a row (dividing in_features). Needs the compiled kernels with AVX-512 BF16."""
+        a row (dividing in_features). `max_over_ranks` (a column-parallel linear's: other
+        ranks hold the other output rows) makes the weight's max |w| per input channel
+        [in_features] the whole weight's, in place, so that every rank smooths as one
+        process would. Needs the compiled kernels with AVX-512 BF16."""
         if not self.can_use_int8_dense(kernels):
             raise ConfigError("int8 prefill matmuls need int8 weights or int4 ones on the "
                               "compiled kernels, and AVX-512 BF16; use --prefill-matmul "
@@ -273,9 +277,12 @@ class PackedLinear(nn.Module):
             self.weight, self.prepacked = self.weight.to_dense(), False
         n = self.out_features
         chunks = [slice(start, start + 256) for start in range(0, n, 256)]  # float32 rows
-        w_amax = torch.stack([self._float_rows(rows).abs().amax(dim=0) for rows in chunks])
+        w_amax = torch.stack([self._float_rows(rows).abs().amax(dim=0)
+                              for rows in chunks]).amax(dim=0)
+        if max_over_ranks is not None:
+            max_over_ranks(w_amax)
         smooth = (input_amax.float().clamp(min=1e-5) ** alpha
-                  / w_amax.amax(dim=0).clamp(min=1e-5) ** (1 - alpha)).clamp(min=1e-5)
+                  / w_amax.clamp(min=1e-5) ** (1 - alpha)).clamp(min=1e-5)
         q = torch.empty(n, self.in_features, dtype=torch.int8)
         scale = torch.empty(n)
         for rows in chunks:

@@ -51,6 +51,20 @@ class ForwardStep:
     adapters: StepAdapters | None = None
 
 
+class Calibration(Protocol):
+    """A rank's side of the int8 prompt matmuls' calibration (ember/engine/calibrate.py's
+    RankCalibration), which every rank runs around the same calibration prompt."""
+
+    def start(self) -> None:
+        """Record the inputs of this rank's linears from now on."""
+
+    def stop(self) -> None:
+        """Stop recording."""
+
+    def finish(self) -> int:
+        """Stop recording and make this rank's int8 weights; how many linears."""
+
+
 class StepPeers(Protocol):
     """The other ranks of a model split over processes (ember/distributed/executor.py)."""
 
@@ -93,11 +107,14 @@ class ModelRunner:
                  place_lora: Callable[[list[Tensor]], list[Tensor]] | None = None,
                  batch_invariant: bool = False, peers: StepPeers | None = None,
                  vocab_size: int | None = None, micro_batches: int = 1,
-                 num_stages: int = 1, lora_part: AdapterPart | None = None) -> None:
+                 num_stages: int = 1, lora_part: AdapterPart | None = None,
+                 calibration: Calibration | None = None) -> None:
         """`loras`: the adapters a driver reads (None on the other ranks, which get theirs
         with the steps); `lora_part`: this rank's part of a whole adapter (None: all of it,
-        the model being whole here)."""
+        the model being whole here); `calibration`: this rank's side of the int8 prompt
+        matmuls' calibration (None: the model has none)."""
         self.model = model
+        self.calibration = calibration
         # a step's forwards are cut into this many runs of requests at most (a pipeline's
         # micro-batches, which its stages work on at once); 1 without pipeline parallel
         self.micro_batches = micro_batches
@@ -210,8 +227,27 @@ class ModelRunner:
             self._forward_all(step)
         elif step.method == "draft" and self.drafter is not None:
             self.drafter.forward_logits(step.plan)   # (the driver's drafter takes the argmax)
+        elif step.method in ("calibrate_start", "calibrate_finish"):
+            self._calibrate(step.method.removeprefix("calibrate_"))
         else:
             raise ValueError(f"unknown step method {step.method!r}")
+
+    def calibrate(self, phase: str) -> int:
+        """The int8 prompt matmuls' calibration on every rank: "start" records each rank's
+        linears' inputs over the steps that follow (the calibration prompt's, which every
+        rank runs), "finish" makes each rank's int8 weights from them; returns how many
+        linears this rank's has (0 for "start")."""
+        if self.peers is not None:
+            self.peers.send(ForwardStep(f"calibrate_{phase}", SchedulerOutput([])))
+        return self._calibrate(phase)
+
+    def _calibrate(self, phase: str) -> int:
+        if self.calibration is None:
+            raise RuntimeError("this rank's runner has no calibration")
+        if phase == "start":
+            self.calibration.start()
+            return 0
+        return self.calibration.finish()
 
     def _forward_part(self, plan: SchedulerOutput, pooled: dict[str, list[float]] | None,
                       prompt: bool | None, uids: dict[str, int]) -> tuple[ModelInputs, Tensor]:

@@ -4,7 +4,6 @@ numbers."""
 from __future__ import annotations
 
 import pickle
-import re
 from dataclasses import fields, replace
 
 import pytest
@@ -201,16 +200,6 @@ def test_bad_cpu_binds_are_refused(spec, message):
         ParallelConfig(tensor_parallel_size=2, cpu_bind=spec)
 
 
-def test_unsupported_options_fail_before_anything_starts():
-    with pytest.raises(ConfigError, match="prefill_matmul='int8'"):
-        EngineConfig.from_options(tensor_parallel_size=2, prefill_matmul="int8")
-    assert EngineConfig.from_options(tensor_parallel_size=2).parallel.tensor_parallel_size == 2
-    # the self-draft's layers are split as the target's are
-    for layout in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
-                   dict(tensor_parallel_size=2, pipeline_parallel_size=2)):
-        assert EngineConfig.from_options(speculative="self", **layout).spec.proposer == "self"
-
-
 def test_a_step_as_plain_data_builds_the_same_inputs():
     """What a worker receives (Requests cut to the step's tokens, drafts included) lays out
     the same tensors as the driver's plan."""
@@ -281,13 +270,21 @@ def test_ranks_go_stage_by_stage_one_core_each_unless_oversubscribed():
         ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, cpu_bind="0|1")
 
 
-@pytest.mark.parametrize("options, flag", [
-    (dict(prefill_matmul="int8"), "--prefill-matmul int8"),
-])
-def test_what_stages_cannot_run_yet_fails_before_anything_starts(options, flag):
-    with pytest.raises(ConfigError, match=f"--pipeline-parallel-size 2 does not run with "
-                                          f"{re.escape(flag)}"):
-        EngineConfig.from_options(pipeline_parallel_size=2, **options)
+def test_what_ranks_cannot_run_yet_fails_before_anything_starts():
+    with pytest.raises(ConfigError, match="--pipeline-parallel-size 2 does not run with "
+                                          "--device cuda"):
+        EngineConfig.from_options(pipeline_parallel_size=2, device="cuda")
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 does not run with "
+                                          "device='cuda'"):
+        EngineConfig.from_options(tensor_parallel_size=2, device="cuda")
+    # what runs on every rank: int8 prompt matmuls calibrate on each
+    # (tests/reference/test_parallel_int8.py), the self-draft runs each rank's part of its
+    # layers (test_parallel_spec.py), a role moves every rank's KV (test_disaggregated_parallel)
+    for layout in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                   dict(tensor_parallel_size=2, pipeline_parallel_size=2)):
+        for option in (dict(prefill_matmul="int8"), dict(speculative="self"),
+                       dict(role="prefill")):
+            EngineConfig.from_options(**layout, **option)
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=0 must be in \[1, 64\]"):
         ParallelConfig(pipeline_parallel_size=0)
 
