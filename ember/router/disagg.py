@@ -4,6 +4,9 @@ first token, a decode replica pulls the prompt's KV and goes on (docs/disaggrega
     request -> one the transfer can carry? (one prompt, n = 1, no echo, logprobs,
                structured output or tools)                    no: a decode replica, whole
             -> its uncached part >= --disagg-min-tokens?      no: a decode replica, whole
+            -> every prefill replica backed up (>= --disagg-max-prefill-backlog uncached
+               tokens outstanding, more than the decode replicas')? yes: a decode replica,
+               whole
             -> a prefill replica (the policy's pick among prefill replicas), unstreamed, with
                kv_transfer_params {do_remote_decode: true}: the first token + transfer params
                (none of them answers: a decode replica, whole, computes the prompt itself)
@@ -17,6 +20,13 @@ gateway's start, at first), a whole request may go to a replica of any role, cho
 ordinary fleet, so that a fleet serving only short prompts uses its prefill replicas too.
 The next request worth splitting sends whole ones back to decode replicas only.
 
+Backed-up prefill replicas: the gateway counts the uncached prompt tokens it has outstanding
+on each prefill replica (sent, not yet answered). A prompt waits there behind that backlog;
+on a decode replica it waits only behind the prompts already kept local there, so while
+every prefill replica's backlog is at least --disagg-max-prefill-backlog and more than the
+decode replicas' (per replica), the prompt is computed whole on a decode replica. Tokens
+stand for time: replicas of one model on like cores compute prompts at like rates.
+
 A client that leaves before a decode replica answered gets the prefill replica's pin
 released (DELETE /kv_transfer/{id}): a decode replica that was pulling finds it gone and
 drops its copy, so releasing is always safe.
@@ -27,6 +37,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, replace
 
@@ -127,6 +138,32 @@ class Aside:
                 "mode_changes": self.window.mode_changes(now)}
 
 
+def backed_up(prefill_backlogs: list[int], decode_backlog: float, max_backlog: int) -> bool:
+    """Whether a prompt worth splitting is computed on a decode replica instead: the least
+    backlogged prefill replica has at least `max_backlog` uncached prompt tokens outstanding
+    (0: never), more than a decode replica's own backlog (tokens of prompts kept local this
+    way, per decode replica). No prefill replica routable: not this rule's call."""
+    if max_backlog <= 0 or not prefill_backlogs:
+        return False
+    least = min(prefill_backlogs)
+    return least >= max_backlog and decode_backlog < least
+
+
+@dataclass
+class KeptLocal:
+    """Requests kept whole on a decode replica by the prompt's length (`min_tokens`) or the
+    prefill replicas' backlog (`prefill_backlog`), and the uncached prompt tokens of those
+    kept for the backlog still outstanding (the decode replicas' own backlog)."""
+
+    counts: Counter[str]
+    local_backlog: int = 0
+
+    def view(self) -> dict[str, int]:
+        return {"min_tokens": self.counts["min_tokens"],
+                "prefill_backlog": self.counts["prefill_backlog"],
+                "local_backlog_tokens": self.local_backlog}
+
+
 @dataclass
 class Split:
     """One request's way through both stages."""
@@ -144,6 +181,7 @@ class Split:
     # runs a coroutine no request awaits (the gateway's in_background)
     background: Callable[[Coroutine], object]
     tenant: str = ANONYMOUS   # the key's tenant: each stage's answer is counted under it
+    uncached_tokens: int = 0  # the prompt's part no prefill replica holds: its backlog share
 
     @property
     def metrics(self) -> RouterMetrics:
@@ -203,6 +241,7 @@ class Split:
                 break
             replica = picked[0]
             tried.add(replica.id)
+            replica.prompt_backlog += self.uncached_tokens
             try:
                 upstream = await self.proxy._try(replica, "POST", self.path, raw, self.headers)
             except Attempt as failed:
@@ -213,6 +252,8 @@ class Split:
             except BaseException:   # the client left: the replica was hung up on
                 self.proxy._done(replica, 499, self.tenant)
                 raise
+            finally:
+                replica.prompt_backlog = max(0, replica.prompt_backlog - self.uncached_tokens)
             return self._prefill_answer(upstream)
         self.metrics.disagg_fallbacks.labels(reason).inc()
         log.info("prefill stage failed (%s): a decode replica computes the prompt", reason)

@@ -77,6 +77,9 @@ class Replica:
     waiting: int = 0
     kv_usage: float = 0.0
     in_flight: int = 0              # the gateway's requests on it, raised at decision time
+    # uncached prompt tokens of the prefill stages the gateway has outstanding on it (a
+    # prefill replica's backlog: how long a new prompt would wait there)
+    prompt_backlog: int = 0
     ejected_until: float = 0.0      # passive ejection: no new request before this
     busy_until: float = 0.0         # it answered 429 (full, not broken): skipped till then
     restarts: int = 0
@@ -105,7 +108,8 @@ class Replica:
         return {"id": self.id, "url": self.url, "pid": self.handle.pid, "group": self.group,
                 "role": self.role, "model": self.model_name, "state": self.state.value,
                 "running": self.running, "waiting": self.waiting, "kv_usage": self.kv_usage,
-                "in_flight": self.in_flight, "busy": time.monotonic() < self.busy_until,
+                "in_flight": self.in_flight, "prompt_backlog": self.prompt_backlog,
+                "busy": time.monotonic() < self.busy_until,
                 "restarts": self.restarts, "cold_start": self.cold_start(),
                 "last_exit": self.last_exit}
 

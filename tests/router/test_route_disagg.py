@@ -17,7 +17,7 @@ from ember.cli import build_parser
 from ember.errors import ConfigError
 from ember.router.cli import check_roles, role_urls, router_config
 from ember.router.config import RouterConfig
-from ember.router.disagg import ANY_ROLE, WHOLE, Aside, AsideWindow, whole_roles
+from ember.router.disagg import ANY_ROLE, WHOLE, Aside, AsideWindow, backed_up, whole_roles
 from ember.router.main import role_cpus
 from tests.router.conftest import LiveGateway
 from tests.router.fakes import FakeReplica
@@ -491,5 +491,66 @@ def test_the_window_elapsing_steps_aside_on_the_real_clock(trio, tiny_llama_dir)
         wait_for(lambda: gw.metric('ember_router_disagg_mode_changes_total{to="aside"}') == 2,
                  "stepped aside again")
         trio["prefill"].wait_idle()
+    finally:
+        gw.close()
+
+
+@pytest.mark.parametrize("prefill, decode, max_backlog, expected", [
+    ([4030], 0.0, 2048, True),           # a long prompt ahead; the decode replica has none
+    ([1000], 0.0, 2048, False),          # a short wait: worth waiting for the prefill replica
+    ([4030, 0], 0.0, 2048, False),       # one prefill replica is free
+    ([4030, 8060], 0.0, 2048, True),     # every one is backed up
+    ([4030], 4030.0, 2048, False),       # the decode replica is as backed up: split
+    ([8060], 4030.0, 2048, True),        # ... less backed up: kept local
+    ([2048], 0.0, 2048, True),           # the threshold itself counts
+    ([10**6], 0.0, 0, False),            # 0: never
+    ([], 0.0, 2048, False),              # no prefill replica routable: not this rule's call
+])
+def test_backed_up_prefill_replicas_keep_a_prompt_local(prefill, decode, max_backlog,
+                                                         expected):
+    assert backed_up(prefill, decode, max_backlog) is expected
+
+
+def test_disagg_max_prefill_backlog_option():
+    from ember.config import ServerConfig
+    tokens = ["--prefill-replicas", "1", "--decode-replicas", "1"]
+    config = router_config(route_args(tokens + ["--disagg-max-prefill-backlog", "512"]),
+                           ServerConfig())
+    assert config.disagg_max_prefill_backlog == 512
+    assert router_config(route_args(tokens), ServerConfig()).disagg_max_prefill_backlog == \
+        RouterConfig.disagg_max_prefill_backlog
+    with pytest.raises(ConfigError, match="disagg_max_prefill_backlog=-1"):
+        RouterConfig(disagg_max_prefill_backlog=-1)
+
+
+def test_a_backed_up_prefill_replica_keeps_a_long_prompt_local(trio, tiny_llama_dir):
+    """The prefill replica's backlog (prompt tokens the gateway has outstanding on it, set
+    here as if others were computing) past --disagg-max-prefill-backlog: a long prompt is
+    computed whole on the decode replica, with one replica's greedy text; counted apart from
+    --disagg-min-tokens. Once the backlog is gone, or the decode replica's own is larger, it
+    is split again, and a split's backlog share is given back when the prefill answers."""
+    gw = LiveGateway({"r1": trio["prefill"].url, "r2": trio["decode"].url},
+                     model=str(tiny_llama_dir[0]), roles=ROLES, policy="round-robin",
+                     disagg_min_tokens=64, disagg_max_prefill_backlog=256)
+    prefill = gw.fleet.replicas["r1"]
+    kept = 'ember_router_disagg_requests_total{path="kept_local_backlog"}'
+    split = 'ember_router_disagg_requests_total{path="prefill_decode"}'
+    try:
+        gw.wait_ready()
+        prefill.prompt_backlog = 300
+        assert routed_to(gw, trio["single"], LONG) == ["r2"]
+        assert gw.metric(kept) == 1 and gw.metric(split) == 0
+        assert routed_to(gw, trio["single"], "Short, under --disagg-min-tokens") == ["r2"]
+        view = httpx.get(gw.url + "/fleet").json()["disaggregation"]["kept_local"]
+        assert view == {"min_tokens": 1, "prefill_backlog": 1, "local_backlog_tokens": 0}
+        gw.gateway.kept.local_backlog = 400         # the decode replica is further behind
+        assert routed_to(gw, trio["single"], LONG + "again") == ["r1", "r2"]
+        gw.gateway.kept.local_backlog = 0
+        prefill.prompt_backlog = 200                # under the threshold: worth the wait
+        assert routed_to(gw, trio["single"], LONG + "once more") == ["r1", "r2"]
+        assert gw.metric(kept) == 1 and gw.metric(split) == 2
+        assert prefill.prompt_backlog == 200        # each split's own share given back
+        for server in (trio["prefill"], trio["decode"]):
+            server.wait_idle()
     finally:
         gw.close()
