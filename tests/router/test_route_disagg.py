@@ -13,7 +13,8 @@ from collections import Counter
 import httpx
 import pytest
 
-from ember.cli import build_parser
+from ember.cli import build_parser, engine_config
+from ember.config import DECODE_ROLE_PREFILL_TOKENS, SchedulerConfig
 from ember.errors import ConfigError
 from ember.router.cli import check_roles, role_urls, router_config
 from ember.router.config import RouterConfig
@@ -554,3 +555,14 @@ def test_a_backed_up_prefill_replica_keeps_a_long_prompt_local(trio, tiny_llama_
             server.wait_idle()
     finally:
         gw.close()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--role", "decode"], DECODE_ROLE_PREFILL_TOKENS),   # streams' gaps stay short
+    (["--role", "prefill"], SchedulerConfig.prefill_tokens_with_decodes),
+    ([], SchedulerConfig.prefill_tokens_with_decodes),
+    (["--role", "decode", "--prefill-tokens-with-decodes", "128"], 128),
+])
+def test_a_decode_replica_takes_smaller_prompt_chunks_beside_decodes(argv, expected):
+    args = build_parser().parse_args(["serve", *argv])
+    assert engine_config(args).scheduler.prefill_tokens_with_decodes == expected
