@@ -21,11 +21,12 @@ ordinary fleet, so that a fleet serving only short prompts uses its prefill repl
 The next request worth splitting sends whole ones back to decode replicas only.
 
 Backed-up prefill replicas: the gateway counts the uncached prompt tokens it has outstanding
-on each prefill replica (sent, not yet answered). A prompt waits there behind that backlog;
-on a decode replica it waits only behind the prompts already kept local there, so while
-every prefill replica's backlog is at least --disagg-max-prefill-backlog and more than the
-decode replicas' (per replica), the prompt is computed whole on a decode replica. Tokens
-stand for time: replicas of one model on like cores compute prompts at like rates.
+on each prefill replica (sent, not yet answered), and the rate each side computes them at
+(tokens over the seconds it had any outstanding). A prompt waits there behind that backlog;
+on a decode replica only behind the prompts already kept local there. While every prefill
+replica's backlog is at least --disagg-max-prefill-backlog, a prompt that would be computed
+sooner on a decode replica (its backlog and the prompt at the decode side's rate, against
+the prefill replica's backlog and the prompt at its rate) is computed there whole.
 
 A client that leaves before a decode replica answered gets the prefill replica's pin
 released (DELETE /kv_transfer/{id}): a decode replica that was pulling finds it gone and
@@ -49,6 +50,7 @@ from ember.errors import EmberError
 from ember.router.fleet import RouteKeys
 from ember.router.metrics import ANONYMOUS, RouterMetrics
 from ember.router.proxy import SSE_HEADERS, Attempt, Proxy, Relay, Roles, Upstream
+from ember.router.replicas import PromptBacklog
 from ember.server.errors import error_body
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -138,30 +140,49 @@ class Aside:
                 "mode_changes": self.window.mode_changes(now)}
 
 
-def backed_up(prefill_backlogs: list[int], decode_backlog: float, max_backlog: int) -> bool:
-    """Whether a prompt worth splitting is computed on a decode replica instead: the least
-    backlogged prefill replica has at least `max_backlog` uncached prompt tokens outstanding
-    (0: never), more than a decode replica's own backlog (tokens of prompts kept local this
-    way, per decode replica). No prefill replica routable: not this rule's call."""
-    if max_backlog <= 0 or not prefill_backlogs:
+@dataclass(frozen=True)
+class Queue:
+    """One side's backlog now: uncached prompt tokens outstanding, and the prompt tokens a
+    second it computes (measured; None: not yet)."""
+
+    tokens: float
+    rate: float | None
+
+
+def backed_up(prefill: list[Queue], local: Queue, num_tokens: int, max_backlog: int) -> bool:
+    """Whether a prompt of `num_tokens` uncached tokens is computed on a decode replica
+    instead of a prefill replica: the least backlogged prefill replica has at least
+    `max_backlog` tokens outstanding (0: never), and the prompt would be computed sooner
+    behind the decode replicas' own backlog (`local`: prompts kept local this way, per decode
+    replica) at their rate than behind that prefill replica's at its rate. A rate not
+    measured yet is taken as the other side's. No prefill replica routable: not this
+    rule's call."""
+    if max_backlog <= 0 or not prefill:
         return False
-    least = min(prefill_backlogs)
-    return least >= max_backlog and decode_backlog < least
+    ahead = min(prefill, key=lambda q: q.tokens)
+    if ahead.tokens < max_backlog:
+        return False
+    prefill_rate = ahead.rate or local.rate or 1.0
+    local_rate = local.rate or prefill_rate
+    return (local.tokens + num_tokens) / local_rate < \
+        (ahead.tokens + num_tokens) / prefill_rate
 
 
 @dataclass
 class KeptLocal:
     """Requests kept whole on a decode replica by the prompt's length (`min_tokens`) or the
-    prefill replicas' backlog (`prefill_backlog`), and the uncached prompt tokens of those
-    kept for the backlog still outstanding (the decode replicas' own backlog)."""
+    prefill replicas' backlog (`prefill_backlog`), and the backlog of those kept for it (the
+    decode replicas' own backlog)."""
 
     counts: Counter[str]
-    local_backlog: int = 0
+    backlog: PromptBacklog
 
-    def view(self) -> dict[str, int]:
+    def view(self, now: float) -> dict:
+        rate = self.backlog.rate(now)
         return {"min_tokens": self.counts["min_tokens"],
                 "prefill_backlog": self.counts["prefill_backlog"],
-                "local_backlog_tokens": self.local_backlog}
+                "local_backlog_tokens": self.backlog.tokens,
+                "local_prompt_tokens_per_s": round(rate, 1) if rate else None}
 
 
 @dataclass
@@ -241,7 +262,8 @@ class Split:
                 break
             replica = picked[0]
             tried.add(replica.id)
-            replica.prompt_backlog += self.uncached_tokens
+            replica.backlog.add(self.uncached_tokens, time.monotonic())
+            computed = False
             try:
                 upstream = await self.proxy._try(replica, "POST", self.path, raw, self.headers)
             except Attempt as failed:
@@ -252,8 +274,10 @@ class Split:
             except BaseException:   # the client left: the replica was hung up on
                 self.proxy._done(replica, 499, self.tenant)
                 raise
+            else:
+                computed = upstream.response.status == 200
             finally:
-                replica.prompt_backlog = max(0, replica.prompt_backlog - self.uncached_tokens)
+                replica.backlog.remove(self.uncached_tokens, time.monotonic(), computed)
             return self._prefill_answer(upstream)
         self.metrics.disagg_fallbacks.labels(reason).inc()
         log.info("prefill stage failed (%s): a decode replica computes the prompt", reason)

@@ -23,13 +23,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ember.config import ApiKey
 from ember.errors import Overloaded
 from ember.router.autoscale import Autoscaler
-from ember.router.disagg import (DECODE, PREFILL, WHOLE, Aside, KeptLocal, Split, backed_up,
-                                 unsupported)
+from ember.router.disagg import (DECODE, PREFILL, WHOLE, Aside, KeptLocal, Queue, Split,
+                                 backed_up, unsupported)
 from ember.router.fleet import Fleet, RouteKeys
 from ember.router.metrics import ANONYMOUS
 from ember.router.prompts import PromptKeys
 from ember.router.proxy import CLIENT_CLOSED_REQUEST, HOP_HEADERS, Proxy
-from ember.router.replicas import ReplicaState
+from ember.router.replicas import PromptBacklog, ReplicaState
 from ember.router.rollout import Capture, Rollout
 from ember.server.disconnect import unless_disconnected
 from ember.server.errors import (ClientDisconnected, Unauthorized, error_body,
@@ -50,7 +50,7 @@ class Gateway:
     autoscalers: tuple[Autoscaler, ...]   # one per role of a disaggregated fleet
     keys: tuple[ApiKey, ...]           # every accepted key (none: no auth)
     aside: Aside                       # a disaggregated fleet's mode
-    kept: KeptLocal = field(default_factory=lambda: KeptLocal(Counter()))
+    kept: KeptLocal = field(default_factory=lambda: KeptLocal(Counter(), PromptBacklog()))
     tenants: bool = False              # keys name tenants, whose prefixes are salted
     in_flight: int = 0
     stop_replicas: bool = True
@@ -230,7 +230,7 @@ def _add_admin(app: FastAPI, gw: Gateway, guard: Callable[[Request], Awaitable[N
                              "shadow_percent": gw.rollout.shadow_percent,
                              "held": gw.proxy.held, "failures": gw.fleet.failures}
                             | ({"disaggregation": gw.aside.view()
-                                | {"kept_local": gw.kept.view()}}
+                                | {"kept_local": gw.kept.view(time.monotonic())}}
                                if gw.fleet.disaggregated else {}))
 
     @app.post("/fleet/promote", dependencies=[Depends(guard)])
@@ -332,12 +332,14 @@ async def route_split(gw: Gateway, body: CompletionRequest | ChatCompletionReque
     gw.fleet.metrics.disagg_requests.labels(path).inc()
     if path != "kept_local_backlog":
         return await split.whole(roles)
-    tokens = split.uncached_tokens
-    gw.kept.local_backlog += tokens
-    try:
-        return await split.whole(roles)
-    finally:   # a stream's answer goes on: its prompt is computed once its first byte came
-        gw.kept.local_backlog = max(0, gw.kept.local_backlog - tokens)
+    tokens, computed = split.uncached_tokens, False
+    gw.kept.backlog.add(tokens, time.monotonic())
+    try:   # a stream's answer goes on: its prompt is computed once its first byte came
+        answer = await split.whole(roles)
+        computed = answer.status_code == 200
+        return answer
+    finally:
+        gw.kept.backlog.remove(tokens, time.monotonic(), computed)
 
 
 def keep_local(gw: Gateway, body: CompletionRequest | ChatCompletionRequest, split: Split
@@ -356,13 +358,13 @@ def keep_local(gw: Gateway, body: CompletionRequest | ChatCompletionRequest, spl
     split.uncached_tokens = num_tokens - gw.fleet.longest_cached("primary", split.keys,
                                                                  PREFILL)
     now = time.monotonic()
-    prefill = [r.prompt_backlog for r in gw.fleet.group("primary", roles=PREFILL)
-               if r.routable(now)]
+    prefill = [Queue(r.backlog.tokens, r.backlog.rate(now))
+               for r in gw.fleet.group("primary", roles=PREFILL) if r.routable(now)]
     num_decode = sum(r.routable(now) for r in gw.fleet.group("primary", roles=DECODE))
-    if backed_up(prefill, gw.kept.local_backlog / max(1, num_decode),
-                 config.disagg_max_prefill_backlog):
+    local = Queue(gw.kept.backlog.tokens / max(1, num_decode), gw.kept.backlog.rate(now))
+    local_tokens = num_tokens - gw.fleet.longest_cached("primary", split.keys, WHOLE)
+    if backed_up(prefill, local, local_tokens, config.disagg_max_prefill_backlog):
         gw.kept.counts["prefill_backlog"] += 1
-        split.uncached_tokens = num_tokens - gw.fleet.longest_cached("primary", split.keys,
-                                                                     WHOLE)
+        split.uncached_tokens = local_tokens
         return "kept_local_backlog"
     return None

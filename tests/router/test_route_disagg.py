@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections import Counter
 
 import httpx
@@ -18,8 +19,10 @@ from ember.config import DECODE_ROLE_PREFILL_TOKENS, SchedulerConfig
 from ember.errors import ConfigError
 from ember.router.cli import check_roles, role_urls, router_config
 from ember.router.config import RouterConfig
-from ember.router.disagg import ANY_ROLE, WHOLE, Aside, AsideWindow, backed_up, whole_roles
+from ember.router.disagg import (ANY_ROLE, WHOLE, Aside, AsideWindow, Queue, backed_up,
+                                 whole_roles)
 from ember.router.main import role_cpus
+from ember.router.replicas import PromptBacklog
 from tests.router.conftest import LiveGateway
 from tests.router.fakes import FakeReplica
 from tests.server.conftest import LiveServer, free_port, start_server, wait_ready
@@ -496,20 +499,45 @@ def test_the_window_elapsing_steps_aside_on_the_real_clock(trio, tiny_llama_dir)
         gw.close()
 
 
-@pytest.mark.parametrize("prefill, decode, max_backlog, expected", [
-    ([4030], 0.0, 2048, True),           # a long prompt ahead; the decode replica has none
-    ([1000], 0.0, 2048, False),          # a short wait: worth waiting for the prefill replica
-    ([4030, 0], 0.0, 2048, False),       # one prefill replica is free
-    ([4030, 8060], 0.0, 2048, True),     # every one is backed up
-    ([4030], 4030.0, 2048, False),       # the decode replica is as backed up: split
-    ([8060], 4030.0, 2048, True),        # ... less backed up: kept local
-    ([2048], 0.0, 2048, True),           # the threshold itself counts
-    ([10**6], 0.0, 0, False),            # 0: never
-    ([], 0.0, 2048, False),              # no prefill replica routable: not this rule's call
+Q = Queue
+
+
+@pytest.mark.parametrize("prefill, local, max_backlog, expected", [
+    ([Q(4030, None)], Q(0, None), 2048, True),      # a long prompt ahead, none on decode
+    ([Q(1000, None)], Q(0, None), 2048, False),     # a short wait: worth the prefill replica
+    ([Q(4030, None), Q(0, None)], Q(0, None), 2048, False),   # one prefill replica is free
+    ([Q(4030, None), Q(8060, None)], Q(0, None), 2048, True),  # every one is backed up
+    ([Q(4030, None)], Q(4030, None), 2048, False),  # as far behind on decode: split
+    ([Q(8060, None)], Q(4030, None), 2048, True),   # less far behind on decode: kept
+    ([Q(2048, None)], Q(0, None), 2048, True),      # the threshold itself counts
+    # measured rates (a prompt of 1000 tokens): at 300 tokens/s on decode, 3.3 s, against
+    # 3.0 s behind 2048 tokens at 1000 tokens/s, and 13.1 s behind 12090
+    ([Q(2048, 1000.0)], Q(0, 300.0), 2048, False),
+    ([Q(12090, 1000.0)], Q(0, 300.0), 2048, True),
+    ([Q(4030, 1000.0)], Q(0, None), 2048, True),    # not measured: the other side's rate
+    ([Q(10**6, None)], Q(0, None), 0, False),       # 0: never
+    ([], Q(0, None), 2048, False),                  # no prefill replica: not this rule's
 ])
-def test_backed_up_prefill_replicas_keep_a_prompt_local(prefill, decode, max_backlog,
+def test_backed_up_prefill_replicas_keep_a_prompt_local(prefill, local, max_backlog,
                                                          expected):
-    assert backed_up(prefill, decode, max_backlog) is expected
+    assert backed_up(prefill, local, 1000, max_backlog) is expected
+
+
+def test_a_backlog_measures_the_rate_it_drains_at():
+    """Tokens computed over the seconds any was outstanding; idle time does not count, and
+    a failed request's tokens are not counted as computed."""
+    backlog = PromptBacklog()
+    assert backlog.rate(0.0) is None
+    backlog.add(1000, now=10.0)
+    backlog.add(1000, now=11.0)
+    assert backlog.tokens == 2000 and backlog.rate(11.0) is None
+    backlog.remove(1000, now=12.0, computed=True)
+    assert backlog.rate(12.0) == 1000 / 2                  # busy since 10.0
+    backlog.remove(1000, now=14.0, computed=True)
+    assert backlog.tokens == 0 and backlog.rate(100.0) == 2000 / 4   # idle after 14.0
+    backlog.add(500, now=100.0)
+    backlog.remove(500, now=101.0, computed=False)
+    assert backlog.rate(101.0) == 2000 / 5
 
 
 def test_disagg_max_prefill_backlog_option():
@@ -538,19 +566,22 @@ def test_a_backed_up_prefill_replica_keeps_a_long_prompt_local(trio, tiny_llama_
     split = 'ember_router_disagg_requests_total{path="prefill_decode"}'
     try:
         gw.wait_ready()
-        prefill.prompt_backlog = 300
+        prefill.backlog.tokens = 300
         assert routed_to(gw, trio["single"], LONG) == ["r2"]
         assert gw.metric(kept) == 1 and gw.metric(split) == 0
         assert routed_to(gw, trio["single"], "Short, under --disagg-min-tokens") == ["r2"]
         view = httpx.get(gw.url + "/fleet").json()["disaggregation"]["kept_local"]
-        assert view == {"min_tokens": 1, "prefill_backlog": 1, "local_backlog_tokens": 0}
-        gw.gateway.kept.local_backlog = 400         # the decode replica is further behind
+        assert view["min_tokens"] == 1 and view["prefill_backlog"] == 1
+        assert view["local_backlog_tokens"] == 0 and view["local_prompt_tokens_per_s"] > 0
+        backlog = gw.gateway.kept.backlog
+        backlog.tokens, backlog.tokens_done = 400, 0   # further behind, at an unknown rate
         assert routed_to(gw, trio["single"], LONG + "again") == ["r1", "r2"]
-        gw.gateway.kept.local_backlog = 0
-        prefill.prompt_backlog = 200                # under the threshold: worth the wait
+        backlog.tokens = 0
+        prefill.backlog.tokens = 200                # under the threshold: worth the wait
         assert routed_to(gw, trio["single"], LONG + "once more") == ["r1", "r2"]
         assert gw.metric(kept) == 1 and gw.metric(split) == 2
-        assert prefill.prompt_backlog == 200        # each split's own share given back
+        assert prefill.backlog.tokens == 200        # each split's own share given back
+        assert prefill.backlog.rate(time.monotonic()) > 0
         for server in (trio["prefill"], trio["decode"]):
             server.wait_idle()
     finally:
