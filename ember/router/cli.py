@@ -52,10 +52,10 @@ def add_route_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
                         "whole on a decode replica (default 0: every prompt is split)")
     g.add_argument("--disagg-max-prefill-backlog", type=int,
                    default=RouterConfig.disagg_max_prefill_backlog, metavar="TOKENS",
-                   help="a prompt worth splitting is computed whole on a decode replica while "
-                        "every prefill replica has at least TOKENS uncached prompt tokens "
-                        "outstanding, more than the decode replicas have (0: never; default "
-                        "%(default)d)")
+                   help="while every prefill replica has at least TOKENS uncached prompt "
+                        "tokens outstanding, a prompt worth splitting is computed whole on a "
+                        "decode replica if it would be computed sooner there, at each side's "
+                        "measured rate (0: never; default %(default)d)")
     g.add_argument("--disagg-idle-s", type=float, default=RouterConfig.disagg_idle_s,
                    metavar="SECONDS",
                    help="after this long without a prompt worth splitting, whole requests "

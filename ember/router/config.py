@@ -15,8 +15,9 @@ Where the defaults come from:
   kernels; it breaks ties between replicas that hold as much of the prompt.
 * routed-block TTL (10 s): long enough to cover a replica's prefill and the next event poll.
 * prefill backlog (2048 tokens): one core computes about 1,000 prompt tokens a second with
-  ember's CPU kernels, so a prompt behind 2,048 uncached tokens on every prefill replica
-  waits about 2 s there, while a decode replica with less backlog starts it sooner.
+  ember's CPU kernels, so below 2,048 uncached tokens ahead a prompt waits about 2 s at most
+  for a prefill replica, which keeps the decode replicas' streams clear of it; past that it
+  goes to whichever side would compute it sooner, at the rates the gateway measures.
 """
 from __future__ import annotations
 
@@ -116,9 +117,9 @@ class RouterConfig:
     decode_autoscale: AutoscaleConfig | None = None
     disagg_min_tokens: int = 0
     disagg_idle_s: float = 30.0
-    # a prompt worth splitting goes whole to a decode replica while every prefill replica has
-    # at least this many uncached prompt tokens outstanding, more than the decode replicas'
-    # own such backlog (0: never)
+    # while every prefill replica has at least this many uncached prompt tokens outstanding, a
+    # prompt worth splitting goes whole to a decode replica if it would be computed sooner
+    # there, at each side's measured rate (0: never)
     disagg_max_prefill_backlog: int = 2048
 
     def __post_init__(self) -> None:

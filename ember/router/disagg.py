@@ -5,8 +5,8 @@ first token, a decode replica pulls the prompt's KV and goes on (docs/disaggrega
                structured output or tools)                    no: a decode replica, whole
             -> its uncached part >= --disagg-min-tokens?      no: a decode replica, whole
             -> every prefill replica backed up (>= --disagg-max-prefill-backlog uncached
-               tokens outstanding, more than the decode replicas')? yes: a decode replica,
-               whole
+               tokens outstanding) and the prompt computed sooner on a decode replica, at
+               each side's measured rate?                     yes: a decode replica, whole
             -> a prefill replica (the policy's pick among prefill replicas), unstreamed, with
                kv_transfer_params {do_remote_decode: true}: the first token + transfer params
                (none of them answers: a decode replica, whole, computes the prompt itself)
