@@ -144,6 +144,7 @@ class Replica:
                 "role": self.role, "model": self.model_name, "state": self.state.value,
                 "running": self.running, "waiting": self.waiting, "kv_usage": self.kv_usage,
                 "in_flight": self.in_flight, "prompt_backlog": self.backlog.tokens,
+                "prompt_tokens_per_s": _rounded(self.backlog.rate(time.monotonic())),
                 "busy": time.monotonic() < self.busy_until,
                 "restarts": self.restarts, "cold_start": self.cold_start(),
                 "last_exit": self.last_exit}
@@ -155,6 +156,10 @@ class Replica:
             return round(t - self.started_at, 3) if t is not None else None
         return {"ready_s": since(self.ready_at), "first_byte_s": since(self.first_byte_at),
                 "phases": {k: round(v, 3) for k, v in self.load_phases.items()}}
+
+
+def _rounded(rate: float | None) -> float | None:
+    return round(rate, 1) if rate is not None else None
 
 
 @dataclass
