@@ -125,6 +125,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--split-min-tokens", type=int, default=100,
                    help="the split gateway's --disagg-min-tokens: above the streams' prompts "
                         "(chat template included), at most the shortest length")
+    p.add_argument("--prefill-tokens-with-decodes", type=int, default=256,
+                   help="the replicas' prompt tokens a step beside decodes (a decode "
+                        "replica's own default is 64)")
     p.add_argument("--stall-ms", type=float, default=100.0,
                    help="a stream's gap longer than this counts as stalled")
     p.add_argument("--port", type=int, default=8760)
@@ -136,9 +139,13 @@ def parse() -> argparse.Namespace:
 
 def run(a: argparse.Namespace, out_dir: Path) -> dict:
     urls = {"split": f"http://127.0.0.1:{a.port}", "whole": f"http://127.0.0.1:{a.port + 1}"}
+    # every prompt split (no backlog rule), and each step's prompt tokens as the table's runs
     procs = [start_route(a.port, ["--prefill-replicas", "1", "--decode-replicas", "1",
                                   "--disagg-min-tokens", str(a.split_min_tokens),
-                                  "--disagg-idle-s", "0", "-q"], out_dir / "split.log")]
+                                  "--disagg-idle-s", "0", "--disagg-max-prefill-backlog", "0",
+                                  "--prefill-tokens-with-decodes",
+                                  str(a.prefill_tokens_with_decodes), "-q"],
+                         out_dir / "split.log")]
     try:
         fleet = wait_fleet(urls["split"], procs[0], 2)
         role = {r["role"]: r["url"] for r in fleet}

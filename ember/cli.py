@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ember.bench.cli import add_bench_parser, results_dir
-from ember.config import (ALL_REDUCES, DISTRIBUTED_EXECUTORS, DTYPES, EVICTION_POLICIES, KERNELS,
-                          KV_CACHE_DTYPES, KV_TRANSPORTS, POOLINGS, PREFILL_MATMULS, QUANTIZATIONS,
-                          ROLES, SPECULATIVE, TASKS, ApiKey, CacheConfig, EngineConfig,
-                          KVTransferConfig, ParallelConfig, SchedulerConfig, ServerConfig,
-                          SpecConfig, parse_api_keys)
+from ember.config import (ALL_REDUCES, DECODE_ROLE_PREFILL_TOKENS, DISTRIBUTED_EXECUTORS, DTYPES,
+                          EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, KV_TRANSPORTS, POOLINGS,
+                          PREFILL_MATMULS, QUANTIZATIONS, ROLES, SPECULATIVE, TASKS, ApiKey,
+                          CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig,
+                          SchedulerConfig, ServerConfig, SpecConfig, parse_api_keys)
 from ember.errors import ConfigError, EmberError, InvalidRequest
 from ember.plan.cli import add_plan_parser
 from ember.request import SamplingParams
@@ -73,10 +73,11 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int,
                    default=SchedulerConfig.max_num_batched_tokens,
                    help="token budget of one step (the prefill chunk size)")
-    g.add_argument("--prefill-tokens-with-decodes", type=int,
-                   default=SchedulerConfig.prefill_tokens_with_decodes,
+    g.add_argument("--prefill-tokens-with-decodes", type=int, default=None,
                    help="prompt tokens a step takes on while other requests decode (smaller: "
-                        "shorter gaps between their tokens, slower prompts)")
+                        "shorter gaps between their tokens, slower prompts; default "
+                        f"{SchedulerConfig.prefill_tokens_with_decodes}, "
+                        f"{DECODE_ROLE_PREFILL_TOKENS} on a --role decode replica)")
     g.add_argument("--engine-seed", type=int, default=0, help="seed for unseeded sampling")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute every prompt (the prefix cache is on by default)")
@@ -232,6 +233,16 @@ def weight_cache_dir(environ: Mapping[str, str], home: Path) -> Path:
     return results_dir(environ, home).parent / "weights"
 
 
+def prefill_tokens_with_decodes(args: argparse.Namespace) -> int | None:
+    """--prefill-tokens-with-decodes, else the role's default (a decode replica's is
+    smaller: the prompts it computes are computed beside all its streams)."""
+    if args.prefill_tokens_with_decodes is not None:
+        return args.prefill_tokens_with_decodes
+    if getattr(args, "role", "both") == "decode":
+        return DECODE_ROLE_PREFILL_TOKENS
+    return SchedulerConfig.prefill_tokens_with_decodes
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization,
@@ -248,7 +259,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
+                                  prefill_tokens_with_decodes=prefill_tokens_with_decodes(args),
                                   fair_share=args.fair_share),
         spec=SpecConfig(speculative=args.speculative,
                         num_speculative_tokens=args.num_speculative_tokens,

@@ -199,6 +199,12 @@ class CacheConfig:
                               "10000")
 
 
+# a decode replica's prompt tokens per step beside its decodes, unless set: it computes only
+# the prompts the gateway keeps local, beside every stream it decodes, so its steps stay
+# short (one step of 64 prompt tokens beside 16 streams takes about a third of one of 256)
+DECODE_ROLE_PREFILL_TOKENS = 64
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How much work one engine step may take on."""

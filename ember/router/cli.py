@@ -50,6 +50,12 @@ def add_route_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     g.add_argument("--disagg-min-tokens", type=int, default=0, metavar="N",
                    help="a prompt whose uncached part is shorter than N tokens is computed "
                         "whole on a decode replica (default 0: every prompt is split)")
+    g.add_argument("--disagg-max-prefill-backlog", type=int,
+                   default=RouterConfig.disagg_max_prefill_backlog, metavar="TOKENS",
+                   help="while every prefill replica has at least TOKENS uncached prompt "
+                        "tokens outstanding, a prompt worth splitting is computed whole on a "
+                        "decode replica if it would be computed sooner there, at each side's "
+                        "measured rate (0: never; default %(default)d)")
     g.add_argument("--disagg-idle-s", type=float, default=RouterConfig.disagg_idle_s,
                    metavar="SECONDS",
                    help="after this long without a prompt worth splitting, whole requests "
@@ -244,6 +250,7 @@ def router_config(args: argparse.Namespace, server: ServerConfig,
                         decode_autoscale=role_autoscale(args, "decode", scale)
                         if split else None,
                         disagg_min_tokens=args.disagg_min_tokens,
+                        disagg_max_prefill_backlog=args.disagg_max_prefill_backlog,
                         disagg_idle_s=args.disagg_idle_s)
 
 

@@ -14,6 +14,10 @@ Where the defaults come from:
   request costs each step about a prompt chunk of 64 tokens, 4 blocks of 16, on ember's CPU
   kernels; it breaks ties between replicas that hold as much of the prompt.
 * routed-block TTL (10 s): long enough to cover a replica's prefill and the next event poll.
+* prefill backlog (2048 tokens): one core computes about 1,000 prompt tokens a second with
+  ember's CPU kernels, so below 2,048 uncached tokens ahead a prompt waits about 2 s at most
+  for a prefill replica, which keeps the decode replicas' streams clear of it; past that it
+  goes to whichever side would compute it sooner, at the rates the gateway measures.
 """
 from __future__ import annotations
 
@@ -113,10 +117,18 @@ class RouterConfig:
     decode_autoscale: AutoscaleConfig | None = None
     disagg_min_tokens: int = 0
     disagg_idle_s: float = 30.0
+    # while every prefill replica has at least this many uncached prompt tokens outstanding, a
+    # prompt worth splitting goes whole to a decode replica if it would be computed sooner
+    # there, at each side's measured rate (0: never)
+    disagg_max_prefill_backlog: int = 2048
 
     def __post_init__(self) -> None:
         if self.disagg_min_tokens < 0:
             raise ConfigError(f"disagg_min_tokens={self.disagg_min_tokens} must be >= 0")
+        if self.disagg_max_prefill_backlog < 0:
+            raise ConfigError(f"disagg_max_prefill_backlog={self.disagg_max_prefill_backlog} "
+                              "must be >= 0 (0: prompts wait for a prefill replica however "
+                              "long its backlog)")
         if self.disagg_idle_s < 0:
             raise ConfigError(f"disagg_idle_s={self.disagg_idle_s} must be >= 0 (0: "
                               "disaggregation never steps aside)")

@@ -4,6 +4,9 @@ first token, a decode replica pulls the prompt's KV and goes on (docs/disaggrega
     request -> one the transfer can carry? (one prompt, n = 1, no echo, logprobs,
                structured output or tools)                    no: a decode replica, whole
             -> its uncached part >= --disagg-min-tokens?      no: a decode replica, whole
+            -> every prefill replica backed up (>= --disagg-max-prefill-backlog uncached
+               tokens outstanding) and the prompt computed sooner on a decode replica, at
+               each side's measured rate?                     yes: a decode replica, whole
             -> a prefill replica (the policy's pick among prefill replicas), unstreamed, with
                kv_transfer_params {do_remote_decode: true}: the first token + transfer params
                (none of them answers: a decode replica, whole, computes the prompt itself)
@@ -17,6 +20,14 @@ gateway's start, at first), a whole request may go to a replica of any role, cho
 ordinary fleet, so that a fleet serving only short prompts uses its prefill replicas too.
 The next request worth splitting sends whole ones back to decode replicas only.
 
+Backed-up prefill replicas: the gateway counts the uncached prompt tokens it has outstanding
+on each prefill replica (sent, not yet answered), and the rate each side computes them at
+(tokens over the seconds it had any outstanding). A prompt waits there behind that backlog;
+on a decode replica only behind the prompts already kept local there. While every prefill
+replica's backlog is at least --disagg-max-prefill-backlog, a prompt that would be computed
+sooner on a decode replica (its backlog and the prompt at the decode side's rate, against
+the prefill replica's backlog and the prompt at its rate) is computed there whole.
+
 A client that leaves before a decode replica answered gets the prefill replica's pin
 released (DELETE /kv_transfer/{id}): a decode replica that was pulling finds it gone and
 drops its copy, so releasing is always safe.
@@ -27,6 +38,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, replace
 
@@ -38,6 +50,7 @@ from ember.errors import EmberError
 from ember.router.fleet import RouteKeys
 from ember.router.metrics import ANONYMOUS, RouterMetrics
 from ember.router.proxy import SSE_HEADERS, Attempt, Proxy, Relay, Roles, Upstream
+from ember.router.replicas import PromptBacklog
 from ember.server.errors import error_body
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -127,6 +140,51 @@ class Aside:
                 "mode_changes": self.window.mode_changes(now)}
 
 
+@dataclass(frozen=True)
+class Queue:
+    """One side's backlog now: uncached prompt tokens outstanding, and the prompt tokens a
+    second it computes (measured; None: not yet)."""
+
+    tokens: float
+    rate: float | None
+
+
+def backed_up(prefill: list[Queue], local: Queue, num_tokens: int, max_backlog: int) -> bool:
+    """Whether a prompt of `num_tokens` uncached tokens is computed on a decode replica
+    instead of a prefill replica: the least backlogged prefill replica has at least
+    `max_backlog` tokens outstanding (0: never), and the prompt would be computed sooner
+    behind the decode replicas' own backlog (`local`: prompts kept local this way, per decode
+    replica) at their rate than behind that prefill replica's at its rate. A rate not
+    measured yet is taken as the other side's. No prefill replica routable: not this
+    rule's call."""
+    if max_backlog <= 0 or not prefill:
+        return False
+    ahead = min(prefill, key=lambda q: q.tokens)
+    if ahead.tokens < max_backlog:
+        return False
+    prefill_rate = ahead.rate or local.rate or 1.0
+    local_rate = local.rate or prefill_rate
+    return (local.tokens + num_tokens) / local_rate < \
+        (ahead.tokens + num_tokens) / prefill_rate
+
+
+@dataclass
+class KeptLocal:
+    """Requests kept whole on a decode replica by the prompt's length (`min_tokens`) or the
+    prefill replicas' backlog (`prefill_backlog`), and the backlog of those kept for it (the
+    decode replicas' own backlog)."""
+
+    counts: Counter[str]
+    backlog: PromptBacklog
+
+    def view(self, now: float) -> dict:
+        rate = self.backlog.rate(now)
+        return {"min_tokens": self.counts["min_tokens"],
+                "prefill_backlog": self.counts["prefill_backlog"],
+                "local_backlog_tokens": self.backlog.tokens,
+                "local_prompt_tokens_per_s": round(rate, 1) if rate else None}
+
+
 @dataclass
 class Split:
     """One request's way through both stages."""
@@ -144,6 +202,7 @@ class Split:
     # runs a coroutine no request awaits (the gateway's in_background)
     background: Callable[[Coroutine], object]
     tenant: str = ANONYMOUS   # the key's tenant: each stage's answer is counted under it
+    uncached_tokens: int = 0  # the prompt's part no prefill replica holds: its backlog share
 
     @property
     def metrics(self) -> RouterMetrics:
@@ -203,6 +262,8 @@ class Split:
                 break
             replica = picked[0]
             tried.add(replica.id)
+            replica.backlog.add(self.uncached_tokens, time.monotonic())
+            computed = False
             try:
                 upstream = await self.proxy._try(replica, "POST", self.path, raw, self.headers)
             except Attempt as failed:
@@ -213,6 +274,10 @@ class Split:
             except BaseException:   # the client left: the replica was hung up on
                 self.proxy._done(replica, 499, self.tenant)
                 raise
+            else:
+                computed = upstream.response.status == 200
+            finally:
+                replica.backlog.remove(self.uncached_tokens, time.monotonic(), computed)
             return self._prefill_answer(upstream)
         self.metrics.disagg_fallbacks.labels(reason).inc()
         log.info("prefill stage failed (%s): a decode replica computes the prompt", reason)

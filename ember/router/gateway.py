@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -22,12 +23,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ember.config import ApiKey
 from ember.errors import Overloaded
 from ember.router.autoscale import Autoscaler
-from ember.router.disagg import WHOLE, Aside, Split, unsupported
+from ember.router.disagg import (DECODE, PREFILL, WHOLE, Aside, KeptLocal, Queue, Split,
+                                 backed_up, unsupported)
 from ember.router.fleet import Fleet, RouteKeys
 from ember.router.metrics import ANONYMOUS
 from ember.router.prompts import PromptKeys
 from ember.router.proxy import CLIENT_CLOSED_REQUEST, HOP_HEADERS, Proxy
-from ember.router.replicas import ReplicaState
+from ember.router.replicas import PromptBacklog, ReplicaState
 from ember.router.rollout import Capture, Rollout
 from ember.server.disconnect import unless_disconnected
 from ember.server.errors import (ClientDisconnected, Unauthorized, error_body,
@@ -48,6 +50,7 @@ class Gateway:
     autoscalers: tuple[Autoscaler, ...]   # one per role of a disaggregated fleet
     keys: tuple[ApiKey, ...]           # every accepted key (none: no auth)
     aside: Aside                       # a disaggregated fleet's mode
+    kept: KeptLocal = field(default_factory=lambda: KeptLocal(Counter(), PromptBacklog()))
     tenants: bool = False              # keys name tenants, whose prefixes are salted
     in_flight: int = 0
     stop_replicas: bool = True
@@ -226,7 +229,8 @@ def _add_admin(app: FastAPI, gw: Gateway, guard: Callable[[Request], Awaitable[N
                              "canary_percent": gw.rollout.canary_percent,
                              "shadow_percent": gw.rollout.shadow_percent,
                              "held": gw.proxy.held, "failures": gw.fleet.failures}
-                            | ({"disaggregation": gw.aside.view()}
+                            | ({"disaggregation": gw.aside.view()
+                                | {"kept_local": gw.kept.view(time.monotonic())}}
                                if gw.fleet.disaggregated else {}))
 
     @app.post("/fleet/promote", dependencies=[Depends(guard)])
@@ -311,20 +315,56 @@ async def route(gw: Gateway, request: Request, model: type, path: str) -> Respon
 async def route_split(gw: Gateway, body: CompletionRequest | ChatCompletionRequest,
                       split: Split) -> Response:
     """A request to a disaggregated fleet: split between a prefill and a decode replica,
-    unless a transfer cannot carry it or its uncached part is under --disagg-min-tokens
-    (then a decode replica computes it whole: moving a short prompt's KV costs more than
-    computing it; or any replica, while disaggregation steps aside)."""
+    unless a transfer cannot carry it, its uncached part is under --disagg-min-tokens, or
+    every prefill replica is backed up past --disagg-max-prefill-backlog (then a decode
+    replica computes it whole: moving a short prompt's KV costs more than computing it, and
+    a long one waits less there; or any replica, while disaggregation steps aside)."""
     try:
         path = "unsupported" if unsupported(body) is not None else None
-        min_tokens = gw.fleet.config.disagg_min_tokens
-        if path is None and min_tokens and gw.prompts.num_tokens(body) - \
-                gw.fleet.longest_cached("primary", split.keys, WHOLE) < min_tokens:
-            path = "kept_local"
-        roles = gw.aside.route(eligible=path is None)
+        if path is None:
+            path = keep_local(gw, body, split)
+        roles = gw.aside.route(eligible=path in (None, "kept_local_backlog"))
     except BaseException:
         split.on_done()
         raise
     if path is None:
         return await split.run()
     gw.fleet.metrics.disagg_requests.labels(path).inc()
-    return await split.whole(roles)
+    if path != "kept_local_backlog":
+        return await split.whole(roles)
+    tokens, computed = split.uncached_tokens, False
+    gw.kept.backlog.add(tokens, time.monotonic())
+    try:   # a stream's answer goes on: its prompt is computed once its first byte came
+        answer = await split.whole(roles)
+        computed = answer.status_code == 200
+        return answer
+    finally:
+        gw.kept.backlog.remove(tokens, time.monotonic(), computed)
+
+
+def keep_local(gw: Gateway, body: CompletionRequest | ChatCompletionRequest, split: Split
+               ) -> str | None:
+    """Why a request a transfer can carry goes whole to a decode replica (its path's
+    label), or None: it is split. Sets the split's uncached tokens, its share of the
+    backlog of the replica that computes it."""
+    config = gw.fleet.config
+    if not config.disagg_min_tokens and not config.disagg_max_prefill_backlog:
+        return None
+    num_tokens = gw.prompts.num_tokens(body)
+    if config.disagg_min_tokens and num_tokens - gw.fleet.longest_cached(
+            "primary", split.keys, WHOLE) < config.disagg_min_tokens:
+        gw.kept.counts["min_tokens"] += 1
+        return "kept_local"
+    split.uncached_tokens = num_tokens - gw.fleet.longest_cached("primary", split.keys,
+                                                                 PREFILL)
+    now = time.monotonic()
+    prefill = [Queue(r.backlog.tokens, r.backlog.rate(now))
+               for r in gw.fleet.group("primary", roles=PREFILL) if r.routable(now)]
+    num_decode = sum(r.routable(now) for r in gw.fleet.group("primary", roles=DECODE))
+    local = Queue(gw.kept.backlog.tokens / max(1, num_decode), gw.kept.backlog.rate(now))
+    local_tokens = num_tokens - gw.fleet.longest_cached("primary", split.keys, WHOLE)
+    if backed_up(prefill, local, local_tokens, config.disagg_max_prefill_backlog):
+        gw.kept.counts["prefill_backlog"] += 1
+        split.uncached_tokens = local_tokens
+        return "kept_local_backlog"
+    return None

@@ -133,7 +133,9 @@ class RouterMetrics:
         self.disagg_requests = Counter("ember_router_disagg_requests", "Requests of a "
                                        "disaggregated fleet, by path: prefill_decode (both "
                                        "stages), prefill_only (the first token ended it), "
-                                       "kept_local (under --disagg-min-tokens), unsupported "
+                                       "kept_local (under --disagg-min-tokens), "
+                                       "kept_local_backlog (every prefill replica backed up "
+                                       "past --disagg-max-prefill-backlog), unsupported "
                                        "(what a transfer cannot carry), fallback (no prefill "
                                        "replica answered)", ["path"], registry=r)
         self.disagg_fallbacks = Counter("ember_router_disagg_fallbacks", "Requests sent whole "

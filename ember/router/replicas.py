@@ -65,6 +65,41 @@ class Launcher(Protocol):
 
 
 @dataclass
+class PromptBacklog:
+    """Uncached prompt tokens the gateway has outstanding on one side (a prefill replica's
+    prefill stages, or the prompts kept on decode replicas), and the rate it computes them
+    at: tokens finished over the seconds it had any outstanding, a queue's service rate,
+    which its backlog drains at. Times are arguments: the caller's clock."""
+
+    tokens: int = 0
+    num_requests: int = 0
+    tokens_done: int = 0
+    busy_s: float = 0.0                 # finished busy periods
+    busy_since: float | None = None     # the current one's start
+
+    def add(self, tokens: int, now: float) -> None:
+        if self.num_requests == 0:
+            self.busy_since = now
+        self.num_requests += 1
+        self.tokens += tokens
+
+    def remove(self, tokens: int, now: float, computed: bool) -> None:
+        """One request's prompt left the backlog: `computed` (its first token came), or
+        failed."""
+        self.num_requests = max(0, self.num_requests - 1)
+        self.tokens = max(0, self.tokens - tokens)
+        self.tokens_done += tokens if computed else 0
+        if self.num_requests == 0 and self.busy_since is not None:
+            self.busy_s += now - self.busy_since
+            self.busy_since = None
+
+    def rate(self, now: float) -> float | None:
+        """Prompt tokens a second, measured; None before any was computed."""
+        busy_s = self.busy_s + (now - self.busy_since if self.busy_since is not None else 0)
+        return self.tokens_done / busy_s if self.tokens_done and busy_s > 0 else None
+
+
+@dataclass
 class Replica:
     id: str
     handle: ReplicaHandle
@@ -77,6 +112,9 @@ class Replica:
     waiting: int = 0
     kv_usage: float = 0.0
     in_flight: int = 0              # the gateway's requests on it, raised at decision time
+    # the prefill stages the gateway has outstanding on it (a prefill replica's backlog: how
+    # long a new prompt would wait there)
+    backlog: PromptBacklog = field(default_factory=PromptBacklog)
     ejected_until: float = 0.0      # passive ejection: no new request before this
     busy_until: float = 0.0         # it answered 429 (full, not broken): skipped till then
     restarts: int = 0
@@ -105,7 +143,9 @@ class Replica:
         return {"id": self.id, "url": self.url, "pid": self.handle.pid, "group": self.group,
                 "role": self.role, "model": self.model_name, "state": self.state.value,
                 "running": self.running, "waiting": self.waiting, "kv_usage": self.kv_usage,
-                "in_flight": self.in_flight, "busy": time.monotonic() < self.busy_until,
+                "in_flight": self.in_flight, "prompt_backlog": self.backlog.tokens,
+                "prompt_tokens_per_s": _rounded(self.backlog.rate(time.monotonic())),
+                "busy": time.monotonic() < self.busy_until,
                 "restarts": self.restarts, "cold_start": self.cold_start(),
                 "last_exit": self.last_exit}
 
@@ -116,6 +156,10 @@ class Replica:
             return round(t - self.started_at, 3) if t is not None else None
         return {"ready_s": since(self.ready_at), "first_byte_s": since(self.first_byte_at),
                 "phases": {k: round(v, 3) for k, v in self.load_phases.items()}}
+
+
+def _rounded(rate: float | None) -> float | None:
+    return round(rate, 1) if rate is not None else None
 
 
 @dataclass

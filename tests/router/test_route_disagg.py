@@ -13,12 +13,15 @@ from collections import Counter
 import httpx
 import pytest
 
-from ember.cli import build_parser
+from ember.cli import build_parser, engine_config
+from ember.config import DECODE_ROLE_PREFILL_TOKENS, SchedulerConfig
 from ember.errors import ConfigError
 from ember.router.cli import check_roles, role_urls, router_config
 from ember.router.config import RouterConfig
-from ember.router.disagg import ANY_ROLE, WHOLE, Aside, AsideWindow, whole_roles
+from ember.router.disagg import (ANY_ROLE, WHOLE, Aside, AsideWindow, Queue, backed_up,
+                                 whole_roles)
 from ember.router.main import role_cpus
+from ember.router.replicas import PromptBacklog
 from tests.router.conftest import LiveGateway
 from tests.router.fakes import FakeReplica
 from tests.server.conftest import LiveServer, free_port, start_server, wait_ready
@@ -493,3 +496,104 @@ def test_the_window_elapsing_steps_aside_on_the_real_clock(trio, tiny_llama_dir)
         trio["prefill"].wait_idle()
     finally:
         gw.close()
+
+
+Q = Queue
+
+
+@pytest.mark.parametrize("prefill, local, max_backlog, expected", [
+    ([Q(4030, None)], Q(0, None), 2048, True),      # a long prompt ahead, none on decode
+    ([Q(1000, None)], Q(0, None), 2048, False),     # a short wait: worth the prefill replica
+    ([Q(4030, None), Q(0, None)], Q(0, None), 2048, False),   # one prefill replica is free
+    ([Q(4030, None), Q(8060, None)], Q(0, None), 2048, True),  # every one is backed up
+    ([Q(4030, None)], Q(4030, None), 2048, False),  # as far behind on decode: split
+    ([Q(8060, None)], Q(4030, None), 2048, True),   # less far behind on decode: kept
+    ([Q(2048, None)], Q(0, None), 2048, True),      # the threshold itself counts
+    # measured rates (a prompt of 1000 tokens): at 300 tokens/s on decode, 3.3 s, against
+    # 3.0 s behind 2048 tokens at 1000 tokens/s, and 13.1 s behind 12090
+    ([Q(2048, 1000.0)], Q(0, 300.0), 2048, False),
+    ([Q(12090, 1000.0)], Q(0, 300.0), 2048, True),
+    ([Q(4030, 1000.0)], Q(0, None), 2048, True),    # not measured: the other side's rate
+    ([Q(10**6, None)], Q(0, None), 0, False),       # 0: never
+    ([], Q(0, None), 2048, False),                  # no prefill replica: not this rule's
+])
+def test_backed_up_prefill_replicas_keep_a_prompt_local(prefill, local, max_backlog,
+                                                         expected):
+    assert backed_up(prefill, local, 1000, max_backlog) is expected
+
+
+def test_a_backlog_measures_the_rate_it_drains_at():
+    """Tokens computed over the seconds any was outstanding; idle time does not count, and
+    a failed request's tokens are not counted as computed."""
+    backlog = PromptBacklog()
+    assert backlog.rate(0.0) is None
+    backlog.add(1000, now=10.0)
+    backlog.add(1000, now=11.0)
+    assert backlog.tokens == 2000 and backlog.rate(11.0) is None
+    backlog.remove(1000, now=12.0, computed=True)
+    assert backlog.rate(12.0) == 1000 / 2                  # busy since 10.0
+    backlog.remove(1000, now=14.0, computed=True)
+    assert backlog.tokens == 0 and backlog.rate(100.0) == 2000 / 4   # idle after 14.0
+    backlog.add(500, now=100.0)
+    backlog.remove(500, now=101.0, computed=False)
+    assert backlog.rate(101.0) == 2000 / 5
+
+
+def test_disagg_max_prefill_backlog_option():
+    from ember.config import ServerConfig
+    tokens = ["--prefill-replicas", "1", "--decode-replicas", "1"]
+    config = router_config(route_args(tokens + ["--disagg-max-prefill-backlog", "512"]),
+                           ServerConfig())
+    assert config.disagg_max_prefill_backlog == 512
+    assert router_config(route_args(tokens), ServerConfig()).disagg_max_prefill_backlog == \
+        RouterConfig.disagg_max_prefill_backlog
+    with pytest.raises(ConfigError, match="disagg_max_prefill_backlog=-1"):
+        RouterConfig(disagg_max_prefill_backlog=-1)
+
+
+def test_a_backed_up_prefill_replica_keeps_a_long_prompt_local(trio, tiny_llama_dir):
+    """The prefill replica's backlog (prompt tokens the gateway has outstanding on it, set
+    here as if others were computing) past --disagg-max-prefill-backlog: a long prompt is
+    computed whole on the decode replica, with one replica's greedy text; counted apart from
+    --disagg-min-tokens. Once the backlog is gone, or the decode replica's own is larger, it
+    is split again, and a split's backlog share is given back when the prefill answers."""
+    gw = LiveGateway({"r1": trio["prefill"].url, "r2": trio["decode"].url},
+                     model=str(tiny_llama_dir[0]), roles=ROLES, policy="round-robin",
+                     disagg_min_tokens=64, disagg_max_prefill_backlog=256)
+    prefill = gw.fleet.replicas["r1"]
+    kept = 'ember_router_disagg_requests_total{path="kept_local_backlog"}'
+    split = 'ember_router_disagg_requests_total{path="prefill_decode"}'
+    try:
+        gw.wait_ready()
+        prefill.backlog.tokens = 300
+        assert routed_to(gw, trio["single"], LONG) == ["r2"]
+        assert gw.metric(kept) == 1 and gw.metric(split) == 0
+        assert routed_to(gw, trio["single"], "Short, under --disagg-min-tokens") == ["r2"]
+        view = httpx.get(gw.url + "/fleet").json()["disaggregation"]["kept_local"]
+        assert view["min_tokens"] == 1 and view["prefill_backlog"] == 1
+        assert view["local_backlog_tokens"] == 0 and view["local_prompt_tokens_per_s"] > 0
+        backlog = gw.gateway.kept.backlog
+        backlog.tokens, backlog.tokens_done = 400, 0   # further behind, at an unknown rate
+        assert routed_to(gw, trio["single"], LONG + "again") == ["r1", "r2"]
+        backlog.tokens = 0
+        prefill.backlog.tokens = 200                # under the threshold: worth the wait
+        assert routed_to(gw, trio["single"], LONG + "once more") == ["r1", "r2"]
+        assert gw.metric(kept) == 1 and gw.metric(split) == 2
+        assert prefill.backlog.tokens == 200        # each split's own share given back
+        shown = {r["id"]: r for r in httpx.get(gw.url + "/fleet").json()["replicas"]}
+        assert shown["r1"]["prompt_backlog"] == 200 and shown["r1"]["prompt_tokens_per_s"] > 0
+        for server in (trio["prefill"], trio["decode"]):
+            server.wait_idle()
+    finally:
+        gw.close()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--role", "decode"], DECODE_ROLE_PREFILL_TOKENS),   # streams' gaps stay short
+    (["--role", "prefill"], SchedulerConfig.prefill_tokens_with_decodes),
+    ([], SchedulerConfig.prefill_tokens_with_decodes),
+    (["--role", "decode", "--prefill-tokens-with-decodes", "128"], 128),
+])
+def test_a_decode_replica_takes_smaller_prompt_chunks_beside_decodes(argv, expected):
+    args = build_parser().parse_args(["serve", *argv])
+    assert engine_config(args).scheduler.prefill_tokens_with_decodes == expected
