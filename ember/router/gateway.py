@@ -351,8 +351,9 @@ def keep_local(gw: Gateway, body: CompletionRequest | ChatCompletionRequest, spl
     if not config.disagg_min_tokens and not config.disagg_max_prefill_backlog:
         return None
     num_tokens = gw.prompts.num_tokens(body)
-    if config.disagg_min_tokens and num_tokens - gw.fleet.longest_cached(
-            "primary", split.keys, WHOLE) < config.disagg_min_tokens:
+    # the part a decode replica computes whole: what none of them holds
+    local_tokens = num_tokens - gw.fleet.longest_cached("primary", split.keys, WHOLE)
+    if config.disagg_min_tokens and local_tokens < config.disagg_min_tokens:
         gw.kept.counts["min_tokens"] += 1
         return "kept_local"
     split.uncached_tokens = num_tokens - gw.fleet.longest_cached("primary", split.keys,
@@ -362,7 +363,6 @@ def keep_local(gw: Gateway, body: CompletionRequest | ChatCompletionRequest, spl
                for r in gw.fleet.group("primary", roles=PREFILL) if r.routable(now)]
     num_decode = sum(r.routable(now) for r in gw.fleet.group("primary", roles=DECODE))
     local = Queue(gw.kept.backlog.tokens / max(1, num_decode), gw.kept.backlog.rate(now))
-    local_tokens = num_tokens - gw.fleet.longest_cached("primary", split.keys, WHOLE)
     if backed_up(prefill, local, local_tokens, config.disagg_max_prefill_backlog):
         gw.kept.counts["prefill_backlog"] += 1
         split.uncached_tokens = local_tokens

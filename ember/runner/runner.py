@@ -237,9 +237,8 @@ class ModelRunner:
         linears' inputs over the steps that follow (the calibration prompt's, which every
         rank runs), "finish" makes each rank's int8 weights from them; returns how many
         linears this rank's has (0 for "start")."""
-        if self.peers is not None:
-            self.peers.send(ForwardStep(f"calibrate_{phase}", SchedulerOutput([])))
-        return self._calibrate(phase)
+        with self._on_every_rank(ForwardStep(f"calibrate_{phase}", SchedulerOutput([]))):
+            return self._calibrate(phase)
 
     def _calibrate(self, phase: str) -> int:
         if self.calibration is None:
