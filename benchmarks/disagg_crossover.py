@@ -30,6 +30,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from ember.bench.cli import results_dir
+
 KEEP_WHOLE = 1_000_000   # --disagg-min-tokens above any prompt: nothing is split
 MODES = ("split", "whole")
 
@@ -131,7 +133,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--stall-ms", type=float, default=100.0,
                    help="a stream's gap longer than this counts as stalled")
     p.add_argument("--port", type=int, default=8760)
-    p.add_argument("--out-dir", default="/tmp/disagg-crossover")
+    p.add_argument("--out-dir", default=str(results_dir(os.environ, Path.home())
+                                            / "disagg-crossover"),
+                   help="each run's summary, the gateways' logs and result.json")
     p.add_argument("--table", default=None, metavar="RESULT_JSON",
                    help="only print the table of an earlier run's result.json")
     return p.parse_args()
