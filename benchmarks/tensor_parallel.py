@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/tensor_parallel.py --tp 1 speed
     .venv/bin/python benchmarks/tensor_parallel.py --tp 2 speed [--all-reduce gloo]
     .venv/bin/python benchmarks/tensor_parallel.py --tp 2 --kv-cache-gib 0.5 throughput
+    .venv/bin/python benchmarks/tensor_parallel.py --tp 2 --kv-head-split groups speed
+    .venv/bin/python benchmarks/tensor_parallel.py --kv-cache-gib 0.5 --rounds 6 paired
 
 memory: the bytes of every tensor each rank's model holds (the packed int4 panels, the dense
 copies prompt rows run on, the int8 output projection; rank 1's counted by loading its part
@@ -12,8 +14,10 @@ in this process), and each process's resident and peak memory after loading and 
 generation. speed: one request, greedy, 128 tokens; the median step of each of 3 rounds, as
 tokens/s, and at T > 1 the time a step spends in the all-reduces called from Python (not those
 the decode stack makes itself, in C++, over shared memory) and in the logits gather.
-throughput: --requests requests of 128 tokens, --concurrency at once, output tokens/s of
-each of 3 rounds.
+throughput: --requests requests of --max-tokens tokens (128), --concurrency at once, output
+tokens/s of each of 3 rounds. paired: T=1, T=2 with whole GQA groups and T=2 with the shared
+KV head (--kv-head-split), each loaded once in its own process, one stream and a throughput
+run of each in turn, --rounds times, with each T=2 layout's ratio to T=1 round by round.
 Prints one JSON line, with the prompt matmuls the engine chose (--prefill-matmul auto: the
 same at every T).
 """
@@ -22,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -30,7 +36,7 @@ import torch
 from ember import LLM, SamplingParams
 from ember.distributed.collectives import RankCollectives
 from ember.engine.tensor_parallel import load_rank_model
-from ember.kernels import load_kernels
+from ember.kernels import cpu_flags, load_kernels
 from ember.weights.loader import open_model_files
 
 MIB = 1 << 20
@@ -111,27 +117,98 @@ def speed(llm: LLM) -> dict:
     return result
 
 
-def throughput(llm: LLM, num_requests: int, concurrency: int) -> dict:
-    """`num_requests` requests of 128 greedy tokens, at most `concurrency` in the engine at
-    once (a finished one replaced at once), after a warm-up at that concurrency: output
-    tokens per second of wall time (prompts included), of each of 3 rounds."""
+def run_requests(llm: LLM, tag: str, count: int, concurrency: int, max_tokens: int) -> float:
+    """`count` requests of `max_tokens` greedy tokens, at most `concurrency` in the engine at
+    once (a finished one replaced at once): output tokens per second of wall time (prompts
+    included)."""
     core = llm.engine
-    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start, sent, done = time.perf_counter(), 0, 0
+    while done < count:
+        while sent < count and sent - done < concurrency:
+            prompt = llm.chat_prompt([{"role": "user",
+                                       "content": f"Write story {sent} about a dragon."}])
+            core.add_request(f"{tag}-{sent}", prompt, params)
+            sent += 1
+        done += sum(r.is_finished for r in core.step())
+    return count * max_tokens / (time.perf_counter() - start)
 
-    def prompt(i: int) -> str:
-        return llm.chat_prompt([{"role": "user", "content": f"Write story {i} about a dragon."}])
 
-    def run(tag: str, count: int) -> float:
-        start, sent, done = time.perf_counter(), 0, 0
-        while done < count:
-            while sent < count and sent - done < concurrency:
-                core.add_request(f"{tag}-{sent}", prompt(sent), params)
-                sent += 1
-            done += sum(r.is_finished for r in core.step())
-        return count * params.max_tokens / (time.perf_counter() - start)
-    run("warm", concurrency)
-    return {"output_tok_s": [round(run(f"r{i}", num_requests), 1) for i in range(3)],
-            "requests": num_requests, "concurrency": concurrency}
+def throughput(llm: LLM, num_requests: int, concurrency: int, max_tokens: int = 128) -> dict:
+    """run_requests after a warm-up at that concurrency, 3 rounds."""
+    run_requests(llm, "warm", concurrency, concurrency, max_tokens)
+    return {"output_tok_s": [round(run_requests(llm, f"r{i}", num_requests, concurrency,
+                                                max_tokens), 1) for i in range(3)],
+            "requests": num_requests, "concurrency": concurrency, "max_tokens": max_tokens}
+
+
+def one_stream(llm: LLM, tag: str) -> float:
+    """One request of 128 greedy tokens: 1 / its median decode step, tokens/s."""
+    core = llm.engine
+    prompt = llm.chat_prompt([{"role": "user", "content": "Write a story about a dragon."}])
+    core.add_request(tag, prompt, SamplingParams(max_tokens=128, temperature=0,
+                                                 ignore_eos=True))
+    steps = []
+    while core.has_unfinished():
+        start = time.perf_counter()
+        core.step()
+        steps.append(time.perf_counter() - start)
+    return 1 / statistics.median(steps[1:])
+
+
+# paired: each layout loaded once, in a process of its own that waits for orders on stdin
+LAYOUTS = {"T=1": ["--tp", "1"],
+           "T=2 groups": ["--tp", "2", "--all-reduce", "shm", "--kv-head-split", "groups"],
+           "T=2 shared": ["--tp", "2", "--all-reduce", "shm", "--kv-head-split", "shared"]}
+
+
+def serve_orders(llm: LLM, args: argparse.Namespace) -> None:
+    """A paired child: warm up, say so, then answer each stdin line ("speed": one_stream,
+    "throughput": one run_requests) with its figure, one line each."""
+    one_stream(llm, "warm-1")
+    run_requests(llm, "warm-c", args.concurrency, args.concurrency, args.max_tokens)
+    print("ready", flush=True)
+    for i, line in enumerate(sys.stdin):
+        what = line.strip()
+        value = one_stream(llm, f"s{i}") if what == "speed" else \
+            run_requests(llm, f"c{i}", args.requests, args.concurrency, args.max_tokens)
+        print(round(value, 1), flush=True)
+
+
+def paired(args: argparse.Namespace) -> dict:
+    """T=1, T=2 with whole groups and T=2 with the shared KV head, each loaded once in its
+    own process (the others idle meanwhile: their ranks sleep), run in turn, the order
+    rotating every round: single-stream and concurrency figures of each, and each T=2
+    layout's per-round ratio to T=1 (the machine's drift between rounds cancels)."""
+    children = {}
+    for name, layout in LAYOUTS.items():
+        child = subprocess.Popen(
+            [sys.executable, __file__, "_serve", *layout, "--kv-cache-gib", str(args.kv_cache_gib),
+             "--requests", str(args.requests), "--concurrency", str(args.concurrency),
+             "--max-tokens", str(args.max_tokens)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True)
+        if child.stdout.readline().strip() != "ready":
+            raise SystemExit(f"{name}: the engine did not start")
+        children[name] = child
+    figures = {what: {name: [] for name in LAYOUTS} for what in ("speed", "throughput")}
+    names = list(LAYOUTS)
+    try:
+        for r in range(args.rounds):
+            for what in figures:
+                for name in names[r % 3:] + names[:r % 3]:
+                    children[name].stdin.write(what + "\n")
+                    children[name].stdin.flush()
+                    figures[what][name].append(float(children[name].stdout.readline()))
+    finally:
+        for child in children.values():
+            child.stdin.close()
+            child.wait(timeout=120)
+    ratios = {what: {name: [round(a / b, 3) for a, b in zip(values[name], values["T=1"])]
+                     for name in names[1:]} for what, values in figures.items()}
+    return {"figures": figures, "ratio_to_t1": ratios,
+            "median_ratio": {what: {name: statistics.median(r) for name, r in by.items()}
+                             for what, by in ratios.items()}}
 
 
 def timed(collectives: RankCollectives, name: str, waits: Counter) -> None:
@@ -149,25 +226,39 @@ def timed(collectives: RankCollectives, name: str, waits: Counter) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=("memory", "speed", "throughput"))
+    parser.add_argument("what", choices=("memory", "speed", "throughput", "paired", "_serve"))
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--prefill-matmul", default="auto")
     parser.add_argument("--kv-cache-gib", type=float, default=0.05)
     parser.add_argument("--all-reduce", default="auto", choices=("auto", "shm", "gloo"))
+    parser.add_argument("--kv-head-split", default="shared", choices=("shared", "groups"))
     parser.add_argument("--requests", type=int, default=64, help="throughput: requests")
     parser.add_argument("--concurrency", type=int, default=32, help="throughput: at once")
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="throughput: output tokens a request")
+    parser.add_argument("--rounds", type=int, default=6, help="paired: rounds")
     args = parser.parse_args()
+    if args.what == "paired":
+        flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx")))
+        print(json.dumps({"paired": paired(args), "cpu_flags": flags,
+                          "kv_cache_gib": args.kv_cache_gib}))
+        return
     llm = LLM(tensor_parallel_size=args.tp, prefill_matmul=args.prefill_matmul,
-              kv_cache_gib=args.kv_cache_gib, all_reduce=args.all_reduce)
+              kv_cache_gib=args.kv_cache_gib, all_reduce=args.all_reduce,
+              kv_head_split=args.kv_head_split)
     try:
+        if args.what == "_serve":
+            serve_orders(llm, args)
+            return
         if args.what == "memory":
             llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))
             result = memory(llm)
         elif args.what == "speed":
             result = speed(llm)
         else:
-            result = throughput(llm, args.requests, args.concurrency)
-        print(json.dumps({"tp": args.tp, "prefill_matmul": llm.engine.prefill_choice.describe(),
+            result = throughput(llm, args.requests, args.concurrency, args.max_tokens)
+        print(json.dumps({"tp": args.tp, "kv_head_split": args.kv_head_split,
+                          "prefill_matmul": llm.engine.prefill_choice.describe(),
                           args.what: result}))
     finally:
         llm.close()

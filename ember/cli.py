@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from ember.bench.cli import add_bench_parser, results_dir
 from ember.config import (ALL_REDUCES, DECODE_ROLE_PREFILL_TOKENS, DISTRIBUTED_EXECUTORS, DTYPES,
-                          EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, KV_TRANSPORTS, POOLINGS,
+                          EVICTION_POLICIES, KERNELS, KV_CACHE_DTYPES, KV_HEAD_SPLITS,
+                          KV_TRANSPORTS, POOLINGS,
                           PREFILL_MATMULS, QUANTIZATIONS, ROLES, SPECULATIVE, TASKS, ApiKey,
                           CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig,
                           SchedulerConfig, ServerConfig, SpecConfig, parse_api_keys)
@@ -138,6 +139,14 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                    help="a mixture of experts: give each of the T ranks whole experts (a "
                         "contiguous range, read and held by that rank only) instead of a "
                         "slice of every expert; needs --tensor-parallel-size 2 or more")
+    p.add_argument("--kv-head-split", default=ParallelConfig.kv_head_split,
+                   choices=list(KV_HEAD_SPLITS),
+                   help="where the KV heads do not divide among the T ranks (3 over 2): "
+                        "shared (default) holds a KV head on the cut on both ranks beside it "
+                        "and attends each request over it on one (even attention and KV reads "
+                        "under load; both read that head's weights, ~7%% more a token on the "
+                        "default model at T=2); groups gives each rank whole GQA groups, "
+                        "evened out by MLP columns (fewest weights a token: one stream)")
     p.add_argument("--oversubscribe-cpus", action="store_true",
                    help="let ranks share CPU cores where T x P exceeds them (slow; for "
                         "trying a layout on a small machine)")
@@ -267,6 +276,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 pipeline_parallel_size=args.pipeline_parallel_size,
                                 expert_parallel=args.expert_parallel,
+                                kv_head_split=args.kv_head_split,
                                 oversubscribe=args.oversubscribe_cpus,
                                 pipeline_micro_batches=args.pipeline_micro_batches,
                                 distributed_executor=args.distributed_executor,

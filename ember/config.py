@@ -31,6 +31,7 @@ TASKS = ("generate", "embed")  # generate also serves embeddings; embed serves o
 DISTRIBUTED_EXECUTORS = ("mp", "ray")  # how a model's ranks start: local processes, Ray actors
 # the ranks' all-reduce (ember/distributed/allreduce.py): shm on one host, else gloo
 ALL_REDUCES = ("auto", "shm", "gloo")
+KV_HEAD_SPLITS = ("shared", "groups")
 ROLES = ("both", "prefill", "decode")  # disaggregated serving (ember/kv_transfer/)
 KV_TRANSPORTS = ("auto", "http")       # auto: shared memory on one host, else HTTP
 POOLINGS = ("auto", "last", "mean", "cls")  # auto: the model folder's sentence-transformers
@@ -267,6 +268,11 @@ class ParallelConfig:
     # a mixture of experts: each tensor-parallel rank holds a contiguous range of whole
     # experts (their weights unsliced) instead of a slice of every expert's columns
     expert_parallel: bool = False
+    # KV heads that do not divide among the tensor-parallel ranks (3 over 2): "shared", a
+    # head on a cut between two ranks is held by both and each request attends it on one
+    # (even attention and KV reads; both read its weights); "groups", each rank whole GQA
+    # groups, its MLP columns evening out the weights (ember/distributed/parallel.py)
+    kv_head_split: str = "shared"
 
     @property
     def num_micro_batches(self) -> int:
@@ -283,6 +289,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_choice("distributed_executor", self.distributed_executor, DISTRIBUTED_EXECUTORS)
         check_choice("all_reduce", self.all_reduce, ALL_REDUCES)
+        check_choice("kv_head_split", self.kv_head_split, KV_HEAD_SPLITS)
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be in "
                               "[1, 64]; 1 runs the model in one process")

@@ -5,6 +5,8 @@ import dataclasses
 import enum
 import math
 import time
+import zlib
+from array import array
 from dataclasses import dataclass, field
 
 from ember.constraint import Constraint
@@ -177,6 +179,16 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"      # cancelled by the caller
 
 
+SHARE_KEYS = 1 << 16
+
+
+def share_key(prompt_token_ids: list[int]) -> int:
+    """A number in [0, SHARE_KEYS) that a prompt's tokens alone decide: which tensor-parallel
+    rank attends a KV head that two ranks hold (ember/models/parallel.py HeadShare), the same
+    for the same prompt whatever else runs beside it."""
+    return zlib.crc32(array("q", prompt_token_ids).tobytes()) % SHARE_KEYS
+
+
 @dataclass
 class Request:
     """One sequence being generated. The scheduler and the runner read and advance it.
@@ -220,9 +232,11 @@ class Request:
     # the replica that computes a prompt for another, that its blocks outlive it (pinned)
     num_external_tokens: int = 0
     keep_blocks: bool = False
+    share_key: int = field(init=False, default=0)   # share_key(prompt_token_ids)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        self.share_key = share_key(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -308,12 +308,14 @@ class RowRequest:
     all_token_ids: TokenWindow
     pooling: PoolingParams | None = None
     lora: str | None = None
+    share_key: int = 0
 
 
 # A step on the wire: (method, rows, block copies, adapters), a row per scheduled request
-# (its id, prompt length, the step's token ids, pooling, adapter, start, new tokens, block
-# table, whether it samples, drafts). Tuples of plain values pickle and load several times
-# faster than the dataclasses, on ranks whose caches the forward has just flushed.
+# (its id, prompt length, the step's token ids, pooling, adapter, share key, start, new
+# tokens, block table, whether it samples, drafts). Tuples of plain values pickle and load
+# several times faster than the dataclasses, on ranks whose caches the forward has just
+# flushed.
 StepMessage = tuple[str, list[tuple], list, Any]
 
 
@@ -329,18 +331,19 @@ def _row(item: ScheduledRequest) -> tuple:
     request = item.request
     end = item.end - len(item.draft_token_ids)   # the drafts travel in the item itself
     return (request.request_id, request.num_prompt_tokens,
-            request.all_token_ids[item.start:end], request.pooling, request.lora, item.start,
-            item.num_new_tokens, item.block_ids, item.samples, item.draft_token_ids)
+            request.all_token_ids[item.start:end], request.pooling, request.lora,
+            request.share_key, item.start, item.num_new_tokens, item.block_ids, item.samples,
+            item.draft_token_ids)
 
 
 def received_step(message: StepMessage) -> ForwardStep:
     """A worker's ForwardStep from the driver's step_message: each request a RowRequest."""
     method, rows, block_copies, adapters = message
     scheduled = [ScheduledRequest(RowRequest(request_id, num_prompt, TokenWindow(start, ids),
-                                             pooling, lora),
+                                             pooling, lora, key),
                                   start, num_new, block_ids, samples, drafts)
-                 for (request_id, num_prompt, ids, pooling, lora, start, num_new, block_ids,
-                      samples, drafts) in rows]
+                 for (request_id, num_prompt, ids, pooling, lora, key, start, num_new,
+                      block_ids, samples, drafts) in rows]
     return ForwardStep(method, SchedulerOutput(scheduled, frozenset(), block_copies),
                        adapters)
 

@@ -5,10 +5,20 @@ outputs), o and down row-parallel (each rank a partial sum over its inputs, summ
 ranks by one all-reduce each), the embedding and the output projection vocabulary-parallel.
 
 Heads go to ranks as whole GQA groups, so that each rank's attention is an ordinary GQA
-attention (a uniform number of query heads per KV head, what every attention path assumes):
+attention (a uniform number of query heads per KV head, what every attention path assumes).
+Where the KV heads divide among the ranks, each rank holds its share; where they do not, the
+ranks cut the KV heads as a line cut evenly and hold every head their cut touches, so a head
+on a cut is held by both ranks beside it:
 
-    9 query heads, 3 KV heads (groups of 3), 2 ranks:
-      rank 0: KV heads 0-1, query heads 0-5      rank 1: KV head 2, query heads 6-8
+    9 query heads, 3 KV heads (groups of 3), 2 ranks (cut at 1.5):
+      rank 0: KV heads 0-1, query heads 0-5      rank 1: KV heads 1-2, query heads 3-8
+
+Both write KV head 1 into their caches, and each request attends over it on one of the two
+(chosen by its prompt: ember/models/parallel.py HeadShare), so that each reads about half of
+the shared head's cache; the other's output for those query heads is zeros, which the
+all-reduce after o adds. Without the shared head rank 0 held KV heads 0-1 and rank 1 head 2:
+at 32 requests of a few hundred tokens rank 0 read twice rank 1's cache each step and did
+twice its attention, and rank 1 waited for it at every all-reduce.
 
 With more ranks than KV heads, each KV head is replicated on the ranks that share its group's
 query heads (4 ranks: KV 0 on ranks 0-1 with query heads 0-1 and 2, KV 1 on rank 2, KV 2 on
@@ -17,8 +27,9 @@ query heads. Ranks before others get the larger share where a count does not div
 MLP columns and vocabulary rows go in whole units (UNIT_*), so that int4's groups of 32
 inputs and the int8 output projection's tiles of 16 rows stay whole on every rank. Where the
 heads split unevenly, the columns and rows do too, so that every rank reads about as many
-weights per decoded token (balanced_split; the default model over 2 ranks: MLP columns
-672 + 864, vocabulary rows 25,536 + 23,616, 67.2M parameters each).
+weights per decoded token (balanced_split: 4 query heads over 3 ranks, 2 + 1 + 1, for
+instance; the default model's shared head leaves its 2 ranks even: MLP columns 768 + 768,
+vocabulary rows 24,576 + 24,576).
 
 A mixture of experts' experts are cut like the dense MLP (each rank a slice of every
 expert's columns), or, with expert parallel, shared out whole (each rank a contiguous range
@@ -38,6 +49,8 @@ from torch import Tensor
 
 from ember.config import ModelConfig, ParallelConfig, parse_cpu_bind
 from ember.errors import ConfigError
+from ember.models.parallel import HeadShare
+from ember.request import SHARE_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +136,12 @@ def balanced_split(config: ModelConfig, heads: list[tuple[Range, Range]]
     """Each rank's MLP columns and vocabulary rows, so that the ranks read about as many
     weights per decoded token (decode_params; every rank holds the same format, so bytes
     follow parameters). Decode is weight-bandwidth bound and each all-reduce waits for the
-    slowest rank, so where the heads split unevenly (9 query heads over 2 ranks: 6 + 3 with
-    2 + 1 KV heads) the ranks with fewer heads take more MLP columns, then vocabulary rows
-    make up what whole column units cannot (balance_units). Ranges stay contiguous in rank
-    order and in whole units (UNIT_COLUMNS, UNIT_VOCAB). The even split stands where the
-    heads split evenly, and for mixtures of experts (what a token reads there follows its
-    routing)."""
+    slowest rank, so where the heads split unevenly (10 query heads over 3 ranks: 4, 6 and
+    4 with 2, 3 and 2 KV heads) the ranks with fewer heads take more MLP columns, then
+    vocabulary rows make up what whole column units cannot (balance_units). Ranges stay
+    contiguous in rank order and in whole units (UNIT_COLUMNS, UNIT_VOCAB). The even split
+    stands where the heads split evenly, and for mixtures of experts (what a token reads
+    there follows its routing)."""
     parts = len(heads)
     mlp_unit = column_unit(config.intermediate_size, parts, UNIT_COLUMNS, "the MLP")
     vocab_unit = column_unit(config.vocab_size, parts, UNIT_VOCAB, "the vocabulary")
@@ -162,21 +175,34 @@ def split_experts(num_experts: int, parts: int) -> list[Range]:
     return even_ranges(num_experts, parts)
 
 
-def split_heads(num_heads: int, num_kv_heads: int, parts: int) -> list[tuple[Range, Range]]:
+def split_heads(num_heads: int, num_kv_heads: int, parts: int, shared: bool = True
+                ) -> list[tuple[Range, Range]]:
     """(query heads, KV heads) of each rank: whole GQA groups where there are at least as
-    many KV heads as ranks, else a share of one group's query heads with its KV head."""
+    many KV heads as ranks (where they do not divide, with `shared` those on the even cuts of
+    the KV heads held by the ranks on both sides, shared_kv_ranges; else the first ranks one
+    more), else a share of one group's query heads with its KV head."""
     if parts > num_heads:
         raise ConfigError(f"tensor_parallel_size={parts} exceeds the model's {num_heads} query "
                           f"heads (with {num_kv_heads} KV heads): each rank needs a query head; "
                           f"use at most {num_heads}")
     group = num_heads // num_kv_heads
     if parts <= num_kv_heads:
-        return [((a * group, b * group), (a, b)) for a, b in even_ranges(num_kv_heads, parts)]
+        ranges = even_ranges(num_kv_heads, parts) if num_kv_heads % parts == 0 or not shared \
+            else shared_kv_ranges(num_kv_heads, parts)
+        return [((a * group, b * group), (a, b)) for a, b in ranges]
     out = []
     for kv, (first, end) in enumerate(even_ranges(parts, num_kv_heads)):
         for a, b in even_ranges(group, end - first):   # ranks sharing KV head `kv`
             out.append(((kv * group + a, kv * group + b), (kv, kv + 1)))
     return out
+
+
+def shared_kv_ranges(num_kv_heads: int, parts: int) -> list[Range]:
+    """Each rank's KV heads where `parts` does not divide them: the heads [0, K) as a line
+    cut into `parts` equal lengths, each rank every head its length touches (3 over 2:
+    0-1 and 1-2; 5 over 3: 0-1, 1-3, 3-4)."""
+    return [(r * num_kv_heads // parts, -(-(r + 1) * num_kv_heads // parts))
+            for r in range(parts)]
 
 
 @dataclass(frozen=True)
@@ -199,6 +225,9 @@ class TensorShard:
     # expert parallel: the whole experts this rank holds (moe_intermediate is then every
     # column); None: a slice of every expert, moe_intermediate's columns
     experts: Range | None = None
+    # a KV head on a cut between two ranks is on both (split_heads' `shared`, where the KV
+    # heads do not divide among the ranks)
+    shares_kv_heads: bool = False
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """The model as this rank builds it: its heads, columns, experts and vocabulary rows."""
@@ -209,6 +238,15 @@ class TensorShard:
                        moe_intermediate_size=size(self.moe_intermediate),
                        shared_expert_intermediate_size=size(self.shared_intermediate),
                        vocab_size=size(self.vocab), local_experts=self.experts)
+
+    def head_share(self) -> HeadShare | None:
+        """Which requests this rank attends over the KV heads it shares with another rank
+        (split_heads); None where it shares none (each of its query heads is its alone)."""
+        first, end = self.kv_heads
+        if not self.shares_kv_heads:
+            return None
+        return HeadShare(self.rank, self.world_size, first, end - first, self.num_kv_heads,
+                         SHARE_KEYS)
 
     def local_name(self, name: str) -> str | None:
         """A loaded tensor's name in this rank's model: under expert parallel an expert's
@@ -269,15 +307,18 @@ class TensorShard:
         return None, None
 
 
-def plan_shards(config: ModelConfig, world_size: int,
-                expert_parallel: bool = False) -> list[TensorShard]:
-    """Every rank's TensorShard (with expert_parallel: whole experts each); a ConfigError
-    naming the numbers where the model cannot be split `world_size` ways."""
+def plan_shards(config: ModelConfig, world_size: int, expert_parallel: bool = False,
+                share_kv_heads: bool = True) -> list[TensorShard]:
+    """Every rank's TensorShard (with expert_parallel: whole experts each; with
+    share_kv_heads, KV heads on the cuts held by two ranks where they do not divide); a
+    ConfigError naming the numbers where the model cannot be split `world_size` ways."""
     if config.qk_norm == "full" and world_size > 1:
         raise ConfigError(f"{config.architecture} normalises q and k over all heads together "
                           "(qk_norm 'full'), which tensor parallel does not split yet; use "
                           "tensor_parallel_size=1")
-    heads = split_heads(config.num_heads, config.num_kv_heads, world_size)
+    heads = split_heads(config.num_heads, config.num_kv_heads, world_size, share_kv_heads)
+    shares = share_kv_heads and world_size <= config.num_kv_heads and \
+        config.num_kv_heads % world_size != 0
     mlp, vocab = balanced_split(config, heads)
     experts: list[Range | None] = [None] * world_size
     if expert_parallel:
@@ -297,13 +338,13 @@ def plan_shards(config: ModelConfig, world_size: int,
     widest = max(b - a for a, b in vocab)
     return [TensorShard(rank, world_size, q, kv, config.head_dim, mlp[rank], moe[rank],
                         shared[rank], vocab[rank], widest, config.num_heads, config.num_kv_heads,
-                        experts[rank])
+                        experts[rank], shares)
             for rank, (q, kv) in enumerate(heads)]
 
 
 def describe_shards(shards: list[TensorShard], config: ModelConfig) -> str:
-    """E.g. 'rank 0: query heads 0-5, KV heads 0-1, MLP columns 0-671, vocabulary 0-25535,
-    67.2M parameters read a token; rank 1: ...', with each rank's whole experts under expert
+    """E.g. 'rank 0: query heads 0-5, KV heads 0-1, MLP columns 0-767, vocabulary 0-24575,
+    71.7M parameters read a token; rank 1: ...', with each rank's whole experts under expert
     parallel (a mixture's reads follow its routing, so none are counted there)."""
     def span(r: Range) -> str:
         return f"{r[0]}-{r[1] - 1}" if r[1] - r[0] > 1 else str(r[0])
@@ -316,9 +357,11 @@ def describe_shards(shards: list[TensorShard], config: ModelConfig) -> str:
             return ""
         size = [b - a for a, b in (s.q_heads, s.kv_heads, s.intermediate, s.vocab)]
         return f", {decode_params(config, *size) / 1e6:.1f}M parameters read a token"
+    shared = "; a KV head on two ranks is attended for each request on one of them" \
+        if shards and shards[0].head_share() is not None else ""
     return "; ".join(f"rank {s.rank}: query heads {span(s.q_heads)}, KV heads "
                      f"{span(s.kv_heads)}, MLP columns {span(s.intermediate)}{experts(s)}, "
-                     f"vocabulary {span(s.vocab)}{reads(s)}" for s in shards)
+                     f"vocabulary {span(s.vocab)}{reads(s)}" for s in shards) + shared
 
 
 def rank_cpus(parallel: ParallelConfig, available: list[int],

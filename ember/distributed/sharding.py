@@ -33,6 +33,7 @@ def parallelize(model: LlamaForCausalLM, shard: TensorShard,
         if isinstance(module, (LlamaAttention, SparseMoE)) or \
                 (isinstance(module, SwiGLU) and id(module) not in in_experts):
             module.all_reduce = collectives.all_reduce
+    model.head_share = shard.head_share()
     start, end = shard.vocab
     if not isinstance(model.model.embed_tokens, nn.Identity):   # (a stage without it)
         model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, start,

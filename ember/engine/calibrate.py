@@ -24,6 +24,7 @@ from torch import Tensor
 from ember.engine.memory import large_blocks_mapped_alone
 from ember.errors import ConfigError
 from ember.kernels import CpuKernels
+from ember.models.llama import LlamaAttention
 from ember.quant.packed import PackedLinear
 from ember.request import RequestOptions, SamplingParams
 
@@ -146,6 +147,9 @@ class RankCalibration:
                               f"{len(missing)} linears (a KV cache too small for a prompt?); "
                               "raise --kv-cache-gib, or use --prefill-matmul bfloat16")
         split = split_input_linears(self.model)
+        if self.max_over_ranks is not None and \
+                getattr(self.model, "head_share", None) is not None:
+            self._whole_shared_heads()
         with large_blocks_mapped_alone():
             for module in self.groups:   # the same order on every rank (max_over_ranks)
                 whole_input = self.max_over_ranks is not None and module not in split
@@ -157,6 +161,24 @@ class RankCalibration:
         log.info("int8 prompt matmuls: %d linears calibrated%s", len(self.amax),
                  ", batched decode steps on them too" if self.model.int8_decode else "")
         return len(self.amax)
+
+    def _whole_shared_heads(self) -> None:
+        """o's maxima in the columns of a KV head this rank shares with another (HeadShare)
+        saw only the requests this rank attends there (zeros in the rows of the others; a
+        calibration prompt of one request leaves one rank none): each o's maxima, placed in
+        the whole model's columns, are maxed over the ranks, so every rank has one process's
+        in every column it holds. The same order on every rank (a collective per layer)."""
+        share = self.model.head_share
+        for attention in self.model.modules():
+            if not isinstance(attention, LlamaAttention) or attention.o_proj not in self.amax:
+                continue
+            mine = self.amax[attention.o_proj]
+            per_kv = mine.numel() // share.kv_count   # a KV head's query heads' columns
+            start = share.kv_first * per_kv
+            whole = mine.new_zeros(share.num_kv_heads * per_kv)
+            whole[start:start + mine.numel()] = mine
+            self.max_over_ranks(whole)
+            self.amax[attention.o_proj] = whole[start:start + mine.numel()].clone()
 
 
 def split_input_linears(model: torch.nn.Module) -> set[torch.nn.Module]:

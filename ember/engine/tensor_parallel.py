@@ -112,7 +112,8 @@ def plan_ranks(config: EngineConfig, model: ModelConfig, quantization: str) -> R
     num_stages = config.parallel.pipeline_parallel_size
     if size * num_stages == 1:
         return None
-    shards = plan_shards(model, size, config.parallel.expert_parallel)
+    shards = plan_shards(model, size, config.parallel.expert_parallel,
+                         config.parallel.kv_head_split == "shared")
     stages = plan_stages(model.num_layers, num_stages)
     available = sorted(os.sched_getaffinity(0))
     cpus = ray_rank_cpus(config.parallel, available) \

@@ -78,10 +78,13 @@ class CpuKernels:
         return self.ops.silu_and_mul(x)
 
     def decode_attention(self, q: Tensor, kv: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                         scale: float, kv_scale: Tensor | None = None) -> Tensor:
+                         scale: float, kv_scale: Tensor | None = None,
+                         skip: Tensor | None = None) -> Tensor:
         """q [B, heads, d], kv [2, kv_heads, blocks, block_size, d] -> [B, heads, d]; with
-        `kv_scale` [2, kv_heads, blocks, block_size] float16, kv is int8 (has_bf16_dot)."""
-        return self.ops.decode_attention(q, kv, block_tables, seq_lens, scale, kv_scale)
+        `kv_scale` [2, kv_heads, blocks, block_size] float16, kv is int8 (has_bf16_dot).
+        With `skip` [B] int64, request b attends no KV head h whose bit is set in skip[b]:
+        those query heads' outputs are zeros (ember/models/parallel.py HeadShare)."""
+        return self.ops.decode_attention(q, kv, block_tables, seq_lens, scale, kv_scale, skip)
 
     @functools.cached_property
     def has_bf16_dot(self) -> bool:

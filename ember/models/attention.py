@@ -148,6 +148,10 @@ class AttentionMetadata:
     groups: list[AttentionGroup] = field(default_factory=list)
     decodes: DecodeBatch | None = None  # the step's requests when it only decodes
     prompt_step: PromptStep | None = None  # else, where its shape allows (see PromptStep)
+    # [T] long, a tensor-parallel rank's where it shares a KV head with another: per row, a
+    # bit per KV head whose query heads that row leaves to the other rank (outputs zeros;
+    # ember/models/parallel.py HeadShare); None: every row attends every head
+    skip: Tensor | None = None
 
 
 @dataclass

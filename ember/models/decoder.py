@@ -86,7 +86,7 @@ class VariantAttention(LlamaAttention):
         else:
             out = windowed_attention(q, k, v, kv_cache, meta, self.scale, self.window,
                                      self.softcap)
-        return self._out(out.reshape(num_tokens, self.q_size), lora)
+        return self._out(self._attended(out, meta), lora)
 
     @staticmethod
     def _norm(norm: RMSNorm, x: Tensor) -> Tensor:

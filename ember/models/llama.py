@@ -16,7 +16,8 @@ from ember.models.attention import (AttentionMetadata, DecodeBatch, PagedKV, Pro
                                     prefill_in_kernel)
 from ember.models.layers import (KERNEL_DTYPES, RMSNorm, SwiGLU, apply_rope, rope_cos_sin,
                                  rope_inv_freq)
-from ember.models.parallel import AllReduce, StackAllReduce, StageLink, reduce_
+from ember.models.parallel import (AllReduce, HeadShare, StackAllReduce, StageLink, reduce_,
+                                   zero_skipped)
 from ember.quant.packed import PackedLinear
 
 
@@ -52,13 +53,20 @@ class LlamaAttention(nn.Module):
                                         new_k)
             new_kv = None if new_k is None else (new_k, self._v(qkv))
             out = attend_cached(q, kv_cache, meta, self.scale, self.kernels, new_kv)
-            return self._out(out.reshape(num_tokens, self.q_size), lora)
+            return self._out(self._attended(out, meta), lora)
         # q and k rotate together: one pass over [T, heads + kv_heads, head_dim]
         qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, self._v(qkv), kv_cache, meta, self.scale, self.kernels)
-        return self._out(out.reshape(num_tokens, self.q_size), lora)
+        return self._out(self._attended(out, meta), lora)
+
+    def _attended(self, out: Tensor, meta: AttentionMetadata) -> Tensor:
+        """Attention's output [T, heads, head_dim] as o_proj's input [T, q_size], zeros for
+        the heads another tensor-parallel rank attends for a row (meta.skip)."""
+        if meta.skip is not None:
+            out = zero_skipped(out, meta.skip, self.num_kv_heads)
+        return out.reshape(out.shape[0], self.q_size)
 
     def _out(self, attended: Tensor, lora: LoraLayer | None) -> Tensor:
         out = self.o_proj(attended)
@@ -136,6 +144,9 @@ class LlamaForCausalLM(nn.Module):
         # a tensor-parallel rank's all-reduce where its decode stack may call it itself
         # (use_stack_all_reduce); None in one process, and over gloo
         self.stack_all_reduce: StackAllReduce | None = None
+        # a tensor-parallel rank holding a KV head another rank holds too: which requests
+        # it attends over it (the runner marks the others' rows in each step's meta.skip)
+        self.head_share: HeadShare | None = None
 
     def cache_rope(self, max_positions: int, dtype: torch.dtype) -> None:
         """From now on, look each step's RoPE cos and sin up in tables for positions below
@@ -175,12 +186,12 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(step, DecodeBatch):
                 return self.decode_stack.forward(x, cos, sin, caches, scales, meta.slot_mapping,
                                                  step.block_tables, step.seq_lens, rows,
-                                                 adapters)
+                                                 adapters, meta.skip)
             return self.decode_stack.forward_mixed(x, cos, sin, caches, scales,
                                                    meta.slot_mapping, step.decode_first,
                                                    step.block_tables, step.seq_lens,
                                                    step.chunk_info, step.chunk_tables, rows,
-                                                   adapters)
+                                                   adapters, meta.skip)
         return self._layers(x, None, positions, kv_caches, meta, lora)
 
     def _layers(self, x: Tensor, residual: Tensor | None, positions: Tensor,

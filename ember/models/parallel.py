@@ -21,6 +21,49 @@ Gather = Callable[[Tensor], Tensor]
 
 
 @dataclass(frozen=True)
+class HeadShare:
+    """Where a tensor-parallel rank holds a KV head that another rank holds too (the KV
+    heads do not divide among the ranks: 3 over 2, rank 0 holds 0-1 and rank 1 holds 1-2,
+    each with those heads' query heads), only one of them attends each request over it; the
+    other's output for that head's query heads is zeros, which the all-reduce after the o
+    projection adds to the first's. The KV heads are the points [0, num_kv_heads) of a line
+    that the ranks cut evenly (rank r: [r K / T, (r + 1) K / T)): a request whose prompt has
+    share key u (ember/request.py) is attended over KV head j by the rank whose cut holds
+    j + u / keys, so every rank reads about as much of the cache (a whole head and half of
+    the shared one each, at 3 over 2), and a request's rank is a function of its prompt
+    (the same answer whatever runs beside it). Every rank writes every head it holds."""
+
+    rank: int
+    world_size: int
+    kv_first: int       # the rank's first KV head, of the whole model's
+    kv_count: int       # how many it holds
+    num_kv_heads: int   # the whole model's
+    keys: int           # share keys are in [0, keys)
+
+    def skip_bits(self, key: int) -> int:
+        """Bit i set: this rank does not attend a request of share key `key` over its KV
+        head i (the rank's own numbering)."""
+        low = self.rank * self.num_kv_heads * self.keys
+        high = low + self.num_kv_heads * self.keys
+        bits = 0
+        for i in range(self.kv_count):
+            point = self.world_size * ((self.kv_first + i) * self.keys + key)
+            if not low <= point < high:
+                bits |= 1 << i
+        return bits
+
+
+def zero_skipped(out: Tensor, skip: Tensor, kv_heads: int) -> Tensor:
+    """out [T, heads, d], in place, with the query heads of each row's skipped KV heads
+    (skip [T] int64, bit h: KV head h; HeadShare.skip_bits) set to zeros: for the paths
+    whose kernels attend every head."""
+    bits = torch.arange(kv_heads, device=skip.device)
+    skipped = ((skip[:, None] >> bits) & 1).bool()                       # [T, kv_heads]
+    mask = skipped.repeat_interleave(out.shape[1] // kv_heads, dim=1)   # [T, heads]
+    return out.masked_fill_(mask[:, :, None], 0)
+
+
+@dataclass(frozen=True)
 class StackAllReduce:
     """The shared-memory all-reduce as a tensor-parallel rank's compiled decode stack calls
     it itself, after each o and down projection: the same handle (and so the same sequence of

@@ -55,6 +55,7 @@ class _Sequence:
     request_id: str
     all_token_ids: list[int]
     num_prompt_tokens: int
+    share_key: int = 0
     lora: None = None
     pooling: None = None
 
@@ -102,7 +103,8 @@ class Drafter:
             if budget < 1:
                 continue
             sequences.append(_Sequence(item.request.request_id, list(token_ids),
-                                       item.request.num_prompt_tokens))
+                                       item.request.num_prompt_tokens,
+                                       item.request.share_key))
             starts.append(n if self.shares_kv else self._start(item.request, n))
             budgets.append(budget)
             tables.append(item.block_ids)
@@ -159,7 +161,7 @@ class Drafter:
                                     self.model.stack_runs_decodes(self.kv_caches),
                                     prompt is not None and
                                     self.model.attends_chunks_alone(self.kv_caches),
-                                    by_kind=prompt is not None)
+                                    by_kind=prompt is not None, share=self.model.head_share)
             # (decode rows by their number: a step drafts for fewer than 8 requests)
             with rows_of_kind(self._step_rows, prompt or None):
                 hidden: Tensor = self.model(inputs.input_ids, inputs.positions,

@@ -30,6 +30,7 @@ from torch import Tensor
 from ember.kv.kv_manager import BlockCopy, cdiv
 from ember.models.attention import (MATMUL_MAX_QUERIES, AttentionGroup, AttentionMetadata,
                                     DecodeBatch, FreshChunk, PromptStep)
+from ember.models.parallel import HeadShare
 from ember.request import Request
 from ember.scheduler.output import ScheduledRequest, SchedulerOutput
 
@@ -222,7 +223,19 @@ def _decode_rows(scheduled: list[ScheduledRequest]) -> list[tuple[ScheduledReque
     return [(item, item.start + j) for item in scheduled for j in range(item.num_new_tokens)]
 
 
-def _decode_inputs(plan: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+def _skip_rows(scheduled: list[ScheduledRequest], share: HeadShare | None,
+               columns: _LongColumns) -> int | None:
+    """Where `share` is set: each row's KV heads left to another rank (HeadShare.skip_bits
+    of its request), queued in `columns`, one per new token in the flat batch's order."""
+    if share is None:
+        return None
+    return columns.add([bits for item in scheduled
+                        for bits in [share.skip_bits(item.request.share_key)]
+                        * item.num_new_tokens])
+
+
+def _decode_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
+                   share: HeadShare | None = None) -> ModelInputs:
     """A step of decodes laid out for the decode stack alone: ids, positions, slots and the
     DecodeBatch, no attention groups (the stack attends the whole batch in one call). Five
     columns where the general layout builds nine, and none of its grouping: a batch-1 step's
@@ -240,9 +253,11 @@ def _decode_inputs(plan: SchedulerOutput, block_size: int, device: torch.device)
     logits_rows = [row for row, (item, pos) in enumerate(rows)
                    if item.samples and pos >= item.end - 1 - len(item.draft_token_ids)]
     logits = None if len(logits_rows) == len(rows) else columns.add(logits_rows)
+    skip = _skip_rows(scheduled, share, columns)
     built = columns.build(device)
     attn = AttentionMetadata(slot_mapping=built[flat[2]],
-                             decodes=DecodeBatch(built[flat[3]], built[flat[4]]))
+                             decodes=DecodeBatch(built[flat[3]], built[flat[4]]),
+                             skip=None if skip is None else built[skip])
     return ModelInputs(built[flat[0]], built[flat[1]], attn,
                        None if logits is None else built[logits],
                        [item.request for item in scheduled if item.samples],
@@ -316,7 +331,7 @@ def micro_batches(plan: SchedulerOutput, count: int) -> list[SchedulerOutput]:
 
 def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
                    decode_stack: bool = False, chunks_alone: bool = False,
-                   by_kind: bool = False) -> ModelInputs:
+                   by_kind: bool = False, share: HeadShare | None = None) -> ModelInputs:
     """The step's flat inputs. With `decode_stack` (the model runs every step of decodes in
     its decode stack), such a step gets only what the stack reads (no attention groups).
     With `chunks_alone` (the model attends prompt chunks on the compiled prefill kernel),
@@ -326,10 +341,11 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
     such prompts 1.3x the time). With `by_kind` (a part of by_kind_parts), rows are prompt
     or decode rows by their tokens, not by how many a request has in the step, and with
     `chunks_alone` too, a prompt's first chunk attends over its k and v as the cache holds
-    them, as every later chunk does."""
+    them, as every later chunk does. With `share` (a tensor-parallel rank sharing a KV head
+    with another), each row's KV heads left to the other rank (AttentionMetadata.skip)."""
     if decode_stack and plan.scheduled and \
             all(_is_decode(item, by_kind) for item in plan.scheduled):
-        return _decode_inputs(plan, block_size, device)
+        return _decode_inputs(plan, block_size, device, share)
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -375,6 +391,7 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
     flat = [columns.add(c) for c in (token_ids, positions, slots)]
     # a step whose every row samples, in order, takes its logits from all of them
     logits = None if logits_rows == list(range(len(token_ids))) else columns.add(logits_rows)
+    skip = _skip_rows(plan.scheduled, share, columns)
     built = columns.build(device)
     decodes = None if decode_columns is None else \
         DecodeBatch(built[decode_columns[0]], built[decode_columns[1]])
@@ -387,7 +404,7 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, device: torch.device,
         slot_mapping=built[flat[2]],
         fresh=[FreshChunk(row, n, built[table]) for row, n, table in fresh],
         groups=[g.group(built, block_size) for g in queued], decodes=decodes,
-        prompt_step=prompt_step)
+        prompt_step=prompt_step, skip=None if skip is None else built[skip])
     return ModelInputs(built[flat[0]], built[flat[1]], attn,
                        None if logits is None else built[logits], sampling,
                        rows_per_request(plan.scheduled))

@@ -256,7 +256,7 @@ class ModelRunner:
         inputs = prepare_inputs(plan, self.block_size, self.device,
                                 self.model.stack_runs_decodes(self.kv_caches),
                                 self.model.attends_chunks_alone(self.kv_caches),
-                                by_kind=True)
+                                by_kind=True, share=self.model.head_share)
         with rows_of_kind(self.step_rows, prompt):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                 inputs.attn, self._lora_step(plan, uids))
@@ -289,7 +289,7 @@ class ModelRunner:
             by_kind = all(s.end <= s.request.num_prompt_tokens for s in plan.scheduled)
             inputs = prepare_inputs(plan, self.block_size, self.device, chunks_alone=by_kind
                                     and self.model.attends_chunks_alone(self.kv_caches),
-                                    by_kind=by_kind)
+                                    by_kind=by_kind, share=self.model.head_share)
             with rows_of_kind(self.step_rows, True if by_kind else None):
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                     inputs.attn, self._lora_step(plan, uids))

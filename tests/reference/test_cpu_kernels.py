@@ -20,6 +20,7 @@ from ember.kernels import (CpuKernels, build_cpu_ops, load_kernels, pack_int4_pa
                            pack_int8_panels, pack_int8_quads, unpack_int4_panels)
 from ember.models.attention import PagedKV, _matmul_attention
 from ember.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
+from ember.models.parallel import zero_skipped
 from ember.request import Request, RequestOptions, SamplingParams
 from ember.sampling.sampler import Sampler
 from tests.conftest import assert_greedy_close
@@ -176,6 +177,27 @@ def test_decode_attention_of_a_request_does_not_depend_on_its_batch(kernels, int
         alone = kernels.decode_attention(q[i:i + 1], cache.data, tables[i:i + 1],
                                          seq_lens[i:i + 1], scale, cache.scale)
         assert torch.equal(alone[0], together[i])
+
+
+@pytest.mark.parametrize("cache_kind", ["bfloat16", "int8", "float32"])
+def test_decode_attention_leaves_skipped_kv_heads_to_another_rank(kernels, cache_kind):
+    """A request whose skip bit h is set gets zeros for KV head h's query heads and, for
+    every other head, what it gets without skip, bit for bit (the float32 cache: the
+    scalar kernel); zero_skipped (the torch paths') masks the same heads."""
+    if cache_kind != "float32" and not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX-512 BF16: these kernels take the torch path")
+    g = torch.Generator().manual_seed(16)
+    dtype = torch.float32 if cache_kind == "float32" else torch.bfloat16
+    cache = bf16_or_int8_cache(cache_kind == "int8", 64, 16, g) if cache_kind != "float32" \
+        else PagedKV(torch.randn(2, 3, 64, 16, 64, generator=g))
+    q, tables, seq_lens, scale, _ = decode_case(cache, 9, [40, 3, 200, 17], dtype, g)
+    skip = torch.tensor([0b010, 0, 0b101, 0b111])
+    whole = kernels.decode_attention(q, cache.data, tables, seq_lens, scale, cache.scale)
+    got = kernels.decode_attention(q, cache.data, tables, seq_lens, scale, cache.scale, skip)
+    want = zero_skipped(whole.clone(), skip, 3)
+    assert torch.equal(got, want)
+    assert torch.equal(got[1], whole[1]) and not got[3].any()
+    assert not got[0, 3:6].any() and torch.equal(got[0, :3], whole[0, :3])
 
 
 @pytest.mark.parametrize("int8", [False, True])

@@ -7,7 +7,7 @@ and its logits are within 1e-4 at every step, for a batch mixing the base model 
 adapters, one given at start and one loaded at run time, and again after an adapter is
 unloaded and another file loaded under its name (the ranks drop the old one and take the
 new one with the next step). The tiny Llama has 9 query heads over 3 KV heads and 3 layers,
-so the parts are uneven (6 + 3 query heads; layers 0-1 and 2). T=2 x P=2 runs four ranks
+so KV head 1 is on both ranks (query heads 0-5 and 3-8; layers 0-1 and 2). T=2 x P=2 runs four ranks
 on this machine's cores with oversubscribe.
 """
 from __future__ import annotations

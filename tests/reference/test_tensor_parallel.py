@@ -3,7 +3,8 @@
 Reference: the same engine in one process (itself tested against transformers), float32 with
 unpacked weights: the two-rank run's greedy tokens equal it and its logits are within 1e-4 at
 the prefill and every decode step. The tiny models have 9 query heads over 3 KV heads, as
-the default model has, so the ranks hold uneven parts (6 + 3 query heads, 2 + 1 KV heads).
+the default model has, so KV head 1 (query heads 3-5) is on both ranks (0-1 and 1-2), each
+request attending it on one of them.
 The default model's int4 run follows the closeness rule (STYLE.md): its row-parallel sums
 round in another order. A worker that dies or hangs makes the engine fail (EngineDead).
 """
@@ -76,6 +77,18 @@ def test_two_ranks_match_one_process_step_by_step(tiny_folder):
     two = EngineCore(EngineConfig.from_options(model=str(tiny_folder), tensor_parallel_size=2,
                                                **OPTIONS))
     try:
+        assert_same_steps(one, two)
+    finally:
+        two.close()
+
+
+def test_two_ranks_of_whole_groups_match_one_process(llama_folder):
+    """kv_head_split "groups": 6 + 3 query heads and 2 + 1 KV heads, none on both ranks."""
+    one = EngineCore(EngineConfig.from_options(model=str(llama_folder), **OPTIONS))
+    two = EngineCore(EngineConfig.from_options(model=str(llama_folder), tensor_parallel_size=2,
+                                               kv_head_split="groups", **OPTIONS))
+    try:
+        assert [s.q_heads for s in two.rank_setup.shards] == [(0, 6), (6, 9)]
         assert_same_steps(one, two)
     finally:
         two.close()

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.request import RequestOptions
+from ember.models.parallel import HeadShare
+from ember.request import SHARE_KEYS, RequestOptions, share_key
 from tests.conftest import first_mismatch, save_tiny_model, tiny_hf_model
 
-# head_dim 64 (the stack's), 3 KV heads: uneven ranks (4 + 2 query heads, 2 + 1 KV heads),
-# every rank's projection inputs whole int4 groups of 32
+# head_dim 64 (the stack's), 3 KV heads: KV head 1 on both ranks (query heads 0-3 and 2-5,
+# each request attending it on one), every rank's projection inputs whole int4 groups of 32
 STACKABLE = dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=3, head_dim=64,
                  intermediate_size=256)
 OPTIONS = dict(dtype="bfloat16", quantization="int4", kv_cache_gib=0.05,
@@ -70,6 +71,21 @@ def test_stack_on_two_ranks_equals_their_layers(stackable_folder):
     assert stacked and not layered
     for got, want in zip(stack, layers):
         assert_same(got, want)
+
+
+def test_an_answer_on_two_ranks_sharing_a_kv_head_does_not_depend_on_its_batch(
+        stackable_folder):
+    """KV head 1 is on both ranks and each request attends it on the one its prompt picks:
+    eleven prompts, some on each rank, answered alone and together, give the same tokens
+    and logprobs, bit for bit (a rank chosen by the batch would round o's partial sums in
+    another rank's and change them)."""
+    prompts = [[1, 504 + i, 3458, 282] * (1 + i % 4) for i in range(11)]
+    share = HeadShare(rank=0, world_size=2, kv_first=0, kv_count=2, num_kv_heads=3,
+                      keys=SHARE_KEYS)   # rank 0's: KV heads 0-1 of 3
+    assert len({share.skip_bits(share_key(p)) for p in prompts}) == 2   # both ranks attend
+    outputs, stacked = run(stackable_folder, "shm", [[p] for p in prompts] + [prompts])
+    assert stacked
+    assert_same(outputs[-1], [alone[0] for alone in outputs[:-1]])
 
 
 def test_stack_on_two_ranks_adds_adapters_as_their_layers(stackable_folder, tmp_path):

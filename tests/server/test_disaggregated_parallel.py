@@ -4,8 +4,9 @@ decode group's ranks, whatever the two groups' sizes. The reference is one ordin
 one-process replica answering the same request, in float32 with unpacked weights (where
 two ranks' logits are within 1e-4 of one process's: tests/reference/test_tensor_parallel.py):
 greedy text and usage must match. The tiny model has 9 query heads over 3 KV heads, as the
-default model has, so two ranks hold 2 + 1 KV heads. Afterwards every block of every replica
-is free again: the prefill group's pins are the driver's, whose block ids are every rank's."""
+default model has, so two ranks hold KV heads 0-1 and 1-2 (head 1 copied from either).
+Afterwards every block of every replica is free again: the prefill group's pins are the
+driver's, whose block ids are every rank's."""
 from __future__ import annotations
 
 

@@ -15,7 +15,7 @@ from ember.distributed.executor import TokenWindow, received_step, step_message
 from ember.distributed.parallel import (describe_shards, even_ranges, plan_shards, plan_stages,
                                         rank_cpus, ray_rank_cpus, split_heads)
 from ember.errors import ConfigError
-from ember.request import Request, SamplingParams
+from ember.request import SHARE_KEYS, Request, SamplingParams, share_key
 from ember.runner.inputs import micro_batches, prepare_inputs
 from ember.runner.runner import ForwardStep, PipelineBubble
 from ember.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -26,9 +26,50 @@ SMOLLM = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_s
                      max_position_embeddings=8192, tie_word_embeddings=True)
 
 
-def test_uneven_heads_go_to_ranks_as_whole_gqa_groups():
-    assert split_heads(9, 3, 2) == [((0, 6), (0, 2)), ((6, 9), (2, 3))]
+def test_kv_heads_that_do_not_divide_are_held_by_the_ranks_on_both_sides_of_a_cut():
+    # 3 KV heads cut at 1.5: KV head 1 (query heads 3-5) on both ranks
+    assert split_heads(9, 3, 2) == [((0, 6), (0, 2)), ((3, 9), (1, 3))]
+    # 5 over 3, cut at 5/3 and 10/3: heads 1 and 3 on two ranks each
+    assert split_heads(10, 5, 3) == [((0, 4), (0, 2)), ((2, 8), (1, 4)), ((6, 10), (3, 5))]
+    # dividing: a share each, none held twice
     assert split_heads(9, 3, 3) == [((0, 3), (0, 1)), ((3, 6), (1, 2)), ((6, 9), (2, 3))]
+    assert split_heads(8, 4, 2) == [((0, 4), (0, 2)), ((4, 8), (2, 4))]
+
+
+@pytest.mark.parametrize("kv_heads, ranks", [(3, 2), (5, 2), (5, 3), (5, 4), (7, 3)])
+def test_each_request_attends_a_shared_kv_head_on_one_rank_and_the_ranks_even_out(kv_heads,
+                                                                                   ranks):
+    """Over every share key: each KV head attended for a request by exactly one of the
+    ranks holding it (HeadShare.skip_bits), every rank attending K / T heads' worth on
+    average (the cut's length), and no shares where the heads divide."""
+    config = replace(SMOLLM, num_heads=2 * kv_heads, num_kv_heads=kv_heads)
+    shares = [s.head_share() for s in plan_shards(config, ranks)]
+    assert all(share is not None for share in shares)
+    attended = [0] * ranks
+    keys = range(0, SHARE_KEYS, 3)
+    for key in keys:
+        per_head = [0] * kv_heads
+        for share in shares:
+            bits = share.skip_bits(key)
+            for i in range(share.kv_count):
+                if not bits >> i & 1:
+                    per_head[share.kv_first + i] += 1
+                    attended[share.rank] += 1
+        assert per_head == [1] * kv_heads
+    assert [a / len(keys) for a in attended] == pytest.approx([kv_heads / ranks] * ranks,
+                                                              rel=1e-3)
+    assert all(s.head_share() is None for s in plan_shards(SMOLLM, 3))
+    assert all(s.head_share() is None for s in plan_shards(SMOLLM, 4))   # (more ranks)
+
+
+def test_a_requests_rank_for_the_shared_head_follows_its_prompt_alone():
+    share = plan_shards(SMOLLM, 2)[1].head_share()
+    first = Request("a", [5, 6, 7], SamplingParams(max_tokens=4), frozenset(), 4)
+    again = Request("b", [5, 6, 7], SamplingParams(max_tokens=9), frozenset(), 9)
+    assert first.share_key == again.share_key == share_key([5, 6, 7])
+    # about half the prompts to each rank
+    keys = [share_key([i, i + 1]) for i in range(2000)]
+    assert 0.45 < sum(share.skip_bits(k) == 0 for k in keys) / len(keys) < 0.55
 
 
 def test_more_ranks_than_kv_heads_replicate_a_kv_head_over_its_group():
@@ -71,19 +112,43 @@ def _reads(q_heads: int, kv_heads: int, columns: int, rows: int) -> int:
 
 
 def test_uneven_heads_get_columns_and_rows_that_even_out_each_ranks_reads():
-    """The default model over 2 ranks: 6 + 3 query heads, 2 + 1 KV heads. The even split
-    (768 + 768 columns, 24,576 + 24,576 rows) has rank 0 read 53% of the weights; moving 3
-    column units and 60 row units to rank 1 and back evens them exactly."""
+    """10 query heads, 5 KV heads over 3 ranks: 4, 6 and 4 query heads (2, 3, 2 KV heads),
+    so rank 1 takes the fewest MLP columns and the reads even out within a row unit; the
+    default model over 2 ranks holds 6 query and 2 KV heads on each, and keeps the even
+    split."""
+    config = replace(SMOLLM, num_heads=10, num_kv_heads=5)
+    shards = plan_shards(config, 3)
+    reads = [_reads(q1 - q0, k1 - k0, c1 - c0, v1 - v0)
+             for (q0, q1), (k0, k1), (c0, c1), (v0, v1)
+             in ((s.q_heads, s.kv_heads, s.intermediate, s.vocab) for s in shards)]
+    assert max(reads) - min(reads) <= 576 * 16
+    columns = [b - a for a, b in (s.intermediate for s in shards)]
+    assert columns[1] < columns[0] and columns[1] < columns[2]
+    shards = plan_shards(SMOLLM, 2)
+    assert [s.intermediate for s in shards] == [(0, 768), (768, 1536)]
+    assert [s.vocab for s in shards] == [(0, 24576), (24576, 49152)]
+    assert shards[0].max_vocab_rows == 24576
+    assert _reads(6, 2, 768, 24576) == 71_663_616
+    assert "rank 0: query heads 0-5, KV heads 0-1, MLP columns 0-767, vocabulary 0-24575, " \
+        "71.7M parameters read a token; rank 1: query heads 3-8, KV heads 1-2, MLP columns " \
+        "768-1535, vocabulary 24576-49151, 71.7M" in describe_shards(shards, SMOLLM)
+
+
+def test_whole_groups_get_columns_and_rows_that_even_out_each_ranks_reads():
+    """kv_head_split "groups" on the default model over 2 ranks: 6 + 3 query heads, 2 + 1
+    KV heads, none shared. The even split (768 + 768 columns, 24,576 + 24,576 rows) has rank
+    0 read 53% of the weights; moving 3 column units and 60 row units to rank 1 and back
+    evens them exactly, at fewer weights a rank than the shared head's 71.7M."""
+    assert split_heads(9, 3, 2, shared=False) == [((0, 6), (0, 2)), ((6, 9), (2, 3))]
     assert _reads(6, 2, 768, 24576) / (_reads(6, 2, 768, 24576) + _reads(3, 1, 768, 24576)) \
         == pytest.approx(0.533, abs=1e-3)
-    shards = plan_shards(SMOLLM, 2)
+    shards = plan_shards(SMOLLM, 2, share_kv_heads=False)
+    assert all(s.head_share() is None for s in shards)
     assert [s.intermediate for s in shards] == [(0, 672), (672, 1536)]
     assert [s.vocab for s in shards] == [(0, 25536), (25536, 49152)]
     assert _reads(6, 2, 672, 25536) == _reads(3, 1, 864, 23616) == 67_239_936
-    assert shards[0].max_vocab_rows == 25536
-    assert "MLP columns 0-671, vocabulary 0-25535, 67.2M parameters read a token; rank 1: " \
-        "query heads 6-8, KV heads 2, MLP columns 672-1535, vocabulary 25536-49151, 67.2M" \
-        in describe_shards(shards, SMOLLM)
+    assert "rank 1: query heads 6-8, KV heads 2, MLP columns 672-1535, vocabulary " \
+        "25536-49151, 67.2M" in describe_shards(shards, SMOLLM)
 
 
 def test_heads_split_evenly_keep_the_even_split():
@@ -178,6 +243,16 @@ def test_serve_takes_the_ray_executors_options():
     parallel = engine_config(args).parallel
     assert (parallel.distributed_executor, parallel.ray_address, parallel.ray_cpus_per_rank,
             parallel.ray_placement_timeout_s) == ("ray", "10.0.0.1:6379", 16, 5.0)
+
+
+def test_serve_takes_the_kv_head_split_and_refuses_others():
+    for split in ("shared", "groups"):
+        args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2",
+                                          "--kv-head-split", split])
+        assert engine_config(args).parallel.kv_head_split == split
+    assert ParallelConfig().kv_head_split == "shared"
+    with pytest.raises(ConfigError, match="kv_head_split"):
+        ParallelConfig(tensor_parallel_size=2, kv_head_split="halves")
 
 
 @pytest.mark.parametrize("options, message", [

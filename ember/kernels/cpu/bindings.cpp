@@ -25,7 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after a fused residual add", no_gil);
   m.def("decode_attention", &decode_attention, "one query per request over the paged cache",
         py::arg("q"), py::arg("kv"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("kv_scale") = py::none(), no_gil);
+        py::arg("scale"), py::arg("kv_scale") = py::none(), py::arg("skip") = py::none(),
+        no_gil);
   m.def("has_bf16_dot", &has_bf16_dot,
         "whether the AVX-512 BF16 kernels (prefill attention, int8 and int4 linear) are built");
   m.def("prefill_attention", &prefill_attention, "a prompt chunk over its paged context",
@@ -82,13 +83,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv"), py::arg("kv_scales"),
            py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
            py::arg("positions") = py::none(), py::arg("lora") = std::vector<at::Tensor>(),
-           no_gil)
+           py::arg("skip") = py::none(), no_gil)
       .def("forward_mixed", &DecodeStack::forward_mixed,
            "a step with prompt chunks through every layer", py::arg("x"), py::arg("cos"),
            py::arg("sin"), py::arg("kv"), py::arg("kv_scales"), py::arg("slots"),
            py::arg("decode_first"), py::arg("block_tables"), py::arg("seq_lens"),
            py::arg("chunk_info"), py::arg("chunk_tables"), py::arg("positions") = py::none(),
-           py::arg("lora") = std::vector<at::Tensor>(), no_gil)
+           py::arg("lora") = std::vector<at::Tensor>(), py::arg("skip") = py::none(), no_gil)
       .def("use_all_reduce", &DecodeStack::use_all_reduce,
            "a tensor-parallel rank's stack: o's and down's outputs summed over the ranks",
            py::arg("all_reduce"), py::arg("timeout_s"), py::arg("spin_us"),

@@ -114,8 +114,10 @@ namespace decode {
 // with kv_scale [2, kv_heads, blocks, block_size] float16 -> out [members, heads, D], by the
 // threads of the enclosing parallel region, each calling `after`, if given, once out of
 // tasks. A task is member m's KV head h (its query heads), and `before`, if given, is called
-// with m and h first (DecodeStack: that head's RoPE and cache write). No barrier at the end:
-// the caller's.
+// with m and h first (DecodeStack: that head's RoPE and cache write). With `skip` [members]
+// (a bit per KV head), a member whose bit h is set does not attend over KV head h: its query
+// heads' outputs are zeros (another tensor-parallel rank attends them; `before` still runs).
+// No barrier at the end: the caller's.
 template <int D>
 void decode_attention_team(const uint16_t* q, int64_t q_stride_m, int64_t q_stride_h,
                            const void* kv, const at::Half* kv_scale,
@@ -123,7 +125,8 @@ void decode_attention_team(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
                            int64_t members, int64_t heads, int64_t kv_heads,
                            int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                            float scale, const std::function<void()>* after = nullptr,
-                           const std::function<void(int64_t, int64_t)>* before = nullptr);
+                           const std::function<void(int64_t, int64_t)>* before = nullptr,
+                           const int64_t* skip = nullptr);
 
 // decode_attention_team in a parallel region of its own
 template <int D>
@@ -132,7 +135,13 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
                            const int64_t* block_tables, const int64_t* seq_lens, uint16_t* out,
                            int64_t members, int64_t heads, int64_t kv_heads,
                            int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                           float scale, const std::function<void()>* after = nullptr);
+                           float scale, const std::function<void()>* after = nullptr,
+                           const int64_t* skip = nullptr);
+
+// Zero the outputs out [rows, heads, d] (row stride `stride`) of the query heads of every KV
+// head whose bit is set in skip[row] (decode_attention_team's `skip` for other kernels).
+void zero_skipped(uint16_t* out, int64_t stride, const int64_t* skip, int64_t rows,
+                  int64_t heads, int64_t kv_heads, int64_t d);
 
 }  // namespace decode
 
@@ -255,7 +264,8 @@ at::Tensor silu_and_mul(at::Tensor x);
 at::Tensor argmax_rows(at::Tensor x);
 at::Tensor decode_attention(at::Tensor q, at::Tensor kv, at::Tensor block_tables,
                             at::Tensor seq_lens, double scale,
-                            c10::optional<at::Tensor> kv_scale);
+                            c10::optional<at::Tensor> kv_scale,
+                            c10::optional<at::Tensor> skip);
 at::Tensor prefill_attention(at::Tensor q, at::Tensor kv, at::Tensor block_table,
                              int64_t seq_len, double scale, c10::optional<at::Tensor> kv_scale);
 void prefill_attention_chunks(at::Tensor q, at::Tensor kv, at::Tensor chunk_info,

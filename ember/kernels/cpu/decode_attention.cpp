@@ -475,7 +475,8 @@ void decode_attention_team(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
                            int64_t members, int64_t heads, int64_t kv_heads,
                            int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                            float scale, const std::function<void()>* after,
-                           const std::function<void(int64_t, int64_t)>* before) {
+                           const std::function<void(int64_t, int64_t)>* before,
+                           const int64_t* skip) {
   const int64_t per_kv = heads / kv_heads;
   const int64_t num_slots = num_blocks * block_size, head_stride = num_slots * D;
   const int64_t v_offset = kv_heads * head_stride;  // K then V
@@ -491,6 +492,10 @@ void decode_attention_team(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
     for (int64_t task = 0; task < members * kv_heads; ++task) {
       const int64_t m = task / kv_heads, h = task % kv_heads;
       if (before != nullptr) (*before)(m, h);
+      if (skip != nullptr && (skip[m] >> h & 1)) {
+        std::memset(out + (m * heads + h * per_kv) * D, 0, per_kv * D * sizeof(uint16_t));
+        continue;
+      }
       const int64_t len = seq_lens[m];
       const int64_t* table = block_tables + m * max_blocks;
       for (int64_t p = 0; p < per_kv; ++p) {
@@ -532,22 +537,24 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
                            const int64_t* block_tables, const int64_t* seq_lens, uint16_t* out,
                            int64_t members, int64_t heads, int64_t kv_heads,
                            int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                           float scale, const std::function<void()>* after) {
+                           float scale, const std::function<void()>* after,
+                           const int64_t* skip) {
 #pragma omp parallel num_threads(at::get_num_threads())
   decode_attention_team<D>(q, q_stride_m, q_stride_h, kv, kv_scale, block_tables, seq_lens, out,
                            members, heads, kv_heads, num_blocks, block_size, max_blocks, scale,
-                           after);
+                           after, nullptr, skip);
 }
 
 #define EMBER_DECODE_ATTENTION(D)                                                             \
   template void decode_attention_team<D>(                                                     \
       const uint16_t*, int64_t, int64_t, const void*, const at::Half*, const int64_t*,        \
       const int64_t*, uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, \
-      const std::function<void()>*, const std::function<void(int64_t, int64_t)>*);            \
+      const std::function<void()>*, const std::function<void(int64_t, int64_t)>*,             \
+      const int64_t*);                                                                        \
   template void decode_attention_bf16<D>(                                                     \
       const uint16_t*, int64_t, int64_t, const void*, const at::Half*, const int64_t*,        \
       const int64_t*, uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, \
-      const std::function<void()>*);
+      const std::function<void()>*, const int64_t*);
 EMBER_DECODE_ATTENTION(64)
 EMBER_DECODE_ATTENTION(128)
 #undef EMBER_DECODE_ATTENTION
@@ -555,13 +562,28 @@ EMBER_DECODE_ATTENTION(128)
 }  // namespace decode
 #endif  // EMBER_BF16_DOT
 
+namespace decode {
+void zero_skipped(uint16_t* out, int64_t stride, const int64_t* skip, int64_t rows,
+                  int64_t heads, int64_t kv_heads, int64_t d) {
+  const int64_t per_kv = heads / kv_heads;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      if (skip[r] >> h & 1) {
+        std::memset(out + r * stride + h * per_kv * d, 0, per_kv * d * sizeof(uint16_t));
+      }
+    }
+  }
+}
+}  // namespace decode
+
 // decode_attention(q [B, heads, d] (rows and heads may be strided),
 // kv [2, kv_heads, blocks, block_size, d], block_tables [B, max_blocks] int64,
 // seq_lens [B] int64, scale) -> [B, heads, d]: each request's one new token attends over its
 // first seq_lens[b] cached tokens (its own included: write it first).
 at::Tensor decode_attention(at::Tensor q, at::Tensor kv, at::Tensor block_tables,
                             at::Tensor seq_lens, double scale,
-                            c10::optional<at::Tensor> kv_scale) {
+                            c10::optional<at::Tensor> kv_scale,
+                            c10::optional<at::Tensor> skip) {
   TORCH_CHECK(q.device().is_cpu() && q.stride(-1) == 1, "q must be on the CPU, its last "
               "dimension contiguous");
   if (kv_scale.has_value()) {
@@ -583,6 +605,13 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor kv, at::Tensor block_tables
               "head sizes do not match (or head_dim > 256)");
   TORCH_CHECK(block_tables.size(0) == members && seq_lens.size(0) == members,
               "one block table and one length per request");
+  const int64_t* skips = nullptr;
+  if (skip.has_value()) {
+    TORCH_CHECK(skip->scalar_type() == at::kLong && skip->is_contiguous() &&
+                    skip->numel() == members,
+                "skip must be [B] contiguous int64, a bit per KV head");
+    skips = skip->data_ptr<int64_t>();
+  }
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   for (int64_t m = 0; m < members; ++m) {  // a loop, not min()/max(): two ops cost more
     TORCH_CHECK(lens[m] >= 1 && lens[m] <= block_tables.size(1) * block_size,
@@ -598,7 +627,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor kv, at::Tensor block_tables
            block_tables.data_ptr<int64_t>(), lens,
            reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), members, heads,
            kv_heads, num_blocks, block_size, block_tables.size(1), static_cast<float>(scale),
-           nullptr);
+           nullptr, skips);
     };
     if (d == 64) {
       run(decode::decode_attention_bf16<64>);
@@ -623,6 +652,17 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor kv, at::Tensor block_tables
       run(decode_attention_impl<scalar_t, 0>);
     }
   });
+  if (skips != nullptr) {   // (the scalar kernels attend every head; rare: no AVX-512 BF16)
+    const int64_t size = out.element_size(), per_kv = heads / kv_heads;
+    auto* bytes = static_cast<char*>(out.data_ptr());
+    for (int64_t m = 0; m < members; ++m) {
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        if (skips[m] >> h & 1) {
+          std::memset(bytes + (m * heads + h * per_kv) * d * size, 0, per_kv * d * size);
+        }
+      }
+    }
+  }
   return out;
 }
 

@@ -114,7 +114,8 @@ at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                                 const std::vector<at::Tensor>& kv_scales, at::Tensor slots,
                                 at::Tensor block_tables, at::Tensor seq_lens,
                                 c10::optional<at::Tensor> positions,
-                                const std::vector<at::Tensor>& lora) const {
+                                const std::vector<at::Tensor>& lora,
+                                c10::optional<at::Tensor> skip) const {
   std::tie(cos, sin) = rope_rows(cos, sin, positions, x.size(0));
   check_inputs(x, cos, sin, kv, kv_scales, slots);
   check_decodes(block_tables, seq_lens, x.size(0), kv[0].size(3));
@@ -124,7 +125,16 @@ at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
   Plan plan{0, x.size(0), block_tables.data_ptr<int64_t>(), block_tables.size(1),
             seq_lens.data_ptr<int64_t>(), {}, &lora};
   plan.rows_read_each_other = rows_read_each_other(plan, slots, kv[0].size(3));
+  plan.skip = skip_rows(skip, x.size(0));
   return run(x, cos, sin, kv, kv_scales, slots, plan);
+}
+
+// skip's rows (Plan::skip), checked: [t] contiguous int64; nullptr where none
+const int64_t* DecodeStack::skip_rows(const c10::optional<at::Tensor>& skip, int64_t t) {
+  if (!skip.has_value()) return nullptr;
+  TORCH_CHECK(skip->scalar_type() == at::kLong && skip->is_contiguous() && skip->numel() == t,
+              "skip must be [T] contiguous int64, a bit per KV head");
+  return skip->data_ptr<int64_t>();
 }
 
 // Whether a row's slot lies in another row's context. A row writes the newest position of its
@@ -153,7 +163,8 @@ at::Tensor DecodeStack::forward_mixed(at::Tensor x, at::Tensor cos, at::Tensor s
                                       at::Tensor seq_lens, at::Tensor chunk_info,
                                       const std::vector<at::Tensor>& chunk_tables,
                                       c10::optional<at::Tensor> positions,
-                                      const std::vector<at::Tensor>& lora) const {
+                                      const std::vector<at::Tensor>& lora,
+                                      c10::optional<at::Tensor> skip) const {
   std::tie(cos, sin) = rope_rows(cos, sin, positions, x.size(0));
   check_inputs(x, cos, sin, kv, kv_scales, slots);
   check_lora(lora, layers_.size(), x.size(0),
@@ -171,6 +182,7 @@ at::Tensor DecodeStack::forward_mixed(at::Tensor x, at::Tensor cos, at::Tensor s
   for (int64_t i = decode_first; i < decode_first + decodes; ++i) covered[i] += 1;
   Plan plan{decode_first, decodes, block_tables.data_ptr<int64_t>(), block_tables.size(1),
             seq_lens.data_ptr<int64_t>(), {}, &lora};
+  plan.skip = skip_rows(skip, t);
   const int64_t* info = chunk_info.data_ptr<int64_t>();
   const int64_t num_blocks = kv[0].size(2);
   for (size_t c = 0; c < chunk_tables.size(); ++c) {
@@ -406,7 +418,8 @@ at::Tensor DecodeStack::run_decodes(const at::Tensor& x, const at::Tensor& cos,
       attend_decodes(bits(q) + plan.decode_first * row, row, d_, cache.data_ptr(), kv_scale,
                      plan.tables, plan.seq_lens, bits(att) + plan.decode_first * row,
                      plan.decodes, heads_, kv_heads_, blocks, block_size, plan.max_blocks,
-                     scale_, &fetch_o, &rope_write);
+                     scale_, &fetch_o, &rope_write,
+                     plan.skip != nullptr ? plan.skip + plan.decode_first : nullptr);
 #pragma omp barrier
       linear(layer.o, att.data_ptr<BF>(), row, op, &layer.gate_up);
       if (!summed()) break;
@@ -437,7 +450,8 @@ void DecodeStack::attend(const Plan& plan, const at::Tensor& q, const at::Tensor
                            : decode::decode_attention_bf16<128>;
     decode(bits(q) + plan.decode_first * row, row, d_, cache.data_ptr(), kv_scale,
            plan.tables, plan.seq_lens, bits(att) + plan.decode_first * row, plan.decodes,
-           heads_, kv_heads_, blocks, block_size, plan.max_blocks, scale_, after);
+           heads_, kv_heads_, blocks, block_size, plan.max_blocks, scale_, after,
+           plan.skip != nullptr ? plan.skip + plan.decode_first : nullptr);
   }
   if (plan.chunks.empty()) return;
   // every chunk in one call, so that chunks holding the same cached prefix read it from one
@@ -473,6 +487,11 @@ void DecodeStack::attend(const Plan& plan, const at::Tensor& q, const at::Tensor
   const auto prefill = d_ == 64 ? prefill::prefill_chunks_impl<64>
                                 : prefill::prefill_chunks_impl<128>;
   prefill(chunks.data(), static_cast<int64_t>(chunks.size()), heads_, kv_heads_, scale_);
+  if (plan.skip == nullptr) return;
+  for (const Chunk& c : plan.chunks) {   // (attended whole: prompt steps are few)
+    decode::zero_skipped(bits(att) + c.first * row, row, plan.skip + c.first, c.n, heads_,
+                         kv_heads_, d_);
+  }
 }
 
 void DecodeStack::check_lora(const std::vector<at::Tensor>& lora, size_t layers, int64_t t,

@@ -71,7 +71,8 @@ class DecodeStack {
                      const std::vector<at::Tensor>& kv_scales, at::Tensor slots,
                      at::Tensor block_tables, at::Tensor seq_lens,
                      c10::optional<at::Tensor> positions,
-                     const std::vector<at::Tensor>& lora) const;
+                     const std::vector<at::Tensor>& lora,
+                     c10::optional<at::Tensor> skip) const;
 
   // A step with prompt chunks: the same arguments as forward, but the decodes are rows
   // decode_first .. decode_first + D - 1 (block_tables [D, max_blocks], seq_lens [D]; D may be
@@ -80,6 +81,8 @@ class DecodeStack {
   // prompt's first chunk: with an int8 cache it attends over its own k and v as computed,
   // not as rounded into the cache, as the layers do), chunk_tables[c] its block table [>=
   // ceil(seq_len / block_size)]. Every row is a decode or in one chunk. positions: as forward.
+  // skip [T] int64 (both): per row, a bit per KV head whose query heads this rank leaves to
+  // another (Plan::skip).
   at::Tensor forward_mixed(at::Tensor x, at::Tensor cos, at::Tensor sin,
                            const std::vector<at::Tensor>& kv,
                            const std::vector<at::Tensor>& kv_scales, at::Tensor slots,
@@ -87,7 +90,8 @@ class DecodeStack {
                            at::Tensor seq_lens, at::Tensor chunk_info,
                            const std::vector<at::Tensor>& chunk_tables,
                            c10::optional<at::Tensor> positions,
-                           const std::vector<at::Tensor>& lora) const;
+                           const std::vector<at::Tensor>& lora,
+                           c10::optional<at::Tensor> skip) const;
 
  private:
   // A prompt chunk: rows first .. first + n - 1 of the step
@@ -108,10 +112,15 @@ class DecodeStack {
     // drafts, one row per position): the step must write every row's key and value before
     // any row attends, so it cannot run in run_decodes' one region
     bool rows_read_each_other = false;
+    // per row of the step, a bit per KV head this rank does not attend for it (another
+    // tensor-parallel rank holding the same KV head does): its query heads' outputs are
+    // zeros. nullptr: every head.
+    const int64_t* skip = nullptr;
   };
 
   static bool rows_read_each_other(const Plan& plan, const at::Tensor& slots,
                                    int64_t block_size);
+  static const int64_t* skip_rows(const c10::optional<at::Tensor>& skip, int64_t t);
   // lora_add (lora.cpp) of projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l: the
   // plan's lora is [rows, starts, then A, B, B's scales, ranges per projection per layer]
   static void add_lora(const Plan& plan, size_t l, int p, const at::Tensor& in, at::Tensor& y);
