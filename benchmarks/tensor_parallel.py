@@ -7,6 +7,7 @@
     .venv/bin/python benchmarks/tensor_parallel.py --tp 2 --kv-cache-gib 0.5 throughput
     .venv/bin/python benchmarks/tensor_parallel.py --tp 2 --kv-head-split groups speed
     .venv/bin/python benchmarks/tensor_parallel.py --kv-cache-gib 0.5 --rounds 6 paired
+    .venv/bin/python benchmarks/tensor_parallel.py --tp 2 --kv-cache-gib 0.5 prompt
 
 memory: the bytes of every tensor each rank's model holds (the packed int4 panels, the dense
 copies prompt rows run on, the int8 output projection; rank 1's counted by loading its part
@@ -15,9 +16,10 @@ generation. speed: one request, greedy, 128 tokens; the median step of each of 3
 tokens/s, and at T > 1 the time a step spends in the all-reduces called from Python (not those
 the decode stack makes itself, in C++, over shared memory) and in the logits gather.
 throughput: --requests requests of --max-tokens tokens (128), --concurrency at once, output
-tokens/s of each of 3 rounds. paired: T=1, T=2 with whole GQA groups and T=2 with the shared
-KV head (--kv-head-split), each loaded once in its own process, one stream and a throughput
-run of each in turn, --rounds times, with each T=2 layout's ratio to T=1 round by round.
+tokens/s of each of 3 rounds. prompt: a 1,024-token prompt's time to its first token.
+paired: T=1, T=2 with whole GQA groups and T=2 with the shared KV head (--kv-head-split),
+each loaded once in its own process, one stream and a throughput run of each in turn,
+--rounds times, with each T=2 layout's ratio to T=1 round by round.
 Prints one JSON line, with the prompt matmuls the engine chose (--prefill-matmul auto: the
 same at every T).
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -34,6 +37,7 @@ from collections import Counter
 import torch
 
 from ember import LLM, SamplingParams
+from ember.request import RequestOptions
 from ember.distributed.collectives import RankCollectives
 from ember.engine.tensor_parallel import load_rank_model
 from ember.kernels import cpu_flags, load_kernels
@@ -156,6 +160,20 @@ def one_stream(llm: LLM, tag: str) -> float:
     return 1 / statistics.median(steps[1:])
 
 
+def long_prompt(llm: LLM) -> dict:
+    """One prompt of 1,024 seeded random tokens at a time, the prefix cache off, one output
+    token: the median time to it of 5, after one to warm up, ms."""
+    rng = random.Random(0)
+    ids = [rng.randrange(1000, 40000) for _ in range(1030)]
+    times = []
+    for i in range(6):
+        start = time.perf_counter()
+        llm.generate([ids[i:i + 1024]], SamplingParams(max_tokens=1, temperature=0),
+                     RequestOptions(prefix_cache=False))
+        times.append(time.perf_counter() - start)
+    return {"ttft_ms_median": round(statistics.median(times[1:]) * 1e3, 1)}
+
+
 # paired: each layout loaded once, in a process of its own that waits for orders on stdin
 LAYOUTS = {"T=1": ["--tp", "1"],
            "T=2 groups": ["--tp", "2", "--all-reduce", "shm", "--kv-head-split", "groups"],
@@ -226,7 +244,8 @@ def timed(collectives: RankCollectives, name: str, waits: Counter) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=("memory", "speed", "throughput", "paired", "_serve"))
+    parser.add_argument("what", choices=("memory", "speed", "throughput", "prompt", "paired",
+                                         "_serve"))
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--prefill-matmul", default="auto")
     parser.add_argument("--kv-cache-gib", type=float, default=0.05)
@@ -255,6 +274,8 @@ def main() -> None:
             result = memory(llm)
         elif args.what == "speed":
             result = speed(llm)
+        elif args.what == "prompt":
+            result = long_prompt(llm)
         else:
             result = throughput(llm, args.requests, args.concurrency, args.max_tokens)
         print(json.dumps({"tp": args.tp, "kv_head_split": args.kv_head_split,

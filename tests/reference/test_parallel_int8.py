@@ -112,9 +112,10 @@ def test_two_ranks_calibrate_one_process_columns(int8_folder, one_process):
         two.close()
 
 
-@pytest.mark.parametrize("layout", [
-    dict(tensor_parallel_size=2),
-    dict(tensor_parallel_size=2, pipeline_parallel_size=2, oversubscribe=True)])
+@pytest.mark.parametrize("layout", [   # four ranks on two cores (16 s): on -m heavy
+    pytest.param(dict(tensor_parallel_size=2), id="T=2"),
+    pytest.param(dict(tensor_parallel_size=2, pipeline_parallel_size=2, oversubscribe=True),
+                 id="T=2xP=2", marks=pytest.mark.heavy)])
 def test_two_ranks_int8_logits_err_from_bfloat16_as_one_process(int8_folder, one_process,
                                                                 layout):
     """At the prompt step, T=2's int8 logits (alone, and with two stages) are about as far

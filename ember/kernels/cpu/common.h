@@ -161,6 +161,9 @@ struct ChunkRef {
   const at::Half* kv_scale;
   const int64_t* table;
   int64_t num_blocks, block_size;
+  // a bit per KV head this chunk does not attend (decode_attention_team's `skip`): its
+  // query heads' outputs are left as they are, for the caller to zero
+  int64_t skip = 0;
 };
 
 // Every chunk of `chunks` [count] attended, in one call (threads over all of them); each

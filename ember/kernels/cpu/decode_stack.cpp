@@ -484,11 +484,14 @@ void DecodeStack::attend(const Plan& plan, const at::Tensor& q, const at::Tensor
     chunks.push_back({qc, row, oc, c.n, c.n, own, nullptr, kOneBlock, 1, c.n});
     own += 2 * kv_heads_ * c.n * d_;
   }
+  if (plan.skip != nullptr) {   // a chunk's rows are one request's: its first row's bits
+    for (size_t i = 0; i < chunks.size(); ++i) chunks[i].skip = plan.skip[plan.chunks[i].first];
+  }
   const auto prefill = d_ == 64 ? prefill::prefill_chunks_impl<64>
                                 : prefill::prefill_chunks_impl<128>;
   prefill(chunks.data(), static_cast<int64_t>(chunks.size()), heads_, kv_heads_, scale_);
   if (plan.skip == nullptr) return;
-  for (const Chunk& c : plan.chunks) {   // (attended whole: prompt steps are few)
+  for (const Chunk& c : plan.chunks) {   // the heads the prefill kernel skipped
     decode::zero_skipped(bits(att) + c.first * row, row, plan.skip + c.first, c.n, heads_,
                          kv_heads_, d_);
   }

@@ -384,7 +384,9 @@ void prefill_chunks_impl(const ChunkRef* chunks, int64_t count, int64_t heads,
       const int64_t last = std::min(chunks[c].n - 1, (tile + kTilesPerTask) * R / per_kv);
       const int64_t cost = (chunks[c].seq_len - chunks[c].n + last + 1) *
                            std::min(kTilesPerTask, tiles - tile);
-      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({c, h, tile, cost});
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        if (!(chunks[c].skip >> h & 1)) tasks.push_back({c, h, tile, cost});
+      }
     }
   }
   std::stable_sort(tasks.begin(), tasks.end(),
