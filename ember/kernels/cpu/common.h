@@ -9,6 +9,7 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <vector>
 
@@ -107,6 +108,21 @@ void rope_write_i8(const c10::BFloat16* qkv, const c10::BFloat16* cos, const c10
                    int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
                    int64_t num_slots, c10::BFloat16* k_out = nullptr);
 
+// In `rows` rows of attention output from `out`, `row_bytes` apart, each of `heads` query
+// heads `head_bytes` wide in KV-head order: zeros for the query heads of every KV head whose
+// bit is set in `skip` (the heads a tensor-parallel rank leaves to another:
+// ember/models/parallel.py HeadShare).
+inline void zero_skipped_heads(void* out, int64_t row_bytes, int64_t rows, int64_t skip,
+                               int64_t heads, int64_t kv_heads, int64_t head_bytes) {
+  const int64_t group_bytes = heads / kv_heads * head_bytes;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    if (!(skip >> h & 1)) continue;
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memset(static_cast<char*>(out) + r * row_bytes + h * group_bytes, 0, group_bytes);
+    }
+  }
+}
+
 // decode_attention.cpp (D = 64, 128)
 namespace decode {
 
@@ -138,11 +154,6 @@ void decode_attention_bf16(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
                            float scale, const std::function<void()>* after = nullptr,
                            const int64_t* skip = nullptr);
 
-// Zero the outputs out [rows, heads, d] (row stride `stride`) of the query heads of every KV
-// head whose bit is set in skip[row] (decode_attention_team's `skip` for other kernels).
-void zero_skipped(uint16_t* out, int64_t stride, const int64_t* skip, int64_t rows,
-                  int64_t heads, int64_t kv_heads, int64_t d);
-
 }  // namespace decode
 
 // prefill_attention.cpp (D = 64, 128)
@@ -162,7 +173,7 @@ struct ChunkRef {
   const int64_t* table;
   int64_t num_blocks, block_size;
   // a bit per KV head this chunk does not attend (decode_attention_team's `skip`): its
-  // query heads' outputs are left as they are, for the caller to zero
+  // query heads' outputs are zeros
   int64_t skip = 0;
 };
 

@@ -493,7 +493,8 @@ void decode_attention_team(const uint16_t* q, int64_t q_stride_m, int64_t q_stri
       const int64_t m = task / kv_heads, h = task % kv_heads;
       if (before != nullptr) (*before)(m, h);
       if (skip != nullptr && (skip[m] >> h & 1)) {
-        std::memset(out + (m * heads + h * per_kv) * D, 0, per_kv * D * sizeof(uint16_t));
+        zero_skipped_heads(out + m * heads * D, 0, 1, int64_t{1} << h, heads, kv_heads,
+                           D * sizeof(uint16_t));
         continue;
       }
       const int64_t len = seq_lens[m];
@@ -561,20 +562,6 @@ EMBER_DECODE_ATTENTION(128)
 
 }  // namespace decode
 #endif  // EMBER_BF16_DOT
-
-namespace decode {
-void zero_skipped(uint16_t* out, int64_t stride, const int64_t* skip, int64_t rows,
-                  int64_t heads, int64_t kv_heads, int64_t d) {
-  const int64_t per_kv = heads / kv_heads;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      if (skip[r] >> h & 1) {
-        std::memset(out + r * stride + h * per_kv * d, 0, per_kv * d * sizeof(uint16_t));
-      }
-    }
-  }
-}
-}  // namespace decode
 
 // decode_attention(q [B, heads, d] (rows and heads may be strided),
 // kv [2, kv_heads, blocks, block_size, d], block_tables [B, max_blocks] int64,
@@ -653,14 +640,10 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor kv, at::Tensor block_tables
     }
   });
   if (skips != nullptr) {   // (the scalar kernels attend every head; rare: no AVX-512 BF16)
-    const int64_t size = out.element_size(), per_kv = heads / kv_heads;
-    auto* bytes = static_cast<char*>(out.data_ptr());
+    const int64_t head_bytes = d * out.element_size();
     for (int64_t m = 0; m < members; ++m) {
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        if (skips[m] >> h & 1) {
-          std::memset(bytes + (m * heads + h * per_kv) * d * size, 0, per_kv * d * size);
-        }
-      }
+      zero_skipped_heads(static_cast<char*>(out.data_ptr()) + m * heads * head_bytes, 0, 1,
+                         skips[m], heads, kv_heads, head_bytes);
     }
   }
   return out;

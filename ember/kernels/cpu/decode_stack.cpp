@@ -490,11 +490,6 @@ void DecodeStack::attend(const Plan& plan, const at::Tensor& q, const at::Tensor
   const auto prefill = d_ == 64 ? prefill::prefill_chunks_impl<64>
                                 : prefill::prefill_chunks_impl<128>;
   prefill(chunks.data(), static_cast<int64_t>(chunks.size()), heads_, kv_heads_, scale_);
-  if (plan.skip == nullptr) return;
-  for (const Chunk& c : plan.chunks) {   // the heads the prefill kernel skipped
-    decode::zero_skipped(bits(att) + c.first * row, row, plan.skip + c.first, c.n, heads_,
-                         kv_heads_, d_);
-  }
 }
 
 void DecodeStack::check_lora(const std::vector<at::Tensor>& lora, size_t layers, int64_t t,

@@ -406,6 +406,10 @@ void prefill_chunks_impl(const ChunkRef* chunks, int64_t count, int64_t heads,
     }
     run_attend<D>(t, chunks[t.chunk], keys, heads, kv_heads, scale);
   }
+  for (int64_t c = 0; c < count; ++c) {   // the heads left to another rank: no tasks above
+    zero_skipped_heads(chunks[c].out, heads * D * sizeof(uint16_t), chunks[c].n,
+                       chunks[c].skip, heads, kv_heads, D * sizeof(uint16_t));
+  }
 }
 
 template void prefill_chunks_impl<64>(const ChunkRef*, int64_t, int64_t, int64_t, float);
