@@ -232,12 +232,16 @@ namespace int8a8 {
 enum class Out { kFloat, kBfloat16, kSwiglu };
 
 // x as quantize_rows leaves it: q [k / group, m, group] int8, its scales [m, k / group] and
-// the sums of each row's groups [m, k / group]
+// the sums of each row's groups [m, k / group]. With one group, a window [from, to) of
+// inputs (multiples of 4; to 0: every input) limits matmul's products to those inputs: exact
+// where the rows are zero outside it (their int8 values there are 0, and the sums count
+// them as 0), and cheaper.
 struct Rows {
   const int8_t* q;
   const float* scale;
   const int32_t* sum;
   int64_t m, group, groups;
+  int64_t from = 0, to = 0;
 };
 
 // x [m, k] (row stride `stride`) rounded to int8 for int8a8 into q [m * k], scale and sum
@@ -245,11 +249,19 @@ struct Rows {
 Rows quantize(const c10::BFloat16* x, int64_t m, int64_t k, int64_t stride,
               const float* smooth, int64_t group, int8_t* q, float* scale, int32_t* sum);
 
+// Rows rows[0 .. count - 1] of x, copied into q [count * k], scale and sum [count * groups]
+// (the caller's buffers): a row's products do not depend on the others', so matmul of the
+// picked rows gives their rows of matmul of x, bit for bit.
+Rows pick(const Rows& x, const int64_t* rows, int64_t count, int8_t* q, float* scale,
+          int32_t* sum);
+
 // out = x w^T for w in quads [n / 16, k / 4, 16, 4] uint8 with scales [n]: [m, n] (kFloat,
 // kBfloat16), or [m, n / 2] silu(gate) * up where w is [gate | up] (kSwiglu; n / 2 % 16 == 0).
+// out's rows are out_stride elements apart (0: the output's width). A slice of w's output
+// rows (quads + first / 16 panels, scales + first) gives that slice of the columns.
 template <Out O>
 void matmul(const Rows& x, const uint8_t* quads, const float* scales, int64_t n, int64_t k,
-            void* out);
+            void* out, int64_t out_stride = 0);
 
 }  // namespace int8a8
 #endif  // EMBER_INT8_DOT

@@ -235,6 +235,9 @@ at::Tensor DecodeStack::run(const at::Tensor& x, const at::Tensor& cos, const at
     scratch.scale.resize(t * widest / 4);
     scratch.sum.resize(t * widest / 4);
   }
+  // a rank sharing KV heads: their query heads projected only where they are attended
+  Shared shared = a8 ? shared_rows(plan, t) : Shared{};
+  const bool sharing = !shared.heads.empty();
   // a fresh chunk over an int8 cache attends over its own k (rotated, before its rounding)
   // and v, copied per chunk into a one-block bfloat16 cache [2, kv_heads, 1, n, d]
   const bool own = int8 && std::any_of(plan.chunks.begin(), plan.chunks.end(),
@@ -249,7 +252,9 @@ at::Tensor DecodeStack::run(const at::Tensor& x, const at::Tensor& cos, const at
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
     if (l > 0) rms_norm_rows(op, r, layer.in_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
-    if (a8) {
+    if (sharing) {
+      linear8_qkv(layer.qkv8, h, qkv, scratch, shared);
+    } else if (a8) {
       linear8(layer.qkv8, h, qkv, scratch);
     } else {
       linear(layer.qkv, h, qkv, &layer.o);
@@ -281,7 +286,11 @@ at::Tensor DecodeStack::run(const at::Tensor& x, const at::Tensor& cos, const at
     attend(plan, q, qkv, k_out, own_kv, cache, kv_scale, att, a8 ? nullptr : &fetch_o);
     const auto attended = att.view({t, heads_ * d_});
     if (a8) {
-      linear8(layer.o8, attended, out, scratch);
+      if (sharing) {
+        linear8_o(layer.o8, attended, out, scratch, shared);
+      } else {
+        linear8(layer.o8, attended, out, scratch);
+      }
       if (lora) add_lora(plan, l, 1, attended, out);
       sum_over_ranks(out);
       rms_norm_rows(op, r, layer.post_norm.data_ptr<at::BFloat16>(), hp, t, hidden_, eps_);
@@ -554,6 +563,129 @@ void DecodeStack::linear8(const Int8& w, const at::Tensor& x, at::Tensor& out,
   } else {
     int8a8::matmul<int8a8::Out::kBfloat16>(rows, quads, w.scale.data_ptr<float>(), w.n, w.k,
                                            out.data_ptr());
+  }
+#endif
+}
+
+DecodeStack::Shared DecodeStack::shared_rows(const Plan& plan, int64_t t) const {
+  Shared shared;
+  if (plan.skip == nullptr) return shared;
+  int64_t left = 0;   // a bit per local KV head some row leaves to another rank
+  for (int64_t i = 0; i < t; ++i) left |= plan.skip[i];
+  if (left == 0) return shared;
+  const int64_t span = heads_ / kv_heads_ * d_;   // a KV head's query columns
+  for (int64_t kvh = 0; kvh < kv_heads_; ++kvh) {
+    if ((left >> kvh & 1) == 0) continue;
+    shared.heads.push_back(kvh);
+    auto& rows = shared.attend.emplace_back();
+    for (int64_t i = 0; i < t; ++i) {
+      if ((plan.skip[i] >> kvh & 1) == 0) rows.push_back(i);
+    }
+  }
+  for (int64_t i = 0; i < t; ++i) {   // from the first head a row attends to its last
+    int64_t lo = 0, hi = kv_heads_;
+    while (lo < hi && (plan.skip[i] >> lo & 1)) ++lo;
+    while (hi > lo && (plan.skip[i] >> (hi - 1) & 1)) --hi;
+    const std::pair<int64_t, int64_t> window{lo * span, hi * span};
+    auto same = std::find_if(shared.windows.begin(), shared.windows.end(),
+                             [&](const auto& w) { return w.first == window; });
+    if (same == shared.windows.end()) {
+      shared.windows.push_back({window, {}});
+      same = shared.windows.end() - 1;
+    }
+    same->second.push_back(i);
+  }
+  const int64_t widest = std::max(heads_ * d_, hidden_);
+  shared.picked.q.resize(t * widest);
+  shared.picked.scale.resize(t * widest / 4);
+  shared.picked.sum.resize(t * widest / 4);
+  shared.out.resize(t * std::max(span, hidden_));
+  return shared;
+}
+
+// qkv's columns: every row's, but for each shared KV head its query heads' only for the
+// rows attending it here (zeros for the others); the same bits where computed as linear8
+void DecodeStack::linear8_qkv(const Int8& w, const at::Tensor& x, at::Tensor& out,
+                              Int8Rows& scratch, Shared& shared) const {
+#ifdef EMBER_INT8_DOT
+  using BF = at::BFloat16;
+  const auto rows = int8a8::quantize(x.data_ptr<BF>(), x.size(0), w.k, x.stride(0),
+                                     w.smooth.data_ptr<float>(), w.group, scratch.q.data(),
+                                     scratch.scale.data(), scratch.sum.data());
+  const int64_t t = x.size(0), n = w.n, span = heads_ / kv_heads_ * d_;
+  const int64_t panel_bytes = w.k / 4 * 64;
+  const auto* quads = w.quads.data_ptr<uint8_t>();
+  const float* scales = w.scale.data_ptr<float>();
+  BF* const o = out.data_ptr<BF>();
+  // columns [first, first + width) of the rows `r` into dst (row stride `stride`)
+  auto columns = [&](const int8a8::Rows& r, int64_t first, int64_t width, BF* dst,
+                     int64_t stride) {
+    if (width > 0) {
+      int8a8::matmul<int8a8::Out::kBfloat16>(r, quads + first / 16 * panel_bytes,
+                                             scales + first, width, w.k, dst, stride);
+    }
+  };
+  int64_t begin = 0;
+  for (const int64_t kvh : shared.heads) {
+    columns(rows, begin, kvh * span - begin, o + begin, n);
+    begin = (kvh + 1) * span;
+  }
+  columns(rows, begin, n - begin, o + begin, n);
+  for (size_t i = 0; i < shared.heads.size(); ++i) {
+    const int64_t first = shared.heads[i] * span;
+    const auto& attend = shared.attend[i];
+    const int64_t count = static_cast<int64_t>(attend.size());
+    if (count == t) {
+      columns(rows, first, span, o + first, n);
+      continue;
+    }
+    for (int64_t r = 0; r < t; ++r) std::memset(o + r * n + first, 0, span * sizeof(BF));
+    if (count == 0) continue;
+    const auto picked = int8a8::pick(rows, attend.data(), count, shared.picked.q.data(),
+                                     shared.picked.scale.data(), shared.picked.sum.data());
+    columns(picked, first, span, shared.out.data(), span);
+    for (int64_t j = 0; j < count; ++j) {
+      std::memcpy(o + attend[j] * n + first, shared.out.data() + j * span, span * sizeof(BF));
+    }
+  }
+#endif
+}
+
+// o = x w^T where x's rows are zeros outside their windows (the heads each attends here):
+// each row's products over its window only, the same bits as over the whole row (linear8)
+void DecodeStack::linear8_o(const Int8& w, const at::Tensor& x, at::Tensor& out,
+                            Int8Rows& scratch, Shared& shared) const {
+#ifdef EMBER_INT8_DOT
+  using BF = at::BFloat16;
+  auto rows = int8a8::quantize(x.data_ptr<BF>(), x.size(0), w.k, x.stride(0),
+                               w.smooth.data_ptr<float>(), w.group, scratch.q.data(),
+                               scratch.scale.data(), scratch.sum.data());
+  const int64_t t = x.size(0), n = w.n;
+  const auto* quads = w.quads.data_ptr<uint8_t>();
+  const float* scales = w.scale.data_ptr<float>();
+  BF* const o = out.data_ptr<BF>();
+  if (rows.groups != 1) {   // windows lie in one group: every input then
+    int8a8::matmul<int8a8::Out::kBfloat16>(rows, quads, scales, n, w.k, o);
+    return;
+  }
+  for (const auto& [window, which] : shared.windows) {
+    const int64_t count = static_cast<int64_t>(which.size());
+    if (window.first >= window.second) {   // a row attending no head here: no products
+      for (const int64_t r : which) std::memset(o + r * n, 0, n * sizeof(BF));
+      continue;
+    }
+    auto part = count == t ? rows
+                           : int8a8::pick(rows, which.data(), count, shared.picked.q.data(),
+                                          shared.picked.scale.data(),
+                                          shared.picked.sum.data());
+    part.from = window.first;
+    part.to = window.second;
+    BF* dst = count == t ? o : shared.out.data();
+    int8a8::matmul<int8a8::Out::kBfloat16>(part, quads, scales, n, w.k, dst);
+    if (count == t) continue;
+    for (int64_t j = 0; j < count; ++j) {
+      std::memcpy(o + which[j] * n, shared.out.data() + j * n, n * sizeof(BF));
+    }
   }
 #endif
 }

@@ -174,6 +174,24 @@ class DecodeStack {
   static void linear8(const Int8& w, const at::Tensor& x, at::Tensor& out,
                       Int8Rows& scratch, bool swiglu = false);
 
+  // A step's rows as a rank sharing KV heads with another sees them (Plan::skip): the query
+  // heads of a KV head that some row leaves to another rank are projected, and read by o,
+  // only for the rows attending them here (the others' attention there is zeros)
+  struct Shared {
+    std::vector<int64_t> heads;                  // local KV heads some row leaves, ascending
+    std::vector<std::vector<int64_t>> attend;    // per such head, the rows attending it here
+    // o's input window [from, to) of each row, as (window, its rows), rows by window
+    std::vector<std::pair<std::pair<int64_t, int64_t>, std::vector<int64_t>>> windows;
+    // scratch: picked rows rounded to int8, and their outputs before they are scattered
+    Int8Rows picked;
+    std::vector<at::BFloat16> out;
+  };
+  Shared shared_rows(const Plan& plan, int64_t t) const;
+  void linear8_qkv(const Int8& w, const at::Tensor& x, at::Tensor& out, Int8Rows& scratch,
+                   Shared& shared) const;
+  void linear8_o(const Int8& w, const at::Tensor& x, at::Tensor& out, Int8Rows& scratch,
+                 Shared& shared) const;
+
   static Int4 int4(at::Tensor q, at::Tensor scale_min);
 
   static const uint16_t* bits(const at::Tensor& t);

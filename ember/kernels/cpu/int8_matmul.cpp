@@ -355,9 +355,11 @@ void tile(const Rows& x, int64_t first, const __m512i* const* w, const float* co
           void* out, int64_t stride) {
   __m512 f[R][P];
   const int64_t per = x.group / 4;
+  const int64_t skip = x.from / 4, take = x.to > 0 ? (x.to - x.from) / 4 : per;   // a window
   for (int64_t g = 0; g < x.groups; ++g) {
     __m512i acc[R][P];
-    dot_quads<R, P>(x.q + (g * x.m + first) * x.group, x.group, w, g * per, per, &acc[0][0]);
+    dot_quads<R, P>(x.q + (g * x.m + first) * x.group + 4 * skip, x.group, w, g * per + skip,
+                    take, &acc[0][0]);
     for (int r = 0; r < R; ++r) {
       const int64_t at = (first + r) * x.groups + g;
       const __m512i shift = _mm512_set1_epi32(128 * x.sum[at]);
@@ -435,7 +437,10 @@ void tiles(const Rows& x, int64_t r0, int64_t r1, int count, const __m512i* cons
 // matmul and quantize: common.h says what they compute
 template <Out O>
 void matmul(const Rows& x, const uint8_t* quads, const float* scales, int64_t n, int64_t k,
-            void* out) {
+            void* out, int64_t out_stride) {
+  TORCH_CHECK(x.to == 0 || (x.groups == 1 && x.from % 4 == 0 && x.to % 4 == 0 &&
+                            0 <= x.from && x.from < x.to && x.to <= k),
+              "int8a8::matmul: a window must lie in one group, in quads");
   const int64_t per_panel = k / 4;
   [[maybe_unused]] const int64_t panels = n / kPanel;   // kSwiglu: up starts at panels / 2
   const __m512i* base = reinterpret_cast<const __m512i*>(quads);
@@ -461,8 +466,8 @@ void matmul(const Rows& x, const uint8_t* quads, const float* scales, int64_t n,
           ws[count + j] = scales + (panels / 2 + first + j) * kPanel;
         }
       }
-      tiles<O>(x, r0, r1, O == Out::kSwiglu ? 2 * count : count, w, ws, out, width,
-               first * kPanel);
+      tiles<O>(x, r0, r1, O == Out::kSwiglu ? 2 * count : count, w, ws, out,
+               out_stride > 0 ? out_stride : width, first * kPanel);
     }
   });
 }
@@ -574,10 +579,24 @@ Rows quantize(const c10::BFloat16* x, int64_t m, int64_t k, int64_t stride,
   return Rows{q, scale, sum, m, group, k / group};
 }
 
+Rows pick(const Rows& x, const int64_t* rows, int64_t count, int8_t* q, float* scale,
+          int32_t* sum) {
+  for (int64_t g = 0; g < x.groups; ++g) {
+    for (int64_t i = 0; i < count; ++i) {
+      std::memcpy(q + (g * count + i) * x.group, x.q + (g * x.m + rows[i]) * x.group, x.group);
+    }
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    std::memcpy(scale + i * x.groups, x.scale + rows[i] * x.groups, x.groups * sizeof(float));
+    std::memcpy(sum + i * x.groups, x.sum + rows[i] * x.groups, x.groups * sizeof(int32_t));
+  }
+  return Rows{q, scale, sum, count, x.group, x.groups, x.from, x.to};
+}
+
 template void matmul<Out::kBfloat16>(const Rows&, const uint8_t*, const float*, int64_t,
-                                     int64_t, void*);
+                                     int64_t, void*, int64_t);
 template void matmul<Out::kSwiglu>(const Rows&, const uint8_t*, const float*, int64_t,
-                                   int64_t, void*);
+                                   int64_t, void*, int64_t);
 
 }  // namespace int8a8
 #endif  // EMBER_INT8_DOT
