@@ -39,7 +39,9 @@ def parallelize(model: LlamaForCausalLM, shard: TensorShard,
         model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, start,
                                                           end - start, collectives.all_reduce)
     if not isinstance(model.lm_head, nn.Identity):
-        model.lm_head = GatheredHead(model.lm_head, collectives.gather)
+        model.lm_head = GatheredHead(model.lm_head, collectives.gather,
+                                     collectives.all_reduce, start, shard.rank,
+                                     shard.world_size)
 
 
 def stack_all_reduce(model: LlamaForCausalLM, kernels: CpuKernels | None,

@@ -34,6 +34,7 @@ from ember.models.layers import (RMSNorm, SwiGLU, apply_rope, longrope_inv_freq,
 from ember.models.llama import LlamaAttention, LlamaForCausalLM
 from ember.models.moe import SparseMoE
 from ember.models.windowed import windowed_attention
+from ember.models.parallel import GatheredHead
 
 GLOBAL, LOCAL = "global", "local"  # RoPE tables: Gemma 3's local layers have their own
 
@@ -197,6 +198,10 @@ class VariantForCausalLM(LlamaForCausalLM):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+    def argmax_apart(self) -> bool:
+        # a soft cap may make distinct logits equal, and argmax then takes the first of them
+        return super().argmax_apart() and self.config.final_softcap is None
+
     def int8_prefill_linears(self) -> list[tuple[nn.Module, bool]]:
         """LlamaForCausalLM's, with each expert's projections where a layer has experts."""
         pairs: list[tuple[nn.Module, bool]] = []
@@ -213,7 +218,7 @@ class VariantForCausalLM(LlamaForCausalLM):
         """Compiled norms, and attention kernels in layers without windows or caps (which
         VariantAttention routes); no decode stack."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, LlamaAttention, SwiGLU)):
+            if isinstance(module, (RMSNorm, LlamaAttention, SwiGLU, GatheredHead)):
                 module.kernels = kernels
         self.decode_stack = None
 

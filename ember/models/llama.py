@@ -16,8 +16,8 @@ from ember.models.attention import (AttentionMetadata, DecodeBatch, PagedKV, Pro
                                     prefill_in_kernel)
 from ember.models.layers import (KERNEL_DTYPES, RMSNorm, SwiGLU, apply_rope, rope_cos_sin,
                                  rope_inv_freq)
-from ember.models.parallel import (AllReduce, HeadShare, StackAllReduce, StageLink, reduce_,
-                                   zero_skipped)
+from ember.models.parallel import (AllReduce, GatheredHead, HeadShare, StackAllReduce,
+                                   StageLink, reduce_, zero_skipped)
 from ember.quant.packed import PackedLinear
 
 
@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         that only decode run through all layers in one call (decode_stack; use_int8_decode
         later gives it the int8 weights for steps of more than 8 rows)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, LlamaAttention, SwiGLU)):
+            if isinstance(module, (RMSNorm, LlamaAttention, SwiGLU, GatheredHead)):
                 module.kernels = kernels
         self.decode_stack = _build_decode_stack(self, kernels)
 
@@ -312,6 +312,18 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
         return self.lm_head(hidden).float()
+
+    def argmax_apart(self) -> bool:
+        """Whether compute_argmax spares gathering the logits: the output projection's rows
+        are split over tensor-parallel ranks, and its logits are the model's."""
+        return isinstance(self.lm_head, GatheredHead) and self.stage_link is None
+
+    def compute_argmax(self, hidden: Tensor) -> Tensor:
+        """hidden [N, hidden] -> compute_logits(hidden).argmax(-1) [N] long, on every rank of
+        a split output projection (argmax_apart) from each rank's best token."""
+        if self.argmax_apart():
+            return self.lm_head.argmax(hidden)
+        return self.compute_logits(hidden).argmax(-1)
 
 
 def decode_stack_weights(layer: LlamaDecoderLayer) -> list[Tensor]:

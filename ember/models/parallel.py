@@ -96,16 +96,54 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class GatheredHead(nn.Module):
-    """The output projection's rows of this rank (`inner`), its logits gathered whole on the
-    driver rank."""
+    """The output projection's rows of this rank (`inner`: vocabulary rows `start` on, of
+    rank `rank` of `ranks`), its logits gathered whole on the driver rank, or only each
+    row's argmax where that is all the driver reads (argmax)."""
 
-    def __init__(self, inner: nn.Module, gather: Gather) -> None:
+    def __init__(self, inner: nn.Module, gather: Gather, all_reduce: AllReduce, start: int,
+                 rank: int, ranks: int) -> None:
         super().__init__()
-        self.inner, self.gather = inner, gather
+        self.inner, self.gather, self.all_reduce = inner, gather, all_reduce
+        self.start, self.rank, self.ranks = start, rank, ranks
+        self.kernels: Any = None   # CpuKernels (LlamaForCausalLM.use_kernels): argmax_rows
 
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden] -> logits [N, vocab] (driver) or [N, 0] (other ranks)."""
         return self.gather(self.inner(hidden).contiguous())
+
+    def argmax(self, hidden: Tensor) -> Tensor:
+        """hidden [N, hidden] -> each row's argmax over the whole vocabulary [N] long, on
+        every rank: logits.argmax(-1) of forward's logits, where only each rank's best
+        value and token travel (8 bytes a row and rank, not 4 per vocabulary row)."""
+        local = self.inner(hidden).float().contiguous()
+        # (torch's argmax and max walk a row in a scalar loop: 4x the kernel's time)
+        index = None if self.kernels is None else self.kernels.argmax_rows(local)
+        best = argmax_columns(local, self.start, self.rank, self.ranks, index)
+        self.all_reduce(best)
+        return pick_argmax(best)
+
+
+def argmax_columns(local: Tensor, start: int, rank: int, ranks: int,
+                   index: Tensor | None = None) -> Tensor:
+    """A rank's logits [N, rows] (vocabulary rows start on) -> [N, 2 ranks] float32 of zeros
+    but for columns 2 rank and 2 rank + 1: each row's largest logit and its token id (ids
+    below 2^24 are exact in float32). Summed over the ranks (zeros add exactly), every
+    rank's best side by side, for pick_argmax. `index`: local.argmax(-1) if known."""
+    if index is None:
+        index = local.argmax(dim=-1)   # the first of equal maxima
+    values = local.gather(1, index[:, None]).squeeze(1)
+    best = local.new_zeros((local.shape[0], 2 * ranks))
+    best[:, 2 * rank] = values
+    best[:, 2 * rank + 1] = (index + start).float()
+    return best
+
+
+def pick_argmax(best: Tensor) -> Tensor:
+    """Every rank's argmax_columns summed [N, 2 ranks] -> the token of each row's largest
+    logit [N] long: of equal maxima the lowest rank's, whose tokens come first (so a tie
+    goes to the lower id, as argmax over the whole row)."""
+    winner = best[:, 0::2].argmax(dim=-1, keepdim=True)
+    return best[:, 1::2].gather(1, winner).squeeze(1).long()
 
 
 def reduce_(all_reduce: AllReduce | None, x: Tensor) -> Tensor:

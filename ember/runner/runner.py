@@ -30,7 +30,7 @@ from ember.quant.packed import rows_of_kind, share_step_rows
 from ember.runner.inputs import (ModelInputs, by_kind_parts, copy_slot_batches,
                                  micro_batches, prepare_inputs)
 from ember.runner.pooling import Pooler
-from ember.sampling.sampler import Sampler
+from ember.sampling.sampler import Sampler, argmax_alone
 from ember.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from ember.spec.ngram import propose_ngram
 from ember.spec.verify import verify
@@ -39,10 +39,19 @@ if TYPE_CHECKING:
     from ember.kv_transfer.shm import SharedKV
 
 
+# Sampling rows from which a split output projection's ranks send each row's best token
+# rather than their logits: gathering logits costs a copy of 4 bytes per vocabulary row and
+# sampling row (~0.3 ms a step at 32 rows of the default model, on two ranks), sending the
+# best tokens a dozen small torch ops (more than the copy of one row's logits)
+ARGMAX_APART_ROWS = 8
+
+
 @dataclass(frozen=True)
 class ForwardStep:
-    """One forward as every rank runs it: the runner method ("forward", "forward_all" or
-    "draft", a self-draft's), its plan, plain data (token ids, positions, block tables) from
+    """One forward as every rank runs it: the runner method ("forward", "forward_argmax"
+    (a forward of which the driver reads only each sampling row's argmax: the ranks of a
+    split output projection then send their best token, not their logits), "forward_all"
+    or "draft", a self-draft's), its plan, plain data (token ids, positions, block tables) from
     which each rank builds its own tensors, and its LoRA adapters (None: neither any row's
     nor any to forget)."""
 
@@ -178,8 +187,9 @@ class ModelRunner:
                         for prompt, part in parts]
             requests: list[Request] = []
             logits: list[Tensor] = []
+            argmax = step.method == "forward_argmax"
             for inputs, part_hidden in forwards:
-                part_requests, part_logits = self._logits(inputs, part_hidden)
+                part_requests, part_logits = self._logits(inputs, part_hidden, argmax)
                 requests += part_requests
                 logits.append(part_logits)
             self._finish_sends()
@@ -221,7 +231,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, step: ForwardStep) -> None:
         """A peer rank's side of a driver's step (its outputs stay with the driver)."""
-        if step.method == "forward":
+        if step.method in ("forward", "forward_argmax"):
             self._forward(step)
         elif step.method == "forward_all":
             self._forward_all(step)
@@ -267,11 +277,18 @@ class ModelRunner:
             pooled.update(self.pooler.pool(plan, hidden))
         return inputs, hidden
 
-    def _logits(self, inputs: ModelInputs, hidden: Tensor) -> tuple[list[Request], Tensor]:
+    def _logits(self, inputs: ModelInputs, hidden: Tensor, argmax: bool = False
+                ) -> tuple[list[Request], Tensor]:
+        """The sampling requests and their rows' logits [R, vocab] float32, or with `argmax`
+        each row's argmax [R] long."""
         if not inputs.sampling_requests:
+            if argmax:
+                return [], hidden.new_empty((0,), dtype=torch.long)
             return [], hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         if inputs.logits_indices is not None:
             hidden = hidden[inputs.logits_indices]
+        if argmax:
+            return inputs.sampling_requests, self.model.compute_argmax(hidden)
         return inputs.sampling_requests, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -344,16 +361,17 @@ class ModelRunner:
         if not plan.scheduled:
             return RunnerOutput()
         output = RunnerOutput()
-        requests, logits = self.forward(plan, output.pooled)
+        if self._argmax_only(plan):   # the ranks' best tokens, not their logits
+            requests, best = self._forward(ForwardStep("forward_argmax", plan,
+                                                       self._step_adapters(plan)), output.pooled)
+            tokens = [[t] for t in best.tolist()]
+            logprob_lists: list[list | None] = [None] * len(requests)
+        else:
+            requests, logits = self.forward(plan, output.pooled)
+            if requests:
+                tokens, logprob_lists = self._sample(plan, requests, logits)
         if not requests:
             return output
-        counts = _rows_per_request(requests, plan.scheduled)
-        if counts is None:
-            token_ids, logprobs = self.sampler.sample(logits, requests)
-            tokens = [[t] for t in token_ids]
-            logprob_lists = [None if lp is None else [lp] for lp in logprobs]
-        else:
-            tokens, logprob_lists = self._verify(plan, requests, counts, logits)
         for request, emitted, logprob in zip(requests, tokens, logprob_lists):
             output.sampled_token_ids[request.request_id] = emitted
             if logprob is not None:
@@ -361,6 +379,24 @@ class ModelRunner:
         if self.spec.enabled and len(plan.scheduled) < self.spec.max_spec_rows:
             self._propose(plan, requests, tokens, output)
         return output
+
+    def _sample(self, plan: SchedulerOutput, requests: list[Request], logits: Tensor
+                ) -> tuple[list[list[int]], list[list | None]]:
+        """Each sampling request's tokens (one, or those its drafts earn) and logprobs."""
+        counts = _rows_per_request(requests, plan.scheduled)
+        if counts is not None:
+            return self._verify(plan, requests, counts, logits)
+        token_ids, logprobs = self.sampler.sample(logits, requests)
+        return [[t] for t in token_ids], [None if lp is None else [lp] for lp in logprobs]
+
+    def _argmax_only(self, plan: SchedulerOutput) -> bool:
+        """Whether the step's tokens are the argmax of the model's logits and nothing else
+        reads them (every row plain greedy, none verifying drafts), where the output
+        projection is split over ranks that can then send their best tokens instead, and
+        the step samples enough rows for that to pay (the tokens are the same either way)."""
+        return self.model.argmax_apart() and \
+            sum(s.samples for s in plan.scheduled) >= ARGMAX_APART_ROWS and all(
+                not s.draft_token_ids and argmax_alone(s.request) for s in plan.scheduled)
 
     def _verify(self, plan: SchedulerOutput, requests: list[Request], counts: list[int],
                 logits: Tensor) -> tuple[list[list[int]], list[list | None]]:

@@ -85,7 +85,7 @@ def build_sampling_batch(requests: list[Request], vocab_size: int,
     return batch
 
 
-def _argmax_alone(request: Request) -> bool:
+def argmax_alone(request: Request) -> bool:
     """Greedy with nothing that changes or reads the logits (no bias, penalty, grammar, held
     back stop token or logprobs): the argmax of the model's logits is the token. Such a step
     skips the batch's settings (a batch-1 step's sampling 65-75 -> ~30 us on cold caches)."""
@@ -210,7 +210,7 @@ class Sampler:
                ) -> tuple[list[int], list[SampledLogprob | None]]:
         """logits [B, V] float32, one row per request -> a token per row (+ logprobs if asked).
         Overwrites `logits` where no row asks for logprobs (the runner reads them no more)."""
-        if all(_argmax_alone(r) for r in requests):   # the usual greedy step
+        if all(argmax_alone(r) for r in requests):   # the usual greedy step
             return self._argmax(logits).tolist(), [None] * len(requests)
         batch = build_sampling_batch(requests, logits.shape[-1], logits.device)
         masked, matchers = self._constrain(logits, requests)

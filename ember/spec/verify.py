@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ember.request import Request, SampledLogprob, SamplingParams
-from ember.sampling.sampler import (Sampler, _argmax_alone, _rows, build_sampling_batch,
+from ember.sampling.sampler import (Sampler, argmax_alone, _rows, build_sampling_batch,
                                     process_logits, sampling_probs)
 
 
@@ -63,7 +63,7 @@ def verify(sampler: Sampler, logits: Tensor, requests: list[Request],
     rows = [view for r, d in zip(requests, drafts) for view in draft_rows(r, d)]
     probs, targets, row_of = None, None, {}
     num_logprobs = None
-    if all(_argmax_alone(r) for r in requests):
+    if all(argmax_alone(r) for r in requests):
         targets = sampler._argmax(logits).tolist()
     else:
         batch = build_sampling_batch(rows, logits.shape[-1], logits.device)

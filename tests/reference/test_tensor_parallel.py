@@ -110,6 +110,31 @@ def test_two_ranks_batched_chunked_and_cached_match_one_process(llama_folder):
         llm.close()
 
 
+def test_big_plain_greedy_steps_take_the_ranks_best_tokens_not_their_logits(llama_folder):
+    """Steps of 8 or more plain greedy rows get each rank's best token and logit (8 bytes a
+    row, where the logits are 4 per vocabulary row; GatheredHead.argmax) instead of the
+    gathered logits: the same tokens as one process, and as the same requests asking for
+    logprobs (whose steps gather the logits whole)."""
+    prompts = [[1, 500 + i, 77, 9000, 31][:2 + i % 4] for i in range(10)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    want = LLM(str(llama_folder), **OPTIONS).generate(prompts, params)
+    llm = LLM(str(llama_folder), tensor_parallel_size=2, **OPTIONS)
+    head, rows = llm.engine.runner.model.lm_head, []
+    argmax = head.argmax
+    head.argmax = lambda hidden: rows.append(len(hidden)) or argmax(hidden)
+    try:
+        best = llm.generate(prompts, params)
+        assert rows and min(rows) >= 8 and sum(rows) >= len(prompts) * 11, rows
+        taken = len(rows)
+        gathered = llm.generate(prompts, with_logprobs)
+        assert len(rows) == taken
+    finally:
+        llm.close()
+    for ref, a, b in zip(want, best, gathered):
+        assert ref.outputs[0].token_ids == a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
 @pytest.mark.slow
 @pytest.mark.heavy   # a minute of CPU
 def test_default_model_int4_on_two_ranks_is_close_to_one_process():

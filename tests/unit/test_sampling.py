@@ -13,7 +13,7 @@ import torch
 from ember.errors import BadSamplingParams
 from ember.request import Request, SamplingParams
 from ember.sampling import processors as P
-from ember.sampling.sampler import (ARGMAX_BLOCK, Sampler, _argmax_alone, argmax_rows,
+from ember.sampling.sampler import (ARGMAX_BLOCK, Sampler, argmax_alone, argmax_rows,
                                     build_sampling_batch, process_logits, sampling_probs)
 
 VOCAB = 8
@@ -269,7 +269,7 @@ def test_greedy_batches_build_no_temperatures_and_mixed_ones_do():
 def test_only_plain_greedy_rows_skip_the_processing(params, alone):
     """A greedy row with nothing that changes or reads its logits takes their argmax alone;
     in a batch with any other row, every row goes through the processors."""
-    assert _argmax_alone(req(**params)) is alone
+    assert argmax_alone(req(**params)) is alone
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
     requests = [req(temperature=0), req(**params)]
     tokens, logprobs = Sampler(0, torch.device("cpu")).sample(logits.clone(), requests)

@@ -411,3 +411,25 @@ def test_ranks_that_do_not_divide_among_the_nodes_split_in_order():
     # cpu_bind wins over the nodes
     bound = ParallelConfig(tensor_parallel_size=2, cpu_bind="0,4|1,5")
     assert rank_cpus(bound, list(range(8)), TWO_SOCKETS) == [(0, 4), (1, 5)]
+
+
+@pytest.mark.parametrize("widths", [(5, 4), (3, 3, 3), (4, 1, 4)])
+def test_ranks_best_tokens_give_the_argmax_of_the_whole_vocabulary(widths):
+    """Each rank's best logit and token (argmax_columns), summed over the ranks as the
+    all-reduce sums them, pick each row's argmax over the whole vocabulary, ties included:
+    within a rank, across a cut and between ranks far apart (the lowest id wins, as in
+    argmax over the whole row)."""
+    from ember.models.parallel import argmax_columns, pick_argmax
+    generator = torch.Generator().manual_seed(0)
+    vocab = sum(widths)
+    logits = torch.randn(8, vocab, generator=generator).round(decimals=1)
+    logits[0, :] = 1.0                                     # every token ties
+    logits[1, widths[0] - 1] = logits[1, widths[0]] = 9.0   # a tie across the first cut
+    logits[2, 1] = logits[2, vocab - 1] = 9.0               # the first and last ranks tie
+    logits[3, 2] = logits[3, 3] = 9.0                       # a tie within the first rank
+    logits[4, :] = float("-inf")
+    logits[4, vocab - 2] = -1e30
+    starts = [sum(widths[:r]) for r in range(len(widths))]
+    summed = sum(argmax_columns(logits[:, s:s + w], s, r, len(widths))
+                 for r, (s, w) in enumerate(zip(starts, widths)))
+    assert torch.equal(pick_argmax(summed), logits.argmax(-1))
