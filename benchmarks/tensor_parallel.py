@@ -8,6 +8,7 @@
     .venv/bin/python benchmarks/tensor_parallel.py --tp 2 --kv-head-split groups speed
     .venv/bin/python benchmarks/tensor_parallel.py --kv-cache-gib 0.5 --rounds 6 paired
     .venv/bin/python benchmarks/tensor_parallel.py --tp 2 --kv-cache-gib 0.5 prompt
+    .venv/bin/python benchmarks/tensor_parallel.py --tp 2 --kv-cache-gib 0.5 phases
 
 memory: the bytes of every tensor each rank's model holds (the packed int4 panels, the dense
 copies prompt rows run on, the int8 output projection; rank 1's counted by loading its part
@@ -17,6 +18,11 @@ tokens/s, and at T > 1 the time a step spends in the all-reduces called from Pyt
 the decode stack makes itself, in C++, over shared memory) and in the logits gather.
 throughput: --requests requests of --max-tokens tokens (128), --concurrency at once, output
 tokens/s of each of 3 rounds. prompt: a 1,024-token prompt's time to its first token.
+phases: --concurrency requests decoding together, 250 steps; of the steps of that many rows,
+the driver's median time in the embedding (at T > 1 with its all-reduce, where rank 0 waits
+for the others to start the step), the layers, the output projection (with the logits'
+gather or, for plain greedy rows, the ranks' best tokens) and the rest of the step
+(sampling, scheduling, the next step's inputs and plan).
 paired: T=1, T=2 with whole GQA groups and T=2 with the shared KV head (--kv-head-split),
 each loaded once in its own process, one stream and a throughput run of each in turn,
 --rounds times, with each T=2 layout's ratio to T=1 round by round.
@@ -174,6 +180,49 @@ def long_prompt(llm: LLM) -> dict:
     return {"ttft_ms_median": round(statistics.median(times[1:]) * 1e3, 1)}
 
 
+def phases(llm: LLM, concurrency: int) -> dict:
+    """`concurrency` greedy requests decoding together: the driver's median milliseconds
+    per phase over the steps of that many rows (the first and last left out)."""
+    core, model = llm.engine, llm.engine.runner.model
+    marks: dict[str, float] = {}
+
+    def timed_call(name: str, inner):
+        def call(*args, **kwargs):
+            marks[name + "0"] = time.perf_counter()
+            out = inner(*args, **kwargs)
+            marks[name + "1"] = time.perf_counter()
+            return out
+        return call
+    embed = model.model.embed_tokens
+    embed.forward = timed_call("embed", embed.forward)
+    model.forward = timed_call("model", model.forward)
+    model.compute_logits = timed_call("head", model.compute_logits)
+    model.compute_argmax = timed_call("head", model.compute_argmax)
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    for i in range(concurrency):
+        core.add_request(f"p{i}", llm.chat_prompt([{"role": "user", "content":
+                                                     f"Write story {i} about a dragon."}]),
+                         params)
+    steps = []
+    for _ in range(250):
+        marks.clear()
+        start = time.perf_counter()
+        core.step()
+        end = time.perf_counter()
+        if "head1" in marks:   # a step that sampled
+            steps.append((dict(marks), start, end))
+
+    def median_ms(phase) -> float:
+        return round(statistics.median(phase(m, s, e) for m, s, e in steps[1:-1]) * 1e3, 3)
+    return {"steps": len(steps) - 2, "concurrency": concurrency,
+            "step_ms": median_ms(lambda m, s, e: e - s),
+            "embedding_ms": median_ms(lambda m, s, e: m["embed1"] - m["embed0"]),
+            "layers_ms": median_ms(lambda m, s, e: m["model1"] - m["embed1"]),
+            "output_projection_ms": median_ms(lambda m, s, e: m["head1"] - m["head0"]),
+            "rest_ms": median_ms(lambda m, s, e: (e - s) - (m["head1"] - m["head0"])
+                                 - (m["model1"] - m["model0"]))}
+
+
 # paired: each layout loaded once, in a process of its own that waits for orders on stdin
 LAYOUTS = {"T=1": ["--tp", "1"],
            "T=2 groups": ["--tp", "2", "--all-reduce", "shm", "--kv-head-split", "groups"],
@@ -245,7 +294,7 @@ def timed(collectives: RankCollectives, name: str, waits: Counter) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=("memory", "speed", "throughput", "prompt", "paired",
-                                         "_serve"))
+                                         "phases", "_serve"))
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--prefill-matmul", default="auto")
     parser.add_argument("--kv-cache-gib", type=float, default=0.05)
@@ -276,6 +325,8 @@ def main() -> None:
             result = speed(llm)
         elif args.what == "prompt":
             result = long_prompt(llm)
+        elif args.what == "phases":
+            result = phases(llm, args.concurrency)
         else:
             result = throughput(llm, args.requests, args.concurrency, args.max_tokens)
         print(json.dumps({"tp": args.tp, "kv_head_split": args.kv_head_split,
