@@ -315,7 +315,8 @@ class LlamaForCausalLM(nn.Module):
 
     def argmax_apart(self) -> bool:
         """Whether compute_argmax spares gathering the logits: the output projection's rows
-        are split over tensor-parallel ranks, and its logits are the model's."""
+        are split over tensor-parallel ranks, and its logits are the model's (a model whose
+        compute_logits changes them, as a soft cap does, says no)."""
         return isinstance(self.lm_head, GatheredHead) and self.stage_link is None
 
     def compute_argmax(self, hidden: Tensor) -> Tensor:

@@ -574,6 +574,7 @@ DecodeStack::Shared DecodeStack::shared_rows(const Plan& plan, int64_t t) const 
   for (int64_t i = 0; i < t; ++i) left |= plan.skip[i];
   if (left == 0) return shared;
   const int64_t span = heads_ / kv_heads_ * d_;   // a KV head's query columns
+  TORCH_CHECK(span % 16 == 0, "a KV head's query columns must be whole 16-column panels");
   for (int64_t kvh = 0; kvh < kv_heads_; ++kvh) {
     if ((left >> kvh & 1) == 0) continue;
     shared.heads.push_back(kvh);

@@ -535,6 +535,7 @@ void panel_stream(const Rows& x, int64_t first, const __m512i* w, const float* w
 // kFloat, the same bits)
 void matmul_stream(const Rows& x, const uint8_t* quads, const float* scales, int64_t n,
                    int64_t k, float* out) {
+  TORCH_CHECK(x.to == 0, "a window of inputs is matmul's alone");
   const int64_t per_panel = k / 4, panels = n / kPanel;
   const __m512i* base = reinterpret_cast<const __m512i*>(quads);
   at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
@@ -551,6 +552,7 @@ void matmul_stream(const Rows& x, const uint8_t* quads, const float* scales, int
 // quads kTilePanels panels at a time into a buffer (~36 KB at k = 576: in L1/L2 for every row).
 void matmul_pairs(const Rows& x, const int8_t* packed, const float* scales, int64_t n,
                   int64_t k, float* out) {
+  TORCH_CHECK(x.to == 0, "a window of inputs is matmul's alone");
   const int64_t per_panel = k / 4, panels = n / kPanel;
   const int64_t blocks = (panels + kTilePanels - 1) / kTilePanels;
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
