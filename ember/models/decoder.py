@@ -33,8 +33,8 @@ from ember.models.layers import (RMSNorm, SwiGLU, apply_rope, longrope_inv_freq,
                                  rope_inv_freq)
 from ember.models.llama import LlamaAttention, LlamaForCausalLM
 from ember.models.moe import SparseMoE
-from ember.models.windowed import windowed_attention
 from ember.models.parallel import GatheredHead
+from ember.models.windowed import windowed_attention
 
 GLOBAL, LOCAL = "global", "local"  # RoPE tables: Gemma 3's local layers have their own
 

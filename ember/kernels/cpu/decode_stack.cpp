@@ -553,9 +553,7 @@ void DecodeStack::add_lora(const Plan& plan, size_t l, int p, const at::Tensor& 
 void DecodeStack::linear8(const Int8& w, const at::Tensor& x, at::Tensor& out,
                           Int8Rows& scratch, bool swiglu) {
 #ifdef EMBER_INT8_DOT
-  const auto rows = int8a8::quantize(x.data_ptr<at::BFloat16>(), x.size(0), w.k, x.stride(0),
-                                     w.smooth.data_ptr<float>(), w.group, scratch.q.data(),
-                                     scratch.scale.data(), scratch.sum.data());
+  const auto rows = quantize8(w, x, scratch);
   const auto* quads = w.quads.data_ptr<uint8_t>();
   if (swiglu) {
     int8a8::matmul<int8a8::Out::kSwiglu>(rows, quads, w.scale.data_ptr<float>(), w.n, w.k,
@@ -604,50 +602,58 @@ DecodeStack::Shared DecodeStack::shared_rows(const Plan& plan, int64_t t) const 
   return shared;
 }
 
+#ifdef EMBER_INT8_DOT
+int8a8::Rows DecodeStack::quantize8(const Int8& w, const at::Tensor& x, Int8Rows& scratch) {
+  return int8a8::quantize(x.data_ptr<at::BFloat16>(), x.size(0), w.k, x.stride(0),
+                          w.smooth.data_ptr<float>(), w.group, scratch.q.data(),
+                          scratch.scale.data(), scratch.sum.data());
+}
+
+void DecodeStack::columns8(const int8a8::Rows& x, const Int8& w, int64_t first, int64_t width,
+                           at::BFloat16* dst, int64_t stride) {
+  if (width <= 0) return;
+  const uint8_t* panels = w.quads.data_ptr<uint8_t>() + first / 16 * (w.k / 4 * 64);
+  int8a8::matmul<int8a8::Out::kBfloat16>(x, panels, w.scale.data_ptr<float>() + first, width,
+                                         w.k, dst, stride);
+}
+
+void DecodeStack::columns8(const int8a8::Rows& x, const std::vector<int64_t>& which,
+                           const Int8& w, int64_t first, int64_t width, at::BFloat16* dst,
+                           int64_t stride, Shared& shared) {
+  const int64_t count = static_cast<int64_t>(which.size());
+  if (count == x.m) return columns8(x, w, first, width, dst, stride);
+  if (count == 0) return;
+  const auto picked = int8a8::pick(x, which.data(), count, shared.picked.q.data(),
+                                   shared.picked.scale.data(), shared.picked.sum.data());
+  columns8(picked, w, first, width, shared.out.data(), width);
+  for (int64_t j = 0; j < count; ++j) {
+    std::memcpy(dst + which[j] * stride, shared.out.data() + j * width,
+                width * sizeof(at::BFloat16));
+  }
+}
+#endif
+
 // qkv's columns: every row's, but for each shared KV head its query heads' only for the
 // rows attending it here (zeros for the others); the same bits where computed as linear8
 void DecodeStack::linear8_qkv(const Int8& w, const at::Tensor& x, at::Tensor& out,
                               Int8Rows& scratch, Shared& shared) const {
 #ifdef EMBER_INT8_DOT
   using BF = at::BFloat16;
-  const auto rows = int8a8::quantize(x.data_ptr<BF>(), x.size(0), w.k, x.stride(0),
-                                     w.smooth.data_ptr<float>(), w.group, scratch.q.data(),
-                                     scratch.scale.data(), scratch.sum.data());
+  const auto rows = quantize8(w, x, scratch);
   const int64_t t = x.size(0), n = w.n, span = heads_ / kv_heads_ * d_;
-  const int64_t panel_bytes = w.k / 4 * 64;
-  const auto* quads = w.quads.data_ptr<uint8_t>();
-  const float* scales = w.scale.data_ptr<float>();
   BF* const o = out.data_ptr<BF>();
-  // columns [first, first + width) of the rows `r` into dst (row stride `stride`)
-  auto columns = [&](const int8a8::Rows& r, int64_t first, int64_t width, BF* dst,
-                     int64_t stride) {
-    if (width > 0) {
-      int8a8::matmul<int8a8::Out::kBfloat16>(r, quads + first / 16 * panel_bytes,
-                                             scales + first, width, w.k, dst, stride);
-    }
-  };
-  int64_t begin = 0;
+  int64_t begin = 0;   // the columns between the shared heads' queries, for every row
   for (const int64_t kvh : shared.heads) {
-    columns(rows, begin, kvh * span - begin, o + begin, n);
+    columns8(rows, w, begin, kvh * span - begin, o + begin, n);
     begin = (kvh + 1) * span;
   }
-  columns(rows, begin, n - begin, o + begin, n);
+  columns8(rows, w, begin, n - begin, o + begin, n);
   for (size_t i = 0; i < shared.heads.size(); ++i) {
     const int64_t first = shared.heads[i] * span;
-    const auto& attend = shared.attend[i];
-    const int64_t count = static_cast<int64_t>(attend.size());
-    if (count == t) {
-      columns(rows, first, span, o + first, n);
-      continue;
+    if (static_cast<int64_t>(shared.attend[i].size()) < t) {
+      for (int64_t r = 0; r < t; ++r) std::memset(o + r * n + first, 0, span * sizeof(BF));
     }
-    for (int64_t r = 0; r < t; ++r) std::memset(o + r * n + first, 0, span * sizeof(BF));
-    if (count == 0) continue;
-    const auto picked = int8a8::pick(rows, attend.data(), count, shared.picked.q.data(),
-                                     shared.picked.scale.data(), shared.picked.sum.data());
-    columns(picked, first, span, shared.out.data(), span);
-    for (int64_t j = 0; j < count; ++j) {
-      std::memcpy(o + attend[j] * n + first, shared.out.data() + j * span, span * sizeof(BF));
-    }
+    columns8(rows, shared.attend[i], w, first, span, o + first, n, shared);
   }
 #endif
 }
@@ -658,35 +664,21 @@ void DecodeStack::linear8_o(const Int8& w, const at::Tensor& x, at::Tensor& out,
                             Int8Rows& scratch, Shared& shared) const {
 #ifdef EMBER_INT8_DOT
   using BF = at::BFloat16;
-  auto rows = int8a8::quantize(x.data_ptr<BF>(), x.size(0), w.k, x.stride(0),
-                               w.smooth.data_ptr<float>(), w.group, scratch.q.data(),
-                               scratch.scale.data(), scratch.sum.data());
-  const int64_t t = x.size(0), n = w.n;
-  const auto* quads = w.quads.data_ptr<uint8_t>();
-  const float* scales = w.scale.data_ptr<float>();
+  auto rows = quantize8(w, x, scratch);
+  const int64_t n = w.n;
   BF* const o = out.data_ptr<BF>();
   if (rows.groups != 1) {   // windows lie in one group: every input then
-    int8a8::matmul<int8a8::Out::kBfloat16>(rows, quads, scales, n, w.k, o);
+    columns8(rows, w, 0, n, o, n);
     return;
   }
   for (const auto& [window, which] : shared.windows) {
-    const int64_t count = static_cast<int64_t>(which.size());
     if (window.first >= window.second) {   // a row attending no head here: no products
       for (const int64_t r : which) std::memset(o + r * n, 0, n * sizeof(BF));
       continue;
     }
-    auto part = count == t ? rows
-                           : int8a8::pick(rows, which.data(), count, shared.picked.q.data(),
-                                          shared.picked.scale.data(),
-                                          shared.picked.sum.data());
-    part.from = window.first;
-    part.to = window.second;
-    BF* dst = count == t ? o : shared.out.data();
-    int8a8::matmul<int8a8::Out::kBfloat16>(part, quads, scales, n, w.k, dst);
-    if (count == t) continue;
-    for (int64_t j = 0; j < count; ++j) {
-      std::memcpy(o + which[j] * n, shared.out.data() + j * n, n * sizeof(BF));
-    }
+    rows.from = window.first;
+    rows.to = window.second;
+    columns8(rows, which, w, 0, n, o, n, shared);
   }
 #endif
 }

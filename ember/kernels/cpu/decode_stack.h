@@ -187,6 +187,19 @@ class DecodeStack {
     std::vector<at::BFloat16> out;
   };
   Shared shared_rows(const Plan& plan, int64_t t) const;
+#ifdef EMBER_INT8_DOT
+  // x rounded to int8 as w takes its inputs (w's smooth and activation groups), in scratch
+  static int8a8::Rows quantize8(const Int8& w, const at::Tensor& x, Int8Rows& scratch);
+  // dst (rows `stride` apart) = x times w's output rows [first, first + width): columns
+  // [first, first + width) of x w^T, inputs limited to x's window if it has one
+  static void columns8(const int8a8::Rows& x, const Int8& w, int64_t first, int64_t width,
+                       at::BFloat16* dst, int64_t stride);
+  // columns8 for x's rows `which` alone (picked through shared's scratch unless they are
+  // every row): dst's other rows are left as they are
+  static void columns8(const int8a8::Rows& x, const std::vector<int64_t>& which,
+                       const Int8& w, int64_t first, int64_t width, at::BFloat16* dst,
+                       int64_t stride, Shared& shared);
+#endif
   void linear8_qkv(const Int8& w, const at::Tensor& x, at::Tensor& out, Int8Rows& scratch,
                    Shared& shared) const;
   void linear8_o(const Int8& w, const at::Tensor& x, at::Tensor& out, Int8Rows& scratch,
