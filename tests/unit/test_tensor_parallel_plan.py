@@ -15,6 +15,7 @@ from ember.distributed.executor import TokenWindow, received_step, step_message
 from ember.distributed.parallel import (describe_shards, even_ranges, plan_shards, plan_stages,
                                         rank_cpus, ray_rank_cpus, split_heads)
 from ember.errors import ConfigError
+from ember.models.parallel import argmax_columns, pick_argmax
 from ember.request import SHARE_KEYS, Request, SamplingParams, share_key
 from ember.runner.inputs import micro_batches, prepare_inputs
 from ember.runner.runner import ForwardStep, PipelineBubble
@@ -419,7 +420,6 @@ def test_ranks_best_tokens_give_the_argmax_of_the_whole_vocabulary(widths):
     all-reduce sums them, pick each row's argmax over the whole vocabulary, ties included:
     within a rank, across a cut and between ranks far apart (the lowest id wins, as in
     argmax over the whole row)."""
-    from ember.models.parallel import argmax_columns, pick_argmax
     generator = torch.Generator().manual_seed(0)
     vocab = sum(widths)
     logits = torch.randn(8, vocab, generator=generator).round(decimals=1)
